@@ -26,7 +26,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_map_only
+from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from library.models import eager_checkpoint
@@ -343,7 +343,7 @@ _LOG_SUMEXP_ARGUMENT = frozenset(getattr(torch.ops.aten, name).default for name 
 def _signature(args: tuple, kwargs: dict) -> tuple:
     """An attention kernel call's arguments, tensors by shape, dtype and layout."""
     return tuple((t.shape, t.dtype, t.stride()) if isinstance(t, torch.Tensor) else t
-                 for t in torch.utils._pytree.tree_leaves((args, kwargs)))
+                 for t in tree_leaves((args, kwargs)))
 
 
 def _detached(out):
@@ -744,7 +744,7 @@ def _builds_graph(block: nn.Module, args: tuple, kwargs: dict) -> bool:
     weights are the adapter's, not the block's). A block before the first adapted one has none (a model's
     refiner blocks outside its default targets, the double blocks under train_blocks = single); its compiled
     checkpoint region then ran AOTAutograd's inference path, which refuses the attention's RNG tag."""
-    if any(t.requires_grad for t in torch.utils._pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
+    if any(t.requires_grad for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)):
         return True
     return (any(p.requires_grad for p in block.parameters())
             or any("forward" in vars(m) for m in block.modules() if m is not block))
