@@ -293,7 +293,10 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     fwd_ours = lambda: our_forward(family, ours, x)  # noqa: E731
     fwd_theirs = lambda: their_forward(family, theirs, x, precision)  # noqa: E731
     with torch.no_grad(), autocast_for(precision, args.device):  # LoRA up = 0 on both: the same function
-        p_ours, p_theirs = fwd_ours().float(), fwd_theirs().float()
+        with op_counts.AttentionKernels() as kernels_ours:
+            p_ours = fwd_ours().float()
+        with op_counts.AttentionKernels() as kernels_theirs:
+            p_theirs = fwd_theirs().float()
     diff = (p_ours - p_theirs).abs().max().item()
     rel = ((p_ours - p_theirs).norm() / p_ours.norm()).item()
     if args.compile:  # after the eager step-0 check: the steps below compile at their first (warm-up) call
@@ -319,6 +322,7 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     print(f"[{family} {size} {precision}] {PEER[family]}; LoRA params ours {n_o:,} ({len(our_params) // 2}), "
           f"theirs {n_t:,} ({len(their_params) // 2}); step-0 prediction max|ours-theirs| {diff:.2e} "
           f"(rel. L2 {rel:.2e}); step-0 loss ours {l_o:.6f} theirs {l_t:.6f} (rel. diff {abs(l_o - l_t) / l_t:.1e})")
+    print(f"  attention kernels (step-0 forward, no grad): ours {kernels_ours}; theirs {kernels_theirs}")
     print(f"  step ours {t_o:.3f} s  theirs {t_t:.3f} s  ratio {t_o / t_t:.2f}  (ours {fmt(res['ours']['times'])}, "
           f"theirs {fmt(res['theirs']['times'])}); memory ours {m_o / MiB:.0f} MiB theirs {m_t / MiB:.0f} MiB ratio "
           f"{m_o / max(m_t, 1):.2f}")
@@ -438,14 +442,18 @@ def add_pair_arguments(p: argparse.ArgumentParser, blocks: tuple[int, int, int],
     p.add_argument("--our-compile-mode", default=None, help="with --compile: a torch.compile mode for ours only "
                    "(e.g. reduce-overhead: CUDA graphs), a lever to measure; the trainer's is the default mode")
     p.add_argument("--device", default="cpu", help="cpu or cuda (the GPU: peak from a bf16/fp32 GEMM on it)")
+    p.add_argument("--sdpa", default="default", choices=("default", "flash"),
+                   help="CUDA attention for both sides: default = torch's own choice (cuDNN first on sm90 / sm100 "
+                        "with cuDNN >= 9.15, what a user of either trainer gets); flash = cuDNN off, so flash / "
+                        "memory-efficient (every GPU line up to 2026-11-28 ran this way)")
 
 
 def load_peers(args, families: list[str]) -> dict:
     """args.device as a torch.device, and {family: the peer's imported modules} from the checkouts given."""
     args.device = device_or_exit(args.device)
-    if args.device.type == "cuda":
-        # torch 2.11 + H100: cuDNN attention hits an illegal memory access on diffusers' FLUX call
-        # (its strided q/k/v) at 4608 tokens; both sides then use flash / memory-efficient SDPA.
+    if args.device.type == "cuda" and args.sdpa == "flash":
+        # Until 2026-11-28 every GPU run switched cuDNN off here (bench_train_step's diffusers call hit an
+        # illegal memory access in it on torch 2.11 + H100), so both sides ran flash where torch would pick cuDNN.
         torch.backends.cuda.enable_cudnn_sdp(False)
     peers = {}
     if "flux" in families:
@@ -492,7 +500,8 @@ def main(argv=None):
           f"{memory_method(args.device)}{' (malloc mmap threshold pinned)' if pinned else ''}; "
           f"checkpointing {'on' if args.checkpointing else 'off'}"
           f"{' (ours: checkpoint_saves_projections)' if args.checkpointing and args.save_projections else ''}"
-          f"{' (ours: checkpoint_saves_attention)' if args.checkpointing and args.save_attention else ''}")
+          f"{' (ours: checkpoint_saves_attention)' if args.checkpointing and args.save_attention else ''}"
+          f"{'; SDPA: ' + args.sdpa if args.device.type == 'cuda' else ''}")
     peaks = measure_peaks(args)
     summary, headlines, start, reps, threads = [], [], time.time(), args.reps, torch.get_num_threads()
     for size in args.sizes.split(","):

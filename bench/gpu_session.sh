@@ -20,7 +20,11 @@
 #                (Qwen-Image fp8_scaled compiled)
 #      checkpoint  eager_checkpoint (landed 2026-11-29, untimed on a GPU: the checkpointed forward under no_grad,
 #                host time x0.80-0.83 on the CPU): its CUDA tests, its lever on both families (plain, and with
-#                both keys), then the eager headline lines (bf16, fp8) with it
+#                both keys), then the eager headline lines (bf16, fp8) with it, attention as in every line
+#                before (--sdpa flash: cuDNN off on both sides)
+#      attention the headline lines (bf16 eager and compiled) in torch's own attention choice on both sides
+#                (--sdpa default: cuDNN first on sm90 / sm100, what users of all three trainers get; every line
+#                up to 2026-11-28 switched cuDNN off), each run saying which kernels each side ran
 #      candidates  code measured before it lands: each bench/candidates/*.diff applied to this copy of the tree
 #                (the device's; nothing here changes): fp8_dequant_fused, then its CUDA tests (tests/test_fp8*.py),
 #                its lever (bench_core_levers fp8_dequant, both families), the eager fp8 headline lines and the
@@ -37,7 +41,7 @@
 # Settings as bench/gpu_bench.sh: 1024 px (4096 image + 512 text tokens), full-width blocks (FLUX.1 2 double
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
-plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|checkpoint|candidates|swapprobe|fp8swap [SECONDS]}
+plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|checkpoint|attention|candidates|swapprobe|fp8swap [SECONDS]}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -131,9 +135,16 @@ case $plan in
             tests/test_saved_attention.py tests/test_residual_projection.py
         step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
             --levers eager_checkpoint,eager_checkpoint_kept
-        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
-        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP
-        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP
+        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP --sdpa flash
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP --sdpa flash
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP --sdpa flash
+        ;;
+    attention)  # torch's own SDPA choice on both sides (cuDNN on Hopper): the setting users train in
+        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP --sdpa default
+        for family in flux qwen_image; do
+            step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families $family --precisions bf16 \
+                --save-projections $KEEP --compile --sdpa default
+        done
         ;;
     candidates)  # a patch already applied (a warm machine keeps the tree) is left as it is
         for patch in bench/candidates/*.diff; do  # (git apply needs no repository; patch where git is missing)
@@ -167,7 +178,7 @@ case $plan in
         step swap.log 120 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
         ;;
     *)
-        echo "unknown plan $plan (headline, rest, profile, verify, eager, checkpoint, candidates, swapprobe, fp8swap)"
+        echo "unknown plan $plan (headline, rest, profile, verify, eager, checkpoint, attention, candidates, swapprobe, fp8swap)"
         exit 2
         ;;
 esac

@@ -47,6 +47,25 @@ def nbytes(value) -> int:
     return 0
 
 
+class AttentionKernels(TorchDispatchMode):
+    """Which fused attention kernels ran inside it (flash, efficient, cudnn, flash_attention_for_cpu...), by
+    name and call count: SDPA picks its backend per call (torch's priority, the shapes, the masks), so a
+    comparison says what each side ran. str(): e.g. "cudnn x6" or "math (no fused kernel)"."""
+
+    def __enter__(self):
+        self.calls = collections.Counter()
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name.startswith("_scaled_dot_product_") and "backward" not in name:
+            self.calls[name.removeprefix("_scaled_dot_product_").removesuffix("_attention")] += 1
+        return func(*args, **(kwargs or {}))
+
+    def __str__(self) -> str:
+        return ", ".join(f"{k} x{n}" for k, n in sorted(self.calls.items())) or "math (no fused kernel)"
+
+
 class OpCounter(TorchDispatchMode):
     """Counts each aten op by name (overload packet) under the phase set with `phase(name)`, and the
     bytes each op that is not a view reads and writes (its tensor arguments and results: the memory
