@@ -33,6 +33,9 @@ CACHE_DTYPE = torch.bfloat16  # what cache files hold; samples are float32
 LOAD_WORKERS = min(4, os.cpu_count() or 1)  # threads loading images ahead of the VAE (cache_latents)
 TEMPORARY_AGE_S = 3600  # a cache file's temporary this old was left by a killed run (remove_unused_caches)
 CACHE_LOCK = ".caches.lock"  # in each cache folder, held shared by the runs and tools caching or reading there
+# In-memory caches (to_disk=False) may take at most this share of the memory available when caching starts:
+# the rest is for the process itself and the base model that loads after them.
+MEMORY_SHARE = 0.9
 
 
 # ----------------------------------------------------------------------------------------------
@@ -172,7 +175,7 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
     chunks = [(group[start: start + batch_size], len(control_buckets), flip_aug)
               for (_, control_buckets, flip_aug, _), group in groups.items()
               for start in range(0, len(group), batch_size)]
-    for (chunk, _, flip_aug), pixels in prefetched(chunks, lambda job: _load_chunk(*job), load_workers):
+    for n, ((chunk, _, flip_aug), pixels) in enumerate(prefetched(chunks, lambda job: _load_chunk(*job), load_workers)):
         encoded = {name: _encode(encode_fn, frames, layered) for name, (frames, layered) in pixels.items()}
         for i, (item, path, digest) in enumerate(chunk):
             tensors = {k: v[i].to(CACHE_DTYPE) for k, v in encoded.items()}
@@ -180,6 +183,11 @@ def cache_latents(items: list[ImageItem], encode_fn: Callable[[torch.Tensor], to
                 for suffix, flip in (("", False), ("_flipped", True)) if flip_aug else (("", False),):
                     tensors["mask" + suffix] = load_mask(item.image_path, item.mask_path, item.bucket, flip)
             item.latent_cache = _store(tensors, path, digest, to_disk, model_key)
+        if n == 0 and not to_disk:  # the first batch's bytes per pixel, over every image's bucket
+            pixels_done = sum(item.bucket[0] * item.bucket[1] for item, _, _ in chunk)
+            per_pixel = sum(_nbytes(item.latent_cache) for item, _, _ in chunk) / pixels_done
+            check_memory_room(per_pixel * sum(item.bucket[0] * item.bucket[1] for item, _, _ in todo), share[1],
+                              f"the latents of {len(todo)} images", "cache_latents_to_disk")
     return len(todo)
 
 
@@ -324,14 +332,47 @@ def cache_text(items: list[ImageItem], encode_fn: Callable[..., list[dict[str, t
         with torch.no_grad():
             outputs = encode_prompts(encode_fn, [text for _, _, text in chunk],
                                      [todo[i][0].control_paths for i, _, _ in chunk], with_references)
-        for (i, suffix, _), out in zip(chunk, outputs):
-            pending[i].update({name + suffix: _to_cache_dtype(v) for name, v in out.items()})
+        stored = [{name: _to_cache_dtype(v) for name, v in out.items()} for out in outputs]
+        if start == 0 and not to_disk:  # the first batch's bytes per text, over every text
+            variants = sum(len(item.caption_variants) for item, _, _ in todo)
+            check_memory_room(sum(map(_nbytes, stored)) / len(chunk) * len(jobs), share[1],
+                              f"the text encoder outputs of {len(jobs)} texts ({len(todo)} images"
+                              + (f", {variants} of them augmented caption_variants)" if variants else ")"),
+                              "cache_text_encoder_outputs_to_disk", " (or set fewer caption_variants)" if variants else "")
+        for (i, suffix, _), out in zip(chunk, stored):
+            pending[i].update({name + suffix: v for name, v in out.items()})
             remaining[i] -= 1
             if not remaining[i]:
                 item, path, digest = todo[i]
                 item.text_cache = _store(pending[i], path, digest, to_disk, model_key)
                 pending[i] = {}
     return len(todo)
+
+
+def check_memory_room(needed: float, processes: int, what: str, key: str, other_way: str = "") -> None:
+    """In-memory caches that would not fit: one error seconds into caching (from the first batch's size),
+    not the kernel's out-of-memory kill minutes later. Each process of a run holds its own in-memory
+    caches; `needed` is one process's. Nothing is checked where the available memory is not known."""
+    available = memory_available()
+    if available is None or needed * processes <= MEMORY_SHARE * available:
+        return
+    each = f" in each of {processes} processes" if processes > 1 else ""
+    raise ValueError(f"in-memory caches: {what} would take {needed / 2**30:.1f} GiB{each}, over "
+                     f"{MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB of memory available; set {key} = true "
+                     f"to keep them on disk{other_way}")
+
+
+def memory_available() -> int | None:
+    """Bytes of memory the kernel can give without swapping (Linux's MemAvailable); None elsewhere."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
+
+
+def _nbytes(tensors: dict) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 def _texts(item: ImageItem, with_references: bool) -> list[tuple[str, str]]:

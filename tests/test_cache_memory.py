@@ -1,0 +1,59 @@
+"""In-memory caches (cache_latents_to_disk and cache_text_encoder_outputs_to_disk false, the defaults) that
+would not fit the memory available: one error from the first batch's size, naming the key that keeps them on
+disk, instead of the kernel's out-of-memory kill after minutes of encoding (a FLUX.1 caption is 4 MiB of T5
+output: 1000 images with shuffle_caption's 8 variants are 35 GiB)."""
+
+import pytest
+
+from library.data import caches
+from tests.test_captions import TextIdEncoder, dataset
+from tests.test_dataset import CountingEncoder
+
+TEXT_BYTES = 3 * 2 * 2 + 3  # TextIdEncoder's output per text: a [3, 2] bf16 hidden state and a [3] bool mask
+LATENT_BYTES = 3 * 4 * 4 * 2  # CountingEncoder's latents of a 32 x 32 image, bf16
+
+
+def available(monkeypatch, nbytes: int):
+    monkeypatch.setattr(caches, "memory_available", lambda: nbytes)
+
+
+def test_text_outputs_over_the_memory_available_stop_at_the_first_batch_naming_the_key(tmp_path, monkeypatch):
+    ds = dataset(tmp_path, images=8, shuffle_caption=True, caption_variants=4)
+    needed = 8 * (1 + 4) * TEXT_BYTES  # each image's caption and its 4 variants
+    available(monkeypatch, int(needed / caches.MEMORY_SHARE) - 1)
+    enc = TextIdEncoder()
+    with pytest.raises(ValueError) as e:
+        caches.cache_text(ds.items, enc, "flux", batch_size=8, to_disk=False)
+    assert len(enc.calls) == 8  # one batch of the 40 texts
+    msg = str(e.value)
+    assert "the text encoder outputs of 40 texts (8 images, 32 of them augmented caption_variants)" in msg
+    assert msg.endswith("set cache_text_encoder_outputs_to_disk = true to keep them on disk (or set fewer caption_variants)")
+    available(monkeypatch, int(needed / caches.MEMORY_SHARE) + 1)
+    assert caches.cache_text(ds.items, TextIdEncoder(), "flux", batch_size=8, to_disk=False) == 8
+
+
+def test_latents_over_the_memory_available_stop_at_the_first_batch_and_files_are_not_held(tmp_path, monkeypatch):
+    ds = dataset(tmp_path, images=4)
+    needed = 4 * LATENT_BYTES
+    available(monkeypatch, int(needed / caches.MEMORY_SHARE) - 1)
+    enc = CountingEncoder()
+    with pytest.raises(ValueError, match=r"the latents of 4 images would take 0\.0 GiB, over 90% of the 0\.0 GiB of "
+                                         r"memory available; set cache_latents_to_disk = true to keep them on disk"):
+        caches.cache_latents(ds.items, enc.latents, "vae", batch_size=2, to_disk=False, load_workers=0)
+    assert enc.images == 2
+    assert caches.cache_latents(ds.items, enc.latents, "vae", batch_size=2, to_disk=True) == 4  # files: no check
+    assert caches.cache_text(ds.items, TextIdEncoder(), "te", to_disk=True) == 4
+    available(monkeypatch, int(needed / caches.MEMORY_SHARE) + 1)
+    assert caches.cache_latents(dataset(tmp_path, images=4).items, enc.latents, "vae", to_disk=False) == 4
+
+
+def test_each_process_of_a_run_holds_its_own_in_memory_caches(tmp_path, monkeypatch):
+    ds = dataset(tmp_path, images=2)
+    available(monkeypatch, int(2 * TEXT_BYTES / caches.MEMORY_SHARE) + 1)  # one process's, not two
+    assert caches.cache_text(ds.items, TextIdEncoder(), "te", to_disk=False, share=(0, 1)) == 2
+    with pytest.raises(ValueError, match="in each of 2 processes"):
+        caches.cache_text(dataset(tmp_path, images=2).items, TextIdEncoder(), "te", to_disk=False, share=(1, 2))
+
+
+def test_the_memory_available_is_read_from_the_kernel():
+    assert caches.memory_available() > 2**20  # Linux: /proc/meminfo's MemAvailable
