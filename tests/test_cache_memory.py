@@ -57,3 +57,19 @@ def test_each_process_of_a_run_holds_its_own_in_memory_caches(tmp_path, monkeypa
 
 def test_the_memory_available_is_read_from_the_kernel():
     assert caches.memory_available() > 2**20  # Linux: /proc/meminfo's MemAvailable
+
+
+def test_the_trainer_stops_in_one_line_and_exit_2_before_the_model_loads(tiny_set, tmp_path, monkeypatch, capsys):
+    """The quickstart with its caches in memory on a machine without room for them: the run ends at the
+    latents' first batch (before any text encoder or the transformer loads), one line, status 2."""
+    import train_lora
+    from library.training.diffusion_task import DiffusionTask
+    from tests.test_train_lora import flux_args
+
+    available(monkeypatch, 1024)
+    monkeypatch.setattr(DiffusionTask, "_load_base", lambda self: pytest.fail("the transformer loaded"))
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--cache_latents_to_disk", "false",
+                                     "--cache_text_encoder_outputs_to_disk", "false")) == 2
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("error: in-memory caches: the latents of ") and line.endswith(
+        "set cache_latents_to_disk = true to keep them on disk")
