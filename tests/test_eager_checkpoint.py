@@ -120,16 +120,19 @@ def test_eager_checkpoint_on_cuda_trains_the_bits_of_torch_checkpoint(family, ba
     """On CUDA SDPA's kernels differ (flash, memory-efficient, cuDNN; torch's default puts cuDNN first on
     Hopper): the no_grad forward keeping attention asks the memory-efficient and cuDNN ones for the
     log-sum-exp, and a recompute whose kernel differs from the kept one runs it (core._AttentionStash).
-    Each kernel alone, and torch's choice; bf16 autocast, each way of keeping."""
+    Each kernel alone, and torch's choice; bf16 autocast, each way of keeping, against torch's checkpoint and
+    against no checkpointing (what a stash shared by both paths could get wrong)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     with contextlib.nullcontext() if backend == "default" else sdpa_kernel(getattr(SDPBackend, backend)):
         try:
+            plain = _steps(family, False, True, True, monkeypatch, device="cuda")  # no checkpointing: the kernels' own
             for keep in KEEPS.values():
                 eager = _steps(family, keep, True, True, monkeypatch, device="cuda")
                 torch_ = _steps(family, keep, True, False, monkeypatch, device="cuda")
-                for a, b in zip(eager, torch_):
+                for a, b, c in zip(eager, torch_, plain):
                     _assert_same(a, b)
+                    _assert_same(a, c)
         except RuntimeError as e:
             if not any(s in str(e) for s in ("No available kernel", "No viable backend")):  # CUDA's, torch's
                 raise
