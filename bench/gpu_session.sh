@@ -139,8 +139,13 @@ case $plan in
         step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP --sdpa flash
         step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP --sdpa flash
         ;;
-    attention)  # torch's own SDPA choice on both sides (cuDNN on Hopper): the setting users train in
-        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP --sdpa default
+    attention)  # torch's own SDPA choice on both sides (cuDNN on Hopper): the setting users train in; one family
+        # a run (cuDNN hit an illegal memory access on diffusers' strided FLUX call on torch 2.11 + H100: a sticky
+        # CUDA error ends its process, so one family's crash leaves the other's lines)
+        for family in flux qwen_image; do
+            step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families $family --precisions bf16 \
+                --save-projections $KEEP --sdpa default
+        done
         for family in flux qwen_image; do
             step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families $family --precisions bf16 \
                 --save-projections $KEEP --compile --sdpa default
