@@ -192,15 +192,19 @@ def main(argv=None):
             torch.cuda.empty_cache()
         # a block's home: a list of tensors, or one flat buffer (the block_swap_flat candidate, commit 272a36d,
         # dropped): never iterate a tensor here (its unbind into 330 M one-byte views stalled a 2026-11-28 run)
-        homes = [] if swap is None else [h for v in swap.homes.values() for h in (v if isinstance(v, list) else [v])]
-        moved = sum(h.numel() * h.element_size() for h in homes)
+        block_bytes = {} if swap is None else {i: sum(h.numel() * h.element_size() for h in (v if isinstance(v, list) else [v]))
+                                               for i, v in swap.homes.items()}
         run_setting(model, net, optimizer, inputs, target, 1, device)  # warmup
+        if swap is not None:
+            swap.log.clear()
         times, peak = run_setting(model, net, optimizer, inputs, target, args.steps, device)
+        # the loads the steps made (the last blocks of a training forward stay for its backward: fewer than 2 each)
+        moved = 0 if swap is None else sum(block_bytes[i] for op, i in swap.log if op == "load") / args.steps
         t = statistics.median(times)
         reference = reference or t
-        rows.append((n, t, t / reference, peak / GiB, 2 * moved / GiB))
+        rows.append((n, t, t / reference, peak / GiB, moved / GiB))
         print(f"blocks_to_swap {n:3d}: step {t:.3f} s (x{t / reference:.3f}), peak {peak / GiB:.2f} GiB, "
-              f"copied {2 * moved / GiB:.2f} GiB/step ({2 * moved / GiB / t:.1f} GiB/s needed)", flush=True)
+              f"copied {moved / GiB:.2f} GiB/step ({moved / GiB / t:.1f} GiB/s needed)", flush=True)
         if args.profile or args.trace:
             trace = os.path.join(args.trace, f"swap{n}.json") if args.trace else None
             profile_step(model, net, optimizer, inputs, target, device, trace)
