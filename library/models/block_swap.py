@@ -10,7 +10,7 @@ on the device at any time):
             before its checkpoint recompute): release i+1, wait for i, start copying i-1 .. i-p.
             Whatever is still resident when backward ends is released by an engine callback.
   the turn  a forward that builds a graph keeps its last p blocks (the backward's first) instead of
-            releasing them to copy them straight back (a Qwen-Image block is 330 MB: 6.5 ms of PCIe
+            releasing them to copy them straight back (a 20B model's block is 330 MB: 6.5 ms of PCIe
             at 50 GB/s that nothing hides); they count within the p + 1 on the device. A forward that
             starts before a backward took them (a graph never backpropagated) releases them first.
 A deeper prefetch hides the copies of large blocks behind more compute, for p - 1 more
