@@ -57,7 +57,8 @@ PY=${PYTHON:-python3}
 # --single 1 --qwen-blocks 1 --warmup 1 --reps 1" GEMM=1024 bash bench/gpu_session.sh headline 1800
 DEVICE=${DEVICE:-cuda}
 SHAPE=${SHAPE:-"--image-tokens 4096 --text-tokens 512 --double 2 --single 4 --qwen-blocks 4 --warmup 3 --reps 10"}
-PEERS="--device $DEVICE --sizes mid --gemm ${GEMM:-8192} --sd_scripts .peers/sd-scripts --musubi .peers/musubi-tuner $SHAPE"
+# attention as in every line so far (flash on both sides, cuDNN off: RESULTS.md) unless a plan says --sdpa default
+PEERS="--device $DEVICE --sizes mid --gemm ${GEMM:-8192} --sd_scripts .peers/sd-scripts --musubi .peers/musubi-tuner $SHAPE --sdpa flash"
 KEEP="--save-attention"  # the headline's: ours in its fastest documented setting
 {
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
@@ -112,7 +113,7 @@ case $plan in
         step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20,40 --prefetch 2
         ;;
     profile)  # where the step's time goes: FLUX.1 compiled first (0.91 against sd-scripts, MFU 44% vs their 48%)
-        PROF="--device $DEVICE --sd_scripts .peers/sd-scripts --musubi .peers/musubi-tuner --reps 10 --steps 3 ${PROF_SHAPE:-}"
+        PROF="--device $DEVICE --sd_scripts .peers/sd-scripts --musubi .peers/musubi-tuner --reps 10 --steps 3 --sdpa flash ${PROF_SHAPE:-}"
         step profile.log 200 $PY bench/profile_peers.py $PROF --families flux --precision bf16 --save-projections --save-attention --compile
         step profile.log 120 $PY bench/profile_peers.py $PROF --families qwen_image --precision bf16 --save-attention
         step profile.log 120 $PY bench/profile_peers.py $PROF --families flux --precision bf16 --save-projections --save-attention
@@ -135,9 +136,9 @@ case $plan in
             tests/test_saved_attention.py tests/test_residual_projection.py
         step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
             --levers eager_checkpoint,eager_checkpoint_kept
-        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP --sdpa flash
-        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP --sdpa flash
-        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP --sdpa flash
+        step peers_eager.log 150 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP
+        step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP
         ;;
     attention)  # torch's own SDPA choice on both sides (cuDNN on Hopper): the setting users train in; one family
         # a run (cuDNN hit an illegal memory access on diffusers' strided FLUX call on torch 2.11 + H100: a sticky
