@@ -23,6 +23,8 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from library.models.core import ATTENTION_KERNELS
+
 PHASES = ("forward", "backward", "optimizer")
 # ops that make no kernel launch on a GPU (a new view of the same storage, or metadata)
 VIEWS = frozenset({"view", "_unsafe_view", "t", "transpose", "unsqueeze", "squeeze", "slice", "select", "expand",
@@ -57,8 +59,8 @@ class AttentionKernels(TorchDispatchMode):
         return super().__enter__()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.overloadpacket.__name__
-        if name.startswith("_scaled_dot_product_") and "backward" not in name:
+        if func in ATTENTION_KERNELS:  # the fused kernels the core's attention stash knows
+            name = func.overloadpacket.__name__
             self.calls[name.removeprefix("_scaled_dot_product_").removesuffix("_attention")] += 1
         return func(*args, **(kwargs or {}))
 

@@ -653,17 +653,16 @@ class _ProjectionStash:
     def __init__(self, needs: dict):
         self.needs, self.kept, self.calls = needs, {}, [0, 0]  # calls so far: forward, recompute
 
-    def next_call(self, output_needed: bool) -> tuple[int, bool]:
-        """(this call's index in its pass, whether it uses the stash)."""
+    def next_call(self, output_needed: bool):
+        """This call's base call (forward, h) -> output through the stash, or None where it keeps nothing."""
         recompute = recomputing()
         i = self.calls[recompute]
         self.calls[recompute] += 1
         if recompute or torch.is_grad_enabled():
             self.needs[i] = output_needed
-            return i, output_needed
-        return i, self.needs.get(i, False)
+        return self._base_call(i) if self.needs.get(i, False) else None
 
-    def base_call(self, i: int):
+    def _base_call(self, i: int):
         def call(forward, h: torch.Tensor) -> torch.Tensor:
             if not recomputing():
                 out = forward(h)
@@ -708,8 +707,8 @@ def residual_projection(proj: nn.Module, h: torch.Tensor, output_needed: bool) -
         base_call = _marked_output  # kept where the region's checkpoint saves marked outputs
     elif not h.is_contiguous():
         return proj(h)
-    elif (stash := getattr(_recompute, "stash", None)) is not None and (call := stash.next_call(output_needed))[1]:
-        base_call = stash.base_call(call[0])
+    elif (stash := getattr(_recompute, "stash", None)) is not None and (kept := stash.next_call(output_needed)):
+        base_call = kept
     elif not output_needed and recomputing():
         base_call = _stand_in if recompute_graph() else on_one_token
     else:
