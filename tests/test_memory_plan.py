@@ -14,7 +14,7 @@ from tests.test_train_lora import sample_png
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# A mid-width FLUX (hidden 1536, 2 double + 2 single blocks, ~250 M parameters) trained one LoRA step
+# A mid-width FLUX (hidden 1536, `blocks` double + `blocks` single blocks, ~125 M parameters a pair) trained one LoRA step
 # by the family's own training_loss, as train_lora.py does (the optimizer's state made first, as in
 # every step after the first). Prints "planned measured" in bytes:
 # the planner's training peak, and the process's peak RSS during the step above its RSS just before
@@ -33,7 +33,7 @@ STEP = textwrap.dedent("""
     from networks.lora import LoRANetwork
     from tools.plan_memory import default_args
     base, ckpt, swap = {base!r}, {ckpt!r}, 0
-    cfg = FluxConfig(hidden_size=1536, num_heads=12, depth=2, depth_single=2, guidance_embed=True)
+    cfg = FluxConfig(hidden_size=1536, num_heads=12, depth={blocks}, depth_single={blocks}, guidance_embed=True)
     class Mid(FluxFamily):
         def __init__(self):
             self.name = "flux"
@@ -68,9 +68,12 @@ STEP = textwrap.dedent("""
 """)
 
 
-@pytest.mark.parametrize("base,ckpt", [("fp32", False), ("fp8_scaled", True)])
-def test_planned_training_peak_is_within_10_percent_of_the_measured_cpu_step(base, ckpt):
-    out = subprocess.run([sys.executable, "-c", STEP.format(root=ROOT, base=base, ckpt=ckpt, threads=torch.get_num_threads())],
+# Planned / measured on this CPU: fp32 without checkpointing 0.979 with one pair of blocks (0.988 with two, in 15 s
+# against 26); fp8_scaled with checkpointing keeps two pairs, 0.939 (0.923 with one, nearer the bound).
+@pytest.mark.parametrize("base,ckpt,blocks", [("fp32", False, 1), ("fp8_scaled", True, 2)])
+def test_planned_training_peak_is_within_10_percent_of_the_measured_cpu_step(base, ckpt, blocks):
+    step = STEP.format(root=ROOT, base=base, ckpt=ckpt, blocks=blocks, threads=torch.get_num_threads())
+    out = subprocess.run([sys.executable, "-c", step],
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     planned, measured = map(int, out.stdout.split()[-2:])
