@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
+from types import SimpleNamespace
 
 import torch
 
@@ -186,9 +187,14 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:  # sd-scripts' text encoders alone: nothing for the model (an empty file is an error below)
         return LoRARead({}, dict(metadata), "kohya", True, te)
-    tensors, diffs = split_beside_lora(tensors)
-    if diffs:
-        warnings.warn(f"{name}: left out {beside_lora_note(diffs)}: a LoRA network applies the down/up modules only",
+    tensors, beside = split_beside_lora(tensors)
+    others, whole = split_whole_deltas(beside)
+    if whole:  # generate.py and base_loras add them beside the network (merge_whole_deltas) and silence this
+        warnings.warn(WholeDeltasLeftOut(f"{name}: left out {beside_lora_note(whole)}: a LoRA network applies the "
+                                         f"down/up modules only (merge_lora, generate.py and base_loras add them)"),
+                      stacklevel=3)
+    if others:
+        warnings.warn(f"{name}: left out {beside_lora_note(others)}: a LoRA network applies the down/up modules only",
                       stacklevel=3)
     tensors = without_base_only(name, tensors, metadata, arch)
     if (error := foreign_arch_error(name, tensors, metadata, arch)) is not None:
@@ -286,6 +292,150 @@ class FusedRows:
             rows = torch.cat([torch.arange(a, b) for a, b in ranges])
             out[rows] = delta.merged(out[rows], multiplier)
         return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Whole-tensor deltas: `.diff` / `.diff_b`
+
+# The part a whole delta's key ends in -> the tensor of its module it changes. ComfyUI's Extract and Save Lora
+# writes `.diff_b` for every bias (bias_diff, its default) and `.diff` for every 1-D weight (every weight with
+# lora_type full_diff) beside the down / up modules; LyCORIS' full type saves them alone. ComfyUI patches them in
+# as W += strength * diff (comfy/lora.py's "diff" patch: no alpha, no rank).
+WHOLE_DELTA_PARTS = {".diff": "weight", ".diff_b": "bias"}
+_COMFY_PREFIX, _DIFFUSERS_PREFIX = "diffusion_model.", "transformer."
+
+
+def split_whole_deltas(tensors: dict) -> tuple[dict, dict]:
+    """(the other tensors, the `.diff` / `.diff_b` ones) of a LoRA file, with or without down / up modules."""
+    whole = {k: v for k, v in tensors.items() if "." + k.rsplit(".", 1)[-1] in WHOLE_DELTA_PARTS}
+    return {k: v for k, v in tensors.items() if k not in whole}, whole
+
+
+@dataclass
+class WholeDelta:
+    """What a file's whole deltas add to one tensor of the target: each its whole (rows None) or its rows (a part
+    of a fused module, or the rows of a fused module's delta a part takes). merged: ComfyUI's patch, float32."""
+
+    name: str  # the file's key (the first one), as errors name it
+    parts: list[tuple[torch.Tensor, torch.Tensor | None]] = field(default_factory=list)  # (delta, row indices)
+
+    def mismatch(self, shape) -> str | None:
+        """A line saying why the deltas do not fit a tensor of `shape`, else None."""
+        for diff, rows in self.parts:
+            want = tuple(shape) if rows is None else (len(rows), *tuple(shape)[1:])
+            if tuple(diff.shape) != want or (rows is not None and int(rows.max()) >= shape[0]):
+                return f"'{self.name}' is a delta of shape {tuple(diff.shape)}, the tensor it changes is {tuple(shape)}"
+        return None
+
+    def merged(self, tensor: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
+        out = tensor.to(torch.float32, copy=True)
+        for diff, rows in self.parts:
+            if rows is None:
+                out.add_(diff.to(out.device, torch.float32), alpha=multiplier)
+            else:
+                out[rows] += multiplier * diff.to(out.device, torch.float32)
+        return out
+
+
+class WholeDeltasLeftOut(UserWarning):
+    """A LoRA network read a file's down / up modules and left its `.diff` / `.diff_b` tensors out."""
+
+
+@torch.no_grad()
+def merge_whole_deltas(model: torch.nn.Module, arch: str, path: str, ratio: float,
+                       keep_float32=lambda module: False) -> int:
+    """Add the `.diff` / `.diff_b` tensors of LoRA file `path` into `model`'s parameters (ratio * diff, float32 math),
+    each stored back in its own dtype, or float32 where keep_float32(module) (a weight an fp8 conversion quantizes
+    next); returns how many. A module or tensor the model lacks, a delta of another shape, or a weight that is not a
+    float parameter (an fp8 base's codes) is a CheckpointError naming it."""
+    from networks.lora_args import diffusers_module_map
+
+    tensors = split_text_encoders(read_lora_tensors(path)[0])[0]
+    diffs = split_whole_deltas(tensors)[1]
+    if not diffs:
+        return 0
+    modules = dict(model.named_modules())
+    config = getattr(model, "config", None)
+    found = whole_deltas_for_model(diffs, arch, [p for p in modules if p],
+                                   (lambda: diffusers_module_map(arch, config)) if config is not None else None, name=path)
+    for (module, part), delta in found.items():
+        param = getattr(modules.get(module), part, None)
+        if not isinstance(param, torch.nn.Parameter) or param.dtype.itemsize < 2 or not param.is_floating_point():
+            raise CheckpointError(f"{path}: '{delta.name}' changes {module}.{part}, which this model holds "
+                                  f"{'as ' + str(param.dtype) if param is not None else 'nowhere'}: merge the file "
+                                  f"into a bf16 checkpoint with tools/merge_lora.py")
+        if problem := delta.mismatch(param.shape):
+            raise CheckpointError(f"{path}: {problem} ({module}.{part})")
+        dtype = torch.float32 if part == "weight" and keep_float32(module) else param.dtype
+        setattr(modules[module], part, torch.nn.Parameter(delta.merged(param, ratio).to(dtype), requires_grad=False))
+    return len(found)
+
+
+def _whole_delta_module(key: str, paths) -> str:
+    """The module path a whole delta's key names: ComfyUI's `diffusion_model.<path>` or diffusers' `transformer.`
+    dotted, else a kohya name resolved against `paths` (kept as it is where none fits)."""
+    module = key.rsplit(".", 1)[0]
+    for prefix in (_COMFY_PREFIX, _DIFFUSERS_PREFIX):
+        if module.startswith(prefix):
+            return module[len(prefix) :]
+    return resolve_kohya_names([module], paths, strict=False)[module] if "." not in module else module
+
+
+def whole_deltas_for_model(tensors: dict, arch: str, paths, module_map=None, target_is_key: bool = True,
+                           name: str = "LoRA") -> dict[tuple[str, str], WholeDelta]:
+    """A file's `.diff` / `.diff_b` tensors -> {(module path of the target, "weight" | "bias"): WholeDelta}. paths: every
+    module path of the target (norms too: a `.diff` may be a norm's weight). Names as lycoris_for_model reads them; a
+    module in ComfyUI's own names (LORA_FILES.comfy_map) or the other naming (module_map, target_is_key as there)
+    moves by rows, exact for whole deltas: a row of a fused tensor is a row of one part's. A module the target lacks
+    keeps the file's name (the caller reports it)."""
+    files = lora_files().get(arch)
+    counts, resolvable = _names_to_resolve(tensors, files, paths)
+    own = set(paths)
+    read: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # module -> part -> (key, delta)
+    for key, diff in tensors.items():
+        part = WHOLE_DELTA_PARTS["." + key.rsplit(".", 1)[-1]]
+        read.setdefault(_whole_delta_module(key, resolvable), {})[part] = (key, diff)
+    out: dict[tuple[str, str], WholeDelta] = {}
+
+    def add(module, part, key, diff, rows=None):
+        out.setdefault((module, part), WholeDelta(key)).parts.append((diff, rows))
+
+    maps = []  # (module map, whether the target names its modules as the map's keys), in the order they apply
+    if files and files.comfy_map and (comfy := [m for m in read if m not in own]):
+        shapes = {m: SimpleNamespace(up=next(iter(read[m].values()))[1]) for m in comfy}  # the map reads up's rows
+        maps.append((load_symbol(files.comfy_map)(shapes, counts), False))
+    if callable(module_map):
+        module_map = module_map() if any(m not in own for m in read) else None
+    if module_map:
+        maps.append((module_map, target_is_key))
+    for module, parts in read.items():
+        for part, (key, diff) in parts.items():
+            moved = [(module, diff, None)]
+            for mapping, to_key in maps:
+                moved = [m for item in moved for m in _by_rows(item, mapping, to_key, own)]
+            for target, delta, rows in moved:
+                add(target, part, key, delta, rows)
+    return out
+
+
+def _by_rows(item, mapping: dict, to_key: bool, own: set) -> list:
+    """[(module, delta, rows)] of one (module, delta, rows) moved through a module map: into its rows of the fused
+    module it is part of (to_key), or split into the parts of the fused module it is (else); as it is where the
+    map does not name it or the target has it."""
+    module, diff, rows = item
+    if module in own or rows is not None:
+        return [item]
+    if to_key:
+        for fused, parts in mapping.items():
+            if ranges := [(a, b) for p, a, b in parts if p == module]:
+                return [(fused, diff, torch.cat([torch.arange(a, b) for a, b in ranges]))]
+        return [item]
+    if module not in mapping:
+        return [item]
+    ranges: dict[str, list] = {}
+    for part, a, b in mapping[module]:
+        ranges.setdefault(part, []).append(torch.arange(a, b))
+    return [(part, diff[torch.cat(r)], None) for part, r in ranges.items()]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -228,7 +228,8 @@ def precision_tools_read(model, arch, path, root):  # precision_doctor / precisi
 def merge_reads(checkpoint: str):
     def reads(model, arch, path, root):
         base = merge_lora.open_base(str(root / checkpoint))
-        return {k.removesuffix(".weight"): w.delta() for k, w in merge_lora.lora_deltas(base, LoRASpec(path, 1.0), False).items()}
+        deltas = merge_lora.lora_deltas(base, LoRASpec(path, 1.0), False).items()  # bias deltas: tests/test_whole_deltas.py
+        return {k.removesuffix(".weight"): w.delta() for k, w in deltas if not k.endswith(".bias")}
 
     return reads
 

@@ -130,7 +130,8 @@ def test_a_comfyui_extracted_lora_reads_its_down_up_and_says_what_it_leaves_out(
     with pytest.warns(UserWarning) as said:
         network_from_file(flux_loras["model"], "flux", path)
     assert [str(w.message) for w in said] == [f"{path}: left out 13 tensors beside the LoRA (bias deltas .diff_b x13): "
-                                              f"a LoRA network applies the down/up modules only"]
+                                              f"a LoRA network applies the down/up modules only (merge_lora, generate.py and "
+                                              f"base_loras add them)"]
     info = lora_info.read_info(path)
     assert (info["format"], info["network"], info["beside_lora"]) == ("comfy", "LoRA", "13 tensors beside the LoRA (bias deltas .diff_b x13)")
     assert "left out by LoRA loaders: 13 tensors beside the LoRA (bias deltas .diff_b x13)" in lora_info.text_report(info).splitlines()

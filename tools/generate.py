@@ -171,6 +171,8 @@ def check_lora_modules(family, loras) -> None:
     import warnings
 
     from networks.factory import network_from_file
+    from networks.lora import LoRANetwork
+    from networks.lora_reader import merge_whole_deltas
 
     if not loras:
         return
@@ -178,7 +180,8 @@ def check_lora_modules(family, loras) -> None:
     with warnings.catch_warnings():  # the load below says them once
         warnings.simplefilter("ignore")
         for spec in loras:
-            network_from_file(skeleton, family.arch, spec.path, multiplier=spec.ratio)
+            if isinstance(network_from_file(skeleton, family.arch, spec.path, multiplier=spec.ratio), LoRANetwork):
+                merge_whole_deltas(skeleton, family.arch, spec.path, spec.ratio)  # its .diff / .diff_b: names, shapes
 
 
 def collect_prompts(args, family) -> list[SamplePrompt]:
@@ -260,8 +263,11 @@ def first_free_index(folder: str) -> int:
 def generate(args) -> list[str]:
     from library.data.images import save_png, to_pil
     from library.models.block_swap import enable_block_swap
+    import warnings
+
     from networks.factory import network_from_file
-    from networks.lora_reader import check_lora_arch
+    from networks.lora import LoRANetwork
+    from networks.lora_reader import WholeDeltasLeftOut, check_lora_arch, merge_whole_deltas
 
     loras = [parse_lora_spec(s) for s in args.lora]
     device = check_args(args)
@@ -295,10 +301,16 @@ def generate(args) -> list[str]:
     base_name = family.widened_layout(base_precision) or base_precision
     # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it); a DoRA's norm is of the base
     # with the LoRAs before it (networks/lora.py forward_weight), as ComfyUI and a base_loras run take it
+    # A LoRA's `.diff` / `.diff_b` tensors (ComfyUI's extraction) are added to the weights and biases they name, as
+    # ComfyUI patches them (a LyCORIS network applies its own).
     for spec in loras:
-        network = network_from_file(model, family.arch, spec.path, multiplier=spec.ratio)  # LoRA, DoRA or LyCORIS: the modules the file names
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", WholeDeltasLeftOut)
+            network = network_from_file(model, family.arch, spec.path, multiplier=spec.ratio)  # LoRA, DoRA or LyCORIS
         network.apply()
         network.to(device)
+        if isinstance(network, LoRANetwork):
+            merge_whole_deltas(model, family.arch, spec.path, spec.ratio)
     enable_block_swap(model, args.blocks_to_swap, device)  # before the move: swapped weights stay on the CPU
     model.to(device)
     vae = family.load_vae(torch.float32)

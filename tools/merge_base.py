@@ -28,7 +28,7 @@ from library.precision.gguf_weights import is_gguf
 from networks.lora_files import (LoRAWeights, first_non_finite, read_lora_tensors, split_text_encoders,
                                  text_encoder_note)
 from networks.lora_arch import begins_release, detect_arch, header_arch, header_version, takes_loras_of, text_encoder_labels
-from networks.lora_reader import FusedRows, lora_for_model, lycoris_for_model
+from networks.lora_reader import FusedRows, WholeDelta, lora_for_model, lycoris_for_model, split_whole_deltas, whole_deltas_for_model
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas, lycoris_kohya_names
 from tools.cli import LoRASpec
 
@@ -193,10 +193,11 @@ def _check_finite(tensors: dict[str, torch.Tensor], path: str) -> None:
         raise CheckpointError(f"{path}: {problem}: a broken LoRA, which would make the weights it touches NaN")
 
 
-def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta | FusedRows]:
-    """One LoRA file -> {checkpoint weight key: LoRAWeights, LycorisDelta or FusedRows}, checked against the
+def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta | FusedRows | WholeDelta]:
+    """One LoRA file -> {checkpoint key: LoRAWeights, LycorisDelta, FusedRows or WholeDelta}, checked against the
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges). A down/up LoRA is read
-    by networks/lora_reader.py (every layout convert_lora reads, in the base's naming)."""
+    by networks/lora_reader.py (every layout convert_lora reads, in the base's naming); its `.diff` / `.diff_b`
+    tensors (ComfyUI's extraction, LyCORIS' full type) change the weight or bias they name, as ComfyUI patches them."""
     tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
     body, te = split_text_encoders(tensors)
     if te and not body:
@@ -206,15 +207,22 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     if te:  # sd-scripts' files: CLIP-L / T5-XXL modules beside the transformer's
         print(f"warning: {spec.path}: skipped {text_encoder_note(te, text_encoder_labels(base.family))}: they adapt the text encoders, not the transformer "
               f"merged here", file=sys.stderr)  # fmt: skip
-    if is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names; another naming's modules renamed where whole
+    body, diffs = split_whole_deltas(body)
+    if diffs and not body:  # whole deltas alone (LyCORIS' full type, ComfyUI's full_diff extraction)
+        weights = {}
+    elif is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names; another naming's modules renamed where whole
         body = lycoris_kohya_names(body)  # ai-toolkit's diffusion_model.* names (convert_lora --to comfy) too
         weights = lycoris_for_model(lycoris_deltas(body, spec.path), body, metadata, base.family, base.weight_key, base.module_map,
                                     target_is_key=base.native, name=spec.path)
     else:
         weights = lora_for_model(body, metadata, adapter_config, base.family, base.weight_key, base.module_map,
                                  target_is_key=base.native, name=spec.path).weights
-    unmatched = [p for p in weights if p not in base.weight_key]
+    whole = _whole_deltas(base, diffs, spec.path) if diffs else {}
+    unmatched = [p for p in weights if p not in base.weight_key] + [f"{m} ({part})" for (m, part), (key, _) in whole.items() if key is None]
     matched = {base.weight_key[p]: w for p, w in weights.items() if p in base.weight_key}
+    if both := sorted(key for key, _ in whole.values() if key in matched):
+        raise CheckpointError(f"{spec.path}: '{both[0]}' has a down / up LoRA and a whole delta (.diff) both; a file holds one")
+    matched.update({key: w for key, w in whole.values() if key is not None})
     if not matched:
         first = unmatched[0] if unmatched else "(none)"
         raise CheckpointError(
@@ -229,6 +237,8 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     if unmatched:
         print(f"warning: {spec.path}: skipped {len(unmatched)} unmatched LoRA modules: {', '.join(unmatched)}", file=sys.stderr)
     for key, w in matched.items():
+        if isinstance(w, WholeDelta) and (problem := w.mismatch(base.reader.shape(key))):
+            raise CheckpointError(f"{spec.path}: {problem} ('{key}')")
         if not isinstance(w, LoRAWeights):  # LyCORIS (FusedRows too): LyCORIS checks the shape as it merges
             continue
         want = base.reader.shape(key)
@@ -236,3 +246,16 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
         if got != want:
             raise CheckpointError(f"{spec.path}: LoRA for '{key}' gives a delta of shape {got}, the checkpoint weight is {want}")
     return matched
+
+
+def _whole_deltas(base: Base, diffs: dict, path: str) -> dict[tuple[str, str], tuple[str | None, WholeDelta]]:
+    """A file's `.diff` / `.diff_b` tensors -> {(module path, "weight" | "bias"): (the base's key of that tensor, None
+    where it has none; the delta)}, resolved against every module of the base (a norm's weight too)."""
+    keys = {}
+    for key in base.reader.keys():
+        name = base.to_model(key)
+        if name and name.rsplit(".", 1)[-1] in ("weight", "bias"):
+            keys[tuple(name.rsplit(".", 1))] = key
+    found = whole_deltas_for_model(diffs, base.family, list(dict.fromkeys(m for m, _ in keys)), base.module_map,
+                                   target_is_key=base.native, name=path)
+    return {where: (keys.get(where), delta) for where, delta in found.items()}

@@ -16,6 +16,7 @@ float32 and quantized while loading.
 from __future__ import annotations
 
 import os
+import warnings
 
 import torch
 import torch.nn as nn
@@ -36,12 +37,14 @@ def base_loras_metadata(entries: list[str] | None) -> list[dict] | None:
 
 @torch.no_grad()
 def merge_base_loras(model: nn.Module, arch: str, specs: list[LoRASpec], keep_float32=lambda name: False) -> int:
-    """Merge each LoRA (file, ratio) into `model`'s Linear weights in place; returns the number of
-    merged modules. A weight is stored back in its own dtype, or in float32 where keep_float32(module
+    """Merge each LoRA (file, ratio) into `model`'s Linear weights in place, and its `.diff` / `.diff_b` tensors into
+    the weights and biases they name (networks/lora_reader.merge_whole_deltas); returns the number of merged modules
+    and tensors. A weight is stored back in its own dtype, or in float32 where keep_float32(module
     name) (the Linears an fp8 conversion quantizes next)."""
     from networks.factory import network_module_of_file
     from networks.lora import LoRANetwork
     from networks.lora_files import merge_into_weight
+    from networks.lora_reader import WholeDeltasLeftOut, merge_whole_deltas
 
     merged = 0
     for spec in specs:
@@ -51,7 +54,8 @@ def merge_base_loras(model: nn.Module, arch: str, specs: list[LoRASpec], keep_fl
         # The reader resolves names and layouts. Building its modules draws their initial weights from
         # the global generator (overwritten by the file's): the trained network's own draws must not
         # depend on base_loras, so the generator's state is put back.
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            warnings.simplefilter("ignore", WholeDeltasLeftOut)  # added below
             network = LoRANetwork.from_weights(model, arch, spec.path)
         for lora in network.lora_modules():
             linear = lora.base
@@ -59,6 +63,8 @@ def merge_base_loras(model: nn.Module, arch: str, specs: list[LoRASpec], keep_fl
             weight = merge_into_weight(linear.weight, [(spec.ratio, lora.weights())]).to(dtype)
             linear.weight = nn.Parameter(weight, requires_grad=False)
             merged += 1
+        # its `.diff` / `.diff_b` tensors (ComfyUI's extraction), as ComfyUI patches them
+        merged += merge_whole_deltas(model, arch, spec.path, spec.ratio, keep_float32)
     return merged
 
 

@@ -56,7 +56,8 @@ def check_network_fits(args, arch: str, meta_model) -> None:
     (network_weights keeps the network's ranks, as sd-scripts does without dim_from_weights), a name no Linear of
     the model has. The load's warnings are the run's. lycoris.kohya: our selection of its targets (lycoris_targets),
     which judges the same args, or the network built when network_weights must load into it. Each of
-    base_loras is read onto the model as the merge reads it (a module the model lacks is named now)."""
+    base_loras is read onto the model as the merge reads it (a module the model lacks, a `.diff_b` of another shape
+    is named now)."""
     import warnings
 
     where = args.config_file or "command line"
@@ -85,12 +86,14 @@ def _check_base_loras_fit(args, arch: str, model, where: str) -> None:
 
     from library.training.base_loras import base_lora_specs
     from networks.lora import LoRANetwork
+    from networks.lora_reader import merge_whole_deltas
 
     for spec in base_lora_specs(getattr(args, "base_loras", None) or []):
         try:  # fork_rng: building the modules draws initial weights (the file's replace them), not the run's draws
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the merge says them
                 LoRANetwork.from_weights(model, arch, spec.path)
+            merge_whole_deltas(model, arch, spec.path, spec.ratio)  # its .diff / .diff_b: names and shapes, on meta
         except (ValueError, OSError) as e:  # CheckpointError is a ValueError
             raise ConfigError(f"{where}: key 'base_loras': {e}") from None
 

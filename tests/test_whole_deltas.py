@@ -1,0 +1,175 @@
+"""Whole-tensor deltas (`.diff` / `.diff_b`: ComfyUI's Extract and Save Lora, LyCORIS' full type) merged by
+tools/merge_lora.py as ComfyUI patches them (W += ratio * diff), in either naming of the base: each merged
+checkpoint, loaded back by the family's own loader, equals the model with the deltas added by hand."""
+
+import pytest
+from PIL import Image
+import torch
+from safetensors.torch import load_file, save_file
+
+from library.models.flux1.family import FluxFamily
+from library.models.zimage.checkpoint import single_file_key
+from library.models.zimage.family import ZImageFamily
+from networks import lora_files as lf
+from tools import merge_lora
+
+RATIO = 0.5
+
+
+def numbered(*shape, seed: int) -> torch.Tensor:
+    """Distinct values a row: a row moved to another's place shows."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed))
+
+
+def merged_model(family, base: str, lora: str, out: str, ratio: float = RATIO):
+    assert merge_lora.main(["--model", base, "--lora", f"{lora}:{ratio}", "--save_to", out]) == 0
+    return family(out).load_transformer(torch.float32)
+
+
+def assert_model_is(got: torch.nn.Module, want: dict[str, torch.Tensor]):
+    state = got.state_dict()
+    assert sorted(state) == sorted(want)
+    for k, v in want.items():
+        torch.testing.assert_close(state[k], v, rtol=0, atol=1e-6, msg=k)
+
+
+def flux_whole_deltas(model) -> dict[str, torch.Tensor]:
+    """{our parameter: its delta}: the fused qkv's weight and bias, a modulation bias, an MLP's biases."""
+    params = dict(model.named_parameters())
+    names = ["double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.qkv.bias", "double_blocks.0.img_mod.lin.bias",
+             "single_blocks.0.linear1.bias", "double_blocks.0.txt_mlp.0.bias"]
+    return {n: numbered(*params[n].shape, seed=i) for i, n in enumerate(names)}
+
+
+def as_file(deltas: dict[str, torch.Tensor], path, name=lambda module: f"diffusion_model.{module}", extra=None) -> str:
+    """The deltas as a file's `<module>.diff` / `.diff_b` (ComfyUI's dotted names unless `name` says otherwise)."""
+    tensors = {f"{name(p.rsplit('.', 1)[0])}.{'diff_b' if p.endswith('.bias') else 'diff'}": d for p, d in deltas.items()}
+    save_file({**tensors, **(extra or {})}, str(path))
+    return str(path)
+
+
+def with_deltas(model, deltas: dict[str, torch.Tensor], ratio: float = RATIO) -> dict[str, torch.Tensor]:
+    return {k: v + ratio * deltas[k] if k in deltas else v for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("checkpoint", ["base.safetensors", "diffusers"])
+@pytest.mark.parametrize("naming", ["comfy", "kohya"])
+def test_flux_whole_deltas_merge_into_either_naming(flux_loras, tmp_path, checkpoint, naming):
+    """BFL-named deltas (ComfyUI's `diffusion_model.` or kohya's `lora_unet_`) into the BFL file and into the
+    diffusers folder, whose to_q / to_k / to_v take the fused qkv delta's rows: both load back as the model plus
+    the deltas (the old merge refused a file of deltas alone as LyCORIS' full type)."""
+    model, root = flux_loras["model"], flux_loras["root"]
+    deltas = flux_whole_deltas(model)
+    name = (lambda m: f"diffusion_model.{m}") if naming == "comfy" else lf.kohya_name
+    path = as_file(deltas, tmp_path / "full.safetensors", name)
+    out = str(tmp_path / ("merged.safetensors" if checkpoint.endswith(".safetensors") else "merged"))
+    assert_model_is(merged_model(FluxFamily, str(root / checkpoint), path, out), with_deltas(model, deltas))
+
+
+def test_a_comfyui_extraction_merges_its_lora_and_its_bias_deltas(flux_loras, tmp_path):
+    """ComfyUI's Extract and Save Lora: down / up and a `.diff_b` per bias. The merge left the bias deltas out (a
+    warning), so the merged checkpoint differed from what ComfyUI renders with the file; it adds both now."""
+    model, root = flux_loras["model"], flux_loras["root"]
+    lora = load_file(flux_loras["cases"]["ComfyUI dotted lora_down"][0])
+    biases = {n: d for n, d in flux_whole_deltas(model).items() if n.endswith(".bias")}
+    path = as_file(biases, tmp_path / "extract.safetensors", extra=lora)
+    lora_only = merged_model(FluxFamily, str(root / "base.safetensors"), flux_loras["cases"]["ComfyUI dotted lora_down"][0],
+                             str(tmp_path / "lora_only.safetensors"))
+    got = merged_model(FluxFamily, str(root / "base.safetensors"), path, str(tmp_path / "merged.safetensors"))
+    assert_model_is(got, with_deltas(lora_only, biases))
+    assert not torch.equal(lora_only.state_dict()["double_blocks.0.img_attn.qkv.weight"],
+                           model.state_dict()["double_blocks.0.img_attn.qkv.weight"])  # the LoRA merged too
+
+
+def test_zimage_deltas_in_comfyuis_fused_names_merge_into_both_checkpoints(zimage_loras, tmp_path):
+    """Z-Image's single file (ComfyUI's names) fuses to_q / to_k / to_v into attention.qkv: ComfyUI's extraction
+    names that. Into the diffusers folder each part takes its third of the rows and a renamed norm's 1-D weight
+    (`.diff`) its own (the family's comfy_map)."""
+    model, root = zimage_loras["model"], zimage_loras["root"]
+    params = dict(model.named_parameters())
+    block = "layers.0.attention"
+    fused = numbered(3 * params[f"{block}.to_q.weight"].shape[0], params[f"{block}.to_q.weight"].shape[1], seed=1)
+    norm = next(n for n in params if n.startswith(block) and "norm" in n and n.endswith(".weight"))
+    deltas = {f"{block}.to_{c}.weight": fused[i * len(fused) // 3 : (i + 1) * len(fused) // 3] for i, c in enumerate("qkv")}
+    deltas[norm] = numbered(*params[norm].shape, seed=2)
+    path = str(tmp_path / "zimage.safetensors")
+    comfy_norm = single_file_key(norm)[: -len(".weight")]  # attention.q_norm: ComfyUI's name of our norm_q
+    assert comfy_norm != norm[: -len(".weight")]
+    save_file({f"diffusion_model.{block}.qkv.diff": fused, f"diffusion_model.{comfy_norm}.diff": deltas[norm]}, path)
+    want = with_deltas(model, deltas)
+    for checkpoint in ("base.safetensors", "diffusers"):
+        out = str(tmp_path / ("merged.safetensors" if checkpoint.endswith(".safetensors") else "merged"))
+        assert_model_is(merged_model(ZImageFamily, str(root / checkpoint), path, out), want)
+
+
+def test_a_whole_delta_of_another_shape_is_one_line_and_nothing_written(flux_loras, tmp_path, capsys):
+    root = flux_loras["root"]
+    path = str(tmp_path / "bad.safetensors")
+    save_file({"diffusion_model.double_blocks.0.img_attn.qkv.diff_b": torch.ones(7)}, path)
+    out = tmp_path / "merged.safetensors"
+    assert merge_lora.main(["--model", str(root / "base.safetensors"), "--lora", path, "--save_to", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == (f"error: {path}: 'diffusion_model.double_blocks.0.img_attn.qkv.diff_b' is a delta of shape (7,), "
+                   f"the tensor it changes is (192,) ('double_blocks.0.img_attn.qkv.bias')") and not out.exists()
+
+
+def tiny_flux_extraction(tiny_set, path, bias_rows: int | None = None) -> str:
+    """A ComfyUI extraction of the tiny set's FLUX.1: one down / up module and three `.diff_b` (one of
+    `bias_rows` rows where given: the wrong size)."""
+    model = FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32)
+    params = dict(model.named_parameters())
+    names = ["double_blocks.0.img_attn.qkv.bias", "double_blocks.0.img_mod.lin.bias", "single_blocks.0.linear2.bias"]
+    biases = {n: numbered(bias_rows or params[n].shape[0], seed=i) * 0.3 for i, n in enumerate(names)}
+    lora = {"diffusion_model.double_blocks.0.img_attn.proj.lora_down.weight": numbered(4, 64, seed=7) * 0.1,
+            "diffusion_model.double_blocks.0.img_attn.proj.lora_up.weight": numbered(64, 4, seed=8) * 0.1}
+    return as_file(biases, path, extra=lora)
+
+
+def test_base_loras_and_generate_add_the_bias_deltas_as_the_merge_does(tiny_set, tmp_path, monkeypatch):
+    """A ComfyUI extraction as base_loras and as generate.py's --lora: the down / up modules and the `.diff_b`
+    tensors, the old ones with a warning that the bias deltas were left out. Now the base_loras merge equals the
+    merge_lora checkpoint, and generate renders with the LoRA what it renders with that checkpoint."""
+    import copy
+
+    from library.lora_spec import LoRASpec
+    from library.training.base_loras import merge_base_loras
+    from tests.test_generate import generate_args
+    from tools import generate
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tiny_flux_extraction(tiny_set, tmp_path / "extract.safetensors")
+    merged_file = str(tmp_path / "merged.safetensors")
+    merged = merged_model(FluxFamily, tiny_set["flux_bfl"], path, merged_file, ratio=0.8)
+    model = FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32)
+    base = copy.deepcopy(model)
+    assert merge_base_loras(base, "flux", [LoRASpec(path, 0.8)]) == 1 + 3
+    assert_model_is(base, merged.state_dict())
+    assert not torch.equal(merged.state_dict()["double_blocks.0.img_mod.lin.bias"], model.state_dict()["double_blocks.0.img_mod.lin.bias"])
+
+    images = {}
+    for name, extra in (("lora", ("--lora", f"{path}:0.8")), ("merged", ("--model", merged_file)), ("base", ())):
+        assert generate.main(generate_args(tiny_set, tmp_path / name, "--seed", "0", *extra)) == 0
+        images[name] = torch.tensor(list(Image.open(tmp_path / name / "000_0.png").getdata()), dtype=torch.int16)
+    assert (images["lora"] - images["merged"]).abs().max() <= 1 and (images["lora"] - images["base"]).abs().max() > 8
+
+
+def test_a_bias_delta_of_another_shape_is_refused_before_any_model_loads(tiny_set, tmp_path, capsys, monkeypatch):
+    """generate.py's --lora and train_lora.py's base_loras: read onto the transformer built on meta, one line."""
+    import train_lora
+    from library.training import diffusion_task
+    from tests.test_generate import generate_args
+    from tests.test_reliability import one_error_line
+    from tests.test_train_lora import flux_args
+    from tools import generate
+
+    path = tiny_flux_extraction(tiny_set, tmp_path / "bad.safetensors", bias_rows=5)
+    monkeypatch.setattr(FluxFamily, "load_text_encoder", lambda *a, **k: pytest.fail("a model loaded"))
+    capsys.readouterr()
+    line = one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", "--lora", path)))
+    said = (f"{path}: 'diffusion_model.double_blocks.0.img_attn.qkv.diff_b' is a delta of shape (5,), the tensor it "
+            f"changes is (192,) (double_blocks.0.img_attn.qkv.bias)")
+    assert line == f"error: {said}", line
+    for name in ("cache_latents", "cache_text"):
+        monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "run", "--base_loras", f"{path}:0.5")))
+    assert line.endswith(f"quickstart.toml: key 'base_loras': {said}"), line
