@@ -3,6 +3,8 @@ would not fit the memory available: one error from the first batch's size, namin
 disk, instead of the kernel's out-of-memory kill after minutes of encoding (a FLUX.1 caption is 4 MiB of T5
 output: 1000 images with shuffle_caption's 8 variants are 35 GiB)."""
 
+import os
+
 import pytest
 
 from library.data import caches
@@ -73,3 +75,48 @@ def test_the_trainer_stops_in_one_line_and_exit_2_before_the_model_loads(tiny_se
     (line,) = capsys.readouterr().err.strip().splitlines()
     assert line.startswith("error: in-memory caches: the latents of ") and line.endswith(
         "set cache_latents_to_disk = true to keep them on disk")
+
+
+def test_the_planner_says_the_in_memory_caches_the_trainer_then_holds(tiny_set, tmp_path, monkeypatch, capsys):
+    """tools/plan_memory.py planned device memory only: caches held in memory (the defaults) were first seen at the
+    run's first batch. Its host-memory row now gives what the trainer's check then projects from the encoded
+    tensors (caches.check_memory_room: one process's bytes), on a dataset with flip_aug and 2 caption_variants."""
+    import toml
+
+    import train_lora
+    from library.data.dataset_config import load_dataset_config
+    from library.models.flux1.family import FluxFamily
+    from library.training.config import load_config
+    from library.training.memory_plan import cache_entry_bytes
+    from tools import plan_memory
+
+    image_dir = load_dataset_config(tiny_set["dataset_config"]).datasets[0].subsets[0].image_dir
+    (tmp_path / "ds.toml").write_text(f'[general]\nresolution = 64\nbatch_size = 2\nenable_bucket = false\n[[datasets]]\n'
+                                      f'[[datasets.subsets]]\nimage_dir = "{image_dir}"\nflip_aug = true\n'
+                                      f'shuffle_caption = true\ncaption_variants = 2\n')
+    config = {"model_type": "flux", "pretrained_model_name_or_path": tiny_set["flux_bfl"], "ae": tiny_set["flux_vae_single"],
+              "clip_l": tiny_set["clip_l"], "t5xxl": tiny_set["t5xxl"], "t5xxl_max_token_length": 32,
+              "dataset_config": str(tmp_path / "ds.toml"), "output_dir": str(tmp_path / "out"), "mixed_precision": "no",
+              "network_dim": 4, "optimizer_type": "AdamW", "learning_rate": 1e-3, "max_train_steps": 1,
+              "cache_latents_to_disk": False, "cache_text_encoder_outputs_to_disk": False}
+    (tmp_path / "run.toml").write_text(toml.dumps(config))
+    run = load_config(["--config_file", str(tmp_path / "run.toml")])
+    family = FluxFamily(tiny_set["flux_bfl"], tiny_set["flux_vae_single"], clip_l=tiny_set["clip_l"], t5xxl=tiny_set["t5xxl"])
+    plan = caches.plan_in_memory_caches(load_dataset_config(run.dataset_config), *cache_entry_bytes(family, run))
+
+    checked, real = {}, caches.check_memory_room
+    monkeypatch.setattr(caches, "check_memory_room", lambda needed, processes, what, key, *a: (
+        checked.__setitem__(key, needed), real(needed, processes, what, key, *a)))
+    assert train_lora.main(["--config_file", str(tmp_path / "run.toml")]) == 0
+    images = len([n for n in os.listdir(image_dir) if n.endswith(".png")])
+    assert (plan.images, plan.texts, plan.variants) == (images, 3 * images, 2 * images)
+    assert checked == {"cache_latents_to_disk": plan.latent_bytes, "cache_text_encoder_outputs_to_disk": plan.text_bytes}
+
+    available(monkeypatch, plan.latent_bytes + plan.text_bytes)  # not 90% over both
+    capsys.readouterr()
+    assert plan_memory.main(["--config_file", str(tmp_path / "run.toml"), "--vram", "12"]) == 0
+    row = capsys.readouterr().out.strip().splitlines()[-1]
+    assert row.startswith(f"Host memory, each process: the in-memory caches of {images} images ({3 * images} texts, "
+                          f"{2 * images} of them caption_variants): latents up to 0.00 GiB, text encoder outputs up to "
+                          f"0.00 GiB; 0.0 GiB available here: over 90% of it, set cache_latents_to_disk = true or "
+                          f"cache_text_encoder_outputs_to_disk = true"), row

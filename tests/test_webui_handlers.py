@@ -4,6 +4,7 @@ write, and the one clear line they answer to bad input."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import time
 
@@ -754,7 +755,8 @@ def test_the_light_tools_run_in_the_checkers_warm_process_beside_its_checks(chec
     expected = capsys.readouterr().out
     monkeypatch.setattr(commands.subprocess, "run", lambda *a, **k: pytest.fail("a tool process was started"))
     result, fits = commands.plan(checker.workdir, 1, config_file=str(config), helper=checker)
-    assert result.ok and result.stdout == expected and fits and fits[0].blocks_to_swap == 0
+    here = lambda out: re.sub(r"[\d.]+ GiB available here", "", out)  # noqa: E731 (the machine's, at each plan)
+    assert result.ok and here(result.stdout) == here(expected) and fits and fits[0].blocks_to_swap == 0
     missing = commands.run_tool("check_dataset.py", [str(tmp_path / "none.toml"), "--json"], checker.workdir,
                                 helper=checker)
     assert (missing.ok, missing.output) == (False, f"error: {tmp_path / 'none.toml'}: no such dataset config file")
@@ -769,7 +771,7 @@ def test_the_light_tools_run_in_the_checkers_warm_process_beside_its_checks(chec
     planning.join()
     assert answer["key"] == "pretrained_model_name_or_path"
     (result, _), planned = done["plan"]
-    assert result.stdout == expected and answered < planned
+    assert here(result.stdout) == here(expected) and answered < planned
 
 
 def test_a_file_picker_lists_files_written_after_the_page_loaded(ui, tmp_path):

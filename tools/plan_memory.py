@@ -438,6 +438,38 @@ def caching_advice(family, run, step: LargestStep, vram_gib: float, caching) -> 
     return f"caching does not fit a {vram_gib:g} GiB card (usable {room / GiB:.1f}): set {' and '.join(advice)}"
 
 
+def in_memory_caches_row(family, run) -> str:
+    """What the run's in-memory caches (cache_latents_to_disk / cache_text_encoder_outputs_to_disk false, the
+    defaults) hold in host memory, each process, against the memory available on this machine: train_lora.py stops
+    at the first batch where they would not fit (caches.check_memory_room); this says it before the run."""
+    import warnings
+
+    from library.data.caches import MEMORY_SHARE, memory_available, plan_in_memory_caches
+    from library.data.dataset_config import load_dataset_config
+    from library.training.memory_plan import cache_entry_bytes
+
+    with warnings.catch_warnings():  # the folders' notes (images in subfolders ...) are check_dataset.py's
+        warnings.simplefilter("ignore")
+        plan = plan_in_memory_caches(load_dataset_config(run.dataset_config), *cache_entry_bytes(family, run))
+    kept = {"cache_latents_to_disk": (plan.latent_bytes, "latents"),
+            "cache_text_encoder_outputs_to_disk": (plan.text_bytes, "text encoder outputs")}
+    kept = {key: value for key, value in kept.items() if not getattr(run, key)}
+    if not kept:
+        return "\nHost memory: both caches on disk (cache_latents_to_disk, cache_text_encoder_outputs_to_disk)"
+    variants = f", {plan.variants} of them caption_variants" if plan.variants else ""
+    parts = [f"{what} up to {size / GiB:.2f} GiB" for size, what in kept.values()]
+    line = (f"\nHost memory, each process: the in-memory caches of {plan.images} images ({plan.texts} texts{variants}): "
+            f"{', '.join(parts)}")
+    available, total = memory_available(), sum(size for size, _ in kept.values())
+    if available is None:
+        return line
+    line += f"; {available / GiB:.1f} GiB available here"
+    if total > MEMORY_SHARE * available:
+        line += (f": over {MEMORY_SHARE:.0%} of it, set {' or '.join(f'{k} = true' for k, (size, _) in kept.items() if size)}"
+                 f" (train_lora.py stops at the first batch otherwise)")
+    return line
+
+
 def kept_tensor_rows(family, args, step: LargestStep, vram_gib: float, planned: dict, extras: dict | None = None,
                      sample_size: tuple[int, int] | None = None) -> list[str]:
     """What each of KEEPING_KEYS (unset in args) would cost on this card, per base precision with
@@ -507,6 +539,8 @@ def report(args, family, run, step: LargestStep) -> None:
              for base, why in refused_bases(family, run, card_bases(family, run, args.vram, args.base_precision)).items()]
     rows += kept_tensor_rows(family, run, step, args.vram, planned, extras, samples)
     print("\n".join(rows))
+    if not args.preset:
+        print(in_memory_caches_row(family, run))
     if run.vae_tiling is None and any(row.endswith(TILES_SAID) for row in rows):
         vae = family.vae_on_meta()
         whole, tiles = (vae_pass_peak(vae, *samples, 1, decode=True, downsample=family.vae_downsample, tiled=tiled)

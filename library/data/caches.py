@@ -15,6 +15,7 @@ import re
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from itertools import islice
 from typing import Callable
 
@@ -22,7 +23,8 @@ import torch
 
 from library.data.captions import caption_settings, drops_captions, fixed_caption
 from library.data.controls import encode_prompts
-from library.data.image_folders import ImageItem
+from library.data.dataset_config import DatasetBlueprint
+from library.data.image_folders import ImageItem, largest_bucket, reference_count, subset_images
 from library.data.images import load_image
 from library.data.masks import load_mask, mask_source_hash
 from library.io import CheckpointReader, SharedLock, atomic_target, save_safetensors
@@ -360,6 +362,38 @@ def check_memory_room(needed: float, processes: int, what: str, key: str, other_
     raise ValueError(f"in-memory caches: {what} would take {needed / 2**30:.1f} GiB{each}, over "
                      f"{MEMORY_SHARE:.0%} of the {available / 2**30:.1f} GiB of memory available; set {key} = true "
                      f"to keep them on disk{other_way}")
+
+
+@dataclass(frozen=True)
+class InMemoryCaches:
+    """What a run's in-memory caches hold in one process, planned from its dataset config (tools/plan_memory.py)."""
+
+    images: int
+    texts: int
+    variants: int  # of the texts: augmented caption_variants
+    latent_bytes: int
+    text_bytes: int
+
+
+def plan_in_memory_caches(blueprint: DatasetBlueprint, latent_per_pixel: float, text_bytes: int) -> InMemoryCaches:
+    """Upper bounds of the caches cache_latents / cache_text keep in memory for `blueprint`'s images (the held-out
+    sets' too), from the folders' file lists alone: each image's latents at its dataset's largest bucket (a
+    bucket's area is at most that), once more per reference (the most any image has; a layered image's composite)
+    and per layer file, twice
+    with flip_aug; its caption and its caption_variants (with shuffle_caption or caption_tag_dropout_rate), each
+    `text_bytes` (the planned caption length's). latent_per_pixel: cached bytes per pixel of an image."""
+    references = reference_count(blueprint)
+    images = texts = variants = latents = 0
+    for ds in [*blueprint.datasets, *blueprint.validation_datasets]:
+        width, height = largest_bucket(ds)
+        for subset in ds.subsets:
+            paths, layers = subset_images(subset)
+            own = references if subset.control_directory else 1 if subset.multiple_target else 0  # a composite: its own
+            frames = sum(1 + len(layers.get(p, ())) + own for p in paths)
+            latents += frames * (2 if subset.flip_aug else 1) * width * height * latent_per_pixel
+            augmented = subset.caption_variants if subset.shuffle_caption or subset.caption_tag_dropout_rate > 0 else 0
+            images, texts, variants = images + len(paths), texts + len(paths) * (1 + augmented), variants + len(paths) * augmented
+    return InMemoryCaches(images, texts, variants, int(latents), texts * text_bytes)
 
 
 def memory_available() -> int | None:

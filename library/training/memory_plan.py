@@ -421,6 +421,18 @@ def caching_phase(family, args, width: int, height: int, references: int = 0,
     return phase
 
 
+def cache_entry_bytes(family, args) -> tuple[float, int]:
+    """(bytes a cached latent holds per pixel of its image, bytes a cached caption holds at the planned length,
+    text_tokens_for's) as library/data/caches.py stores them (floating tensors in CACHE_DTYPE): the in-memory
+    caches' plan (caches.plan_in_memory_caches)."""
+    from library.data.caches import CACHE_DTYPE
+
+    model = family.load_transformer(torch.float32, "bf16", read_weights=False)
+    text = family.text_on_meta(model, 1, text_tokens_for(family, args)).values()
+    per_text = sum(t.numel() * (CACHE_DTYPE.itemsize if t.is_floating_point() else t.element_size()) for t in text)
+    return family.latent_channels * CACHE_DTYPE.itemsize / family.vae_downsample**2, per_text
+
+
 def renders_bf16_reference(family, args) -> bool:
     """Whether samples also render on a bf16 copy of the base (DiffusionTask.render_samples): on an
     fp8 / nf4 / int8 base, unless sample_bf16_reference is false (unset counts as on; settle_sampling).
