@@ -219,7 +219,8 @@ def text_report(info: dict) -> str:
     if info["text_encoders"]:
         lines.append(f"text encoders: {info['text_encoders']} (transformer tools leave them out)")
     if info["beside_lora"]:
-        lines.append(f"left out by LoRA loaders: {info['beside_lora']}")
+        lines.append(f"also in the file: {info['beside_lora']} (merge_lora, generate.py and base_loras add .diff / .diff_b "
+                     f"as ComfyUI does; network_weights and convert_lora leave them out)")
     if "checked" in info:
         lines.append(f"checked: {info['checked']}")
     if info["finite"] is not None:  # a diverged training's file is what every loader refuses
