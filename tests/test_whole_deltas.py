@@ -173,3 +173,18 @@ def test_a_bias_delta_of_another_shape_is_refused_before_any_model_loads(tiny_se
         monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
     line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "run", "--base_loras", f"{path}:0.5")))
     assert line.endswith(f"quickstart.toml: key 'base_loras': {said}"), line
+
+
+def test_resize_keeps_the_tensors_beside_the_lora(flux_loras, tmp_path, capsys):
+    """resize_lora left ComfyUI's `.diff_b` out (a warning): the resized extraction lost its bias deltas. They have
+    no rank; they are written back as they are."""
+    from tools import resize_lora
+
+    path = flux_loras["cases"]["ComfyUI extraction (.diff_b beside)"][0]
+    out = tmp_path / "resized.safetensors"
+    assert resize_lora.main(["--lora", path, "--save_to", str(out), "--new_rank", "2"]) == 0
+    before, after = load_file(path), load_file(out)
+    diffs = [k for k in before if k.endswith(".diff_b")]
+    assert len(diffs) == 13 and all(torch.equal(after[k], before[k]) for k in diffs)
+    assert max(after[k].shape[0] for k in after if k.endswith(".lora_down.weight")) == 2
+    assert "left out" not in capsys.readouterr().err

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -61,20 +61,23 @@ class LoRAFile:
     prefix: str  # stripped from dotted names ("" for kohya)
     dtype: torch.dtype
     shapes: dict[str, torch.Tensor] | None = None  # key -> meta tensor of the file's shape (tells the architecture)
+    beside: dict[str, torch.Tensor] = field(default_factory=dict)  # with keep_beside: lora_files.BESIDE_LORA's tensors
 
     @property
     def has_dora(self) -> bool:
         return any(w.magnitude is not None for w in self.weights.values())
 
 
-def read_lora_file(path: str, tool: str) -> LoRAFile:
+def read_lora_file(path: str, tool: str, keep_beside: bool = False) -> LoRAFile:
     """Read a down/up LoRA (kohya, PEFT/diffusers, ComfyUI; DoRA included) or a PEFT adapter folder
     (its adapter_config.json gives the alphas, also when `path` is the folder's
     adapter_model.safetensors). LyCORIS files are refused with one line naming `tool`; a PEFT file
-    whose alpha is stored nowhere is read as alpha = rank with a warning, as convert_lora does."""
+    whose alpha is stored nowhere is read as alpha = rank with a warning, as convert_lora does. The tensors
+    saved beside the LoRA (lora_files.BESIDE_LORA: ComfyUI's .diff_b ...) are left out with a warning, or, with
+    keep_beside (a tool writing the file's own layout back), kept in `beside` as they are."""
     tensors, metadata, adapter_config = read_lora_tensors(path)
     tensors, diffs = split_beside_lora(tensors)
-    if diffs:
+    if diffs and not keep_beside:
         print(f"warning: {path}: left out {beside_lora_note(diffs)}: {tool} works on the down/up modules only", file=sys.stderr)
     if is_lycoris_file(tensors):
         raise CheckpointError(f"{path}: a LyCORIS file (LoKr / LoHa / ...): {tool} works on LoRA (down/up) files only; "
@@ -95,7 +98,7 @@ def read_lora_file(path: str, tool: str) -> LoRAFile:
         fmt = "comfy_peft"
     dtype = next(iter(weights.values())).down.dtype
     shapes = {k: torch.empty(t.shape, device="meta") for k, t in tensors.items()}
-    return LoRAFile(path, weights, dict(metadata), fmt, prefix, dtype, shapes)
+    return LoRAFile(path, weights, dict(metadata), fmt, prefix, dtype, shapes, diffs if keep_beside else {})
 
 
 def check_finite(weights: dict[str, LoRAWeights], path: str, tool: str) -> None:
@@ -132,13 +135,15 @@ def layout_tensors(weights: dict[str, LoRAWeights], fmt: str, prefix: str, dtype
 
 
 def write_lora_file(path: str, weights: dict[str, LoRAWeights], fmt: str, prefix: str, dtype: torch.dtype,
-                    metadata: dict[str, str]) -> None:
+                    metadata: dict[str, str], beside: dict[str, torch.Tensor] | None = None) -> None:
     """Atomic write in layout `fmt`; hashes and PEFT alpha headers of the input are dropped (they
-    describe other tensors), PEFT output is marked as alpha-folded."""
+    describe other tensors), PEFT output is marked as alpha-folded. beside: tensors written under their own
+    keys after the LoRA's (LoRAFile.beside; floating ones in `dtype`)."""
     header = {k: v for k, v in metadata.items() if k not in DROPPED_METADATA}
     if fmt in ("peft", "comfy_peft"):
         header[FOLDED_MARK] = "true"
-    write_lora_tensors(layout_tensors(weights, fmt, prefix, dtype), path, header)
+    extra = {k: t.to(dtype) if t.is_floating_point() else t for k, t in (beside or {}).items()}
+    write_lora_tensors({**layout_tensors(weights, fmt, prefix, dtype), **extra}, path, header)
 
 
 def save_dtype(name: str | None, default: torch.dtype) -> torch.dtype:

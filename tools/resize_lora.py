@@ -19,7 +19,8 @@ alpha is old_alpha / old_rank * k; down = the top k right singular vectors (orth
 up = the left ones times the singular values. At k = old rank the delta is unchanged (to the rounding
 of the save precision: a bf16 file's factors are new bf16 numbers, 2e-3 off; the error printed is the
 written one's). DoRA files keep their magnitudes (the direction is resized, m * (W + dW') / ||W + dW'||).
-LyCORIS files are refused. The output has the layout of the input (kohya, PEFT with alpha folded
+LyCORIS files are refused. Tensors saved beside the LoRA (ComfyUI's whole `.diff` / `.diff_b` deltas, OneTrainer's
+bundled embeddings) have no rank: they are written back as they are. The output has the layout of the input (kohya, PEFT with alpha folded
 into lora_B, ComfyUI) and its metadata, with ss_network_dim / ss_network_alpha updated (
 "Dynamic" for dynamic resizing, as sd-scripts writes) and `lora_resized` describing the run.
 
@@ -117,7 +118,7 @@ def resize_lora(src: str, dst: str, new_rank: int, method: str | None = None, pa
     """Resize `src` into `dst`; returns {"modules": rows, "summary": ..., "output_error": ... or None}."""
     check_args(new_rank, method, param)
     check_output_path(dst, src)
-    lora = read_lora_file(src, "resize_lora")
+    lora = read_lora_file(src, "resize_lora", keep_beside=True)  # ComfyUI's .diff_b ...: no rank to resize, kept
     measure = output_error(model, src) if model else None  # a --model that cannot take the LoRA: before writing
     dtype = save_dtype(precision, lora.dtype)
     weights, rows = resize_weights(lora.weights, new_rank, method, param, device, dtype)
@@ -134,7 +135,7 @@ def resize_lora(src: str, dst: str, new_rank: int, method: str | None = None, pa
                         ss_training_comment=f"dimension is resized from {old_dim} to {dim}; {comment}")
     metadata["lora_resized"] = json.dumps({"from": os.path.basename(src), "new_rank": new_rank,
                                            "dynamic_method": method, "dynamic_param": param})  # fmt: skip
-    write_lora_file(dst, weights, lora.fmt, lora.prefix, dtype, metadata)
+    write_lora_file(dst, weights, lora.fmt, lora.prefix, dtype, metadata, lora.beside)
     fro = [r["fro_retained"] for r in rows]
     summary = {"modules": len(rows), "mean_fro_retained": statistics.fmean(fro), "min_fro_retained": min(fro),
                "max_rel_error": max(r["rel_error"] for r in rows),
