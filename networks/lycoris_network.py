@@ -574,8 +574,8 @@ class LycorisDelta:
     what the module's forward applies (the training and ComfyUI semantics). lycoris-lora 4.1.3's
     get_merged_weight disagrees with its own forward for LoKr and LoHa (alpha / rank applied twice,
     and DoRA's dora_wd), so those take W + get_weight() (the forward's delta; dora_wd through
-    LyCORIS' apply_weight_decompose), LoCon takes get_merged_weight (it agrees). Other algos ((IA)^3,
-    full/diff with its bias deltas, OFT, ...) are refused: this merge writes weights only."""
+    LyCORIS' apply_weight_decompose), LoCon takes get_merged_weight (it agrees). The full type's `diff` / `diff_b` merge as whole deltas
+    (networks/lora_reader.py WholeDelta), never here; other algos ((IA)^3, OFT, ...) are refused."""
 
     MERGEABLE = MERGEABLE
 
@@ -589,7 +589,7 @@ class LycorisDelta:
             raise CheckpointError(f"{source}: LyCORIS module '{name}': LyCORIS does not recognise its keys")
         if self.algo.__name__ not in self.MERGEABLE:
             raise CheckpointError(f"{source}: LyCORIS module '{name}' is a {self.algo.__name__}: merging supports LoKr, "
-                                  f"LoHa and LoCon (with or without dora_wd) only")
+                                  f"LoHa and LoCon (with or without dora_wd) and full (diff / diff_b) only")
         # float32 for the merge math, whatever the file stored
         self.params = tuple(p.float() if isinstance(p, torch.Tensor) and p.is_floating_point() else p for p in params)
 

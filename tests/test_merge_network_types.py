@@ -1,5 +1,5 @@
-"""tools/merge_lora.py and tools/convert_lora.py on DoRA and LyCORIS files: the merged checkpoint
-gives the output of the unmerged network, DoRA converts kohya <-> diffusers exactly, a LyCORIS
+"""tools/merge_lora.py and tools/convert_lora.py on DoRA and LyCORIS files (LyCORIS' full type too): the merged
+checkpoint gives the output of the unmerged network, DoRA converts kohya <-> diffusers exactly, a LyCORIS
 file is refused by convert with the reason."""
 
 import pytest
@@ -71,13 +71,32 @@ def test_lycoris_merge_equals_the_unmerged_network(tmp_path, files):
     assert effect > 0.05 and error <= 1e-5, (effect, error)
 
 
-def test_lycoris_algo_merge_cannot_write_is_one_line_and_no_output(tmp_path, capsys):
+def test_a_lycoris_full_file_merges_as_the_unmerged_network(tmp_path):
+    """LyCORIS' full type (`diff` and `diff_b`: whole weight and bias deltas) was refused ("is a FullModule: merging
+    supports LoKr, LoHa and LoCon"); it merges as ComfyUI patches it (W + ratio * diff), the output of LyCORIS' own
+    forward."""
     model = flux_base(tmp_path)
-    LycorisNetwork(model, "flux", 4, network_args={"algo": "full"}).save(str(tmp_path / "full.safetensors"))
+    base = run(model, flux_inputs())
+    net = LycorisNetwork(model, "flux", 4, 2.0, network_args={"algo": "full"})
+    net.apply()  # the module holds the whole weight from here on: its file's diff is that less the original
+    random_(net, 0.3)
+    net.save(str(tmp_path / "full.safetensors"))
+    net.set_multiplier(0.7)
+    expected = run(model, flux_inputs())
+    net.remove()
+    assert merge("--model", tmp_path / "base.safetensors", "--lora", f"{tmp_path / 'full.safetensors'}:0.7",
+                 "--save_to", tmp_path / "m.safetensors") == 0
+    effect, error = (expected - base).abs().max(), (run(load_flux(str(tmp_path / "m.safetensors")), flux_inputs()) - expected).abs().max()
+    assert effect > 0.05 and error <= 1e-5, (effect, error)
+
+
+def test_a_lycoris_algo_merge_cannot_write_is_one_line_and_no_output(tmp_path, capsys):
+    model = flux_base(tmp_path)
+    LycorisNetwork(model, "flux", 4, network_args={"algo": "diag-oft"}).save(str(tmp_path / "oft.safetensors"))
     capsys.readouterr()
-    assert merge("--model", tmp_path / "base.safetensors", "--lora", tmp_path / "full.safetensors",
+    assert merge("--model", tmp_path / "base.safetensors", "--lora", tmp_path / "oft.safetensors",
                  "--save_to", tmp_path / "m.safetensors") == 2
-    assert "is a FullModule: merging supports LoKr, LoHa and LoCon" in only_line(capsys.readouterr().err)
+    assert "merging supports LoKr, LoHa and LoCon" in only_line(capsys.readouterr().err)
     assert not (tmp_path / "m.safetensors").exists()
 
 
