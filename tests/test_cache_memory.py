@@ -120,3 +120,15 @@ def test_the_planner_says_the_in_memory_caches_the_trainer_then_holds(tiny_set, 
                           f"{2 * images} of them caption_variants): latents up to 0.00 GiB, text encoder outputs up to "
                           f"0.00 GiB; 0.0 GiB available here: over 90% of it, set cache_latents_to_disk = true or "
                           f"cache_text_encoder_outputs_to_disk = true"), row
+
+
+def test_a_full_size_caption_and_latent_are_what_the_docs_say():
+    """FLUX.1 [dev] at full size, on meta: a caption's cache is T5-XXL's 512 x 4096 and CLIP-L's pooled 768, bf16
+    (4 MiB: docs/configuration.md's figure); a latent 16 channels at 1/8 of the side, bf16 (0.5 MiB at 1024 px)."""
+    from library.training.memory_plan import cache_entry_bytes, reusing_meta_models
+    from tools.plan_memory import PresetFamily, default_args
+
+    family = PresetFamily("flux1-dev", None)
+    with reusing_meta_models():
+        per_pixel, per_text = cache_entry_bytes(family, default_args(family.name))
+    assert (per_pixel * 1024 * 1024, per_text) == (2**19, (512 * 4096 + 768) * 2)

@@ -427,7 +427,7 @@ def cache_entry_bytes(family, args) -> tuple[float, int]:
     caches' plan (caches.plan_in_memory_caches)."""
     from library.data.caches import CACHE_DTYPE
 
-    model = family.load_transformer(torch.float32, "bf16", read_weights=False)
+    model, _ = meta_model_and_network(family, args)  # the plans' own build (reusing_meta_models)
     text = family.text_on_meta(model, 1, text_tokens_for(family, args)).values()
     per_text = sum(t.numel() * (CACHE_DTYPE.itemsize if t.is_floating_point() else t.element_size()) for t in text)
     return family.latent_channels * CACHE_DTYPE.itemsize / family.vae_downsample**2, per_text
