@@ -188,3 +188,34 @@ def test_resize_keeps_the_tensors_beside_the_lora(flux_loras, tmp_path, capsys):
     assert len(diffs) == 13 and all(torch.equal(after[k], before[k]) for k in diffs)
     assert max(after[k].shape[0] for k in after if k.endswith(".lora_down.weight")) == 2
     assert "left out" not in capsys.readouterr().err
+
+
+def test_whole_deltas_merge_into_a_comfyui_scaled_fp8_base(flux_loras, tmp_path):
+    """ComfyUI's scaled fp8 checkpoint holds Linear biases in e4m3 too: a `.diff_b` and a `.diff` merge into the
+    dequantized values and are rounded back (stochastically, as ComfyUI patches an fp8 base) within one e4m3 step."""
+    from library.precision import fp8
+
+    root = flux_loras["root"]
+    base = str(tmp_path / "fp8.safetensors")
+    zero = flux_loras["cases"]["kohya (ours)"][0] + ":0"
+    assert merge_lora.main(["--model", str(root / "base.safetensors"), "--lora", zero, "--save_to", base, "--save_precision", "fp8"]) == 0
+    module = "double_blocks.0.img_attn.qkv"
+    before = load_file(base)
+    assert before[f"{module}.bias"].dtype == before[f"{module}.weight"].dtype == fp8.FP8_DTYPE
+    diff_b, diff = numbered(192, seed=1) * 0.2, numbered(192, 64, seed=2) * 0.02
+    path = str(tmp_path / "d.safetensors")
+    save_file({f"diffusion_model.{module}.diff_b": diff_b, f"diffusion_model.{module}.diff": diff}, path)
+    assert merge_lora.main(["--model", base, "--lora", f"{path}:{RATIO}", "--save_to", str(tmp_path / "m.safetensors")]) == 0
+    after = load_file(tmp_path / "m.safetensors")
+
+    def e4m3_step(x):  # the spacing of e4m3 values around x (3 mantissa bits)
+        return torch.exp2(torch.floor(torch.log2(x.abs().clamp_min(2**-6))) - 3)
+
+    want_b = before[f"{module}.bias"].float() + RATIO * diff_b
+    assert after[f"{module}.bias"].dtype == fp8.FP8_DTYPE
+    assert ((after[f"{module}.bias"].float() - want_b).abs() <= e4m3_step(want_b)).all()
+    scale_in, scale_out = before[f"{module}.scale_weight"].float(), after[f"{module}.scale_weight"].float()
+    want_w = before[f"{module}.weight"].float() * scale_in + RATIO * diff
+    got_w = after[f"{module}.weight"].float() * scale_out
+    assert ((got_w - want_w).abs() <= e4m3_step(want_w / scale_out) * scale_out).all()
+    assert not torch.equal(after[f"{module}.bias"], before[f"{module}.bias"])
