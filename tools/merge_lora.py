@@ -340,7 +340,8 @@ class Fp8BasePlan(Plan):
 
     def _requantized(self, weight_key: str) -> dict[str, torch.Tensor]:
         """{weight key: codes [, its scale key: scale]} of a merged weight, in the base's layout."""
-        merged, scale_key = self.merged(weight_key, self.dequantized(weight_key)), self._scale_key(weight_key)
+        merged = self.merged(weight_key, self.dequantized(weight_key))
+        scale_key = self._scale_key(weight_key) if weight_key.endswith(".weight") else None  # an e4m3 bias: no scale
         if scale_key not in self.base.reader:  # plain codes (or a ComfyUI layer without scale: 1.0)
             return self.quantized(weight_key, merged, "fp8")
         per_tensor = self.base.fp8.layout == "fp8_tensor_scaled"
@@ -359,7 +360,7 @@ class Fp8BasePlan(Plan):
 
     def tensors(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         stash: dict[str, torch.Tensor] = {}  # the other half (codes or scale) of a re-quantized weight
-        by_scale = {self._scale_key(k): k for k in self.deltas if self._is_fp8(k)}
+        by_scale = {self._scale_key(k): k for k in self.deltas if self._is_fp8(k) and k.endswith(".weight")}
         for key in keys:
             entries = self.entries(key)
             if not entries:
