@@ -135,8 +135,8 @@ def test_a_comfyui_extracted_lora_reads_its_down_up_and_says_what_it_leaves_out(
     info = lora_info.read_info(path)
     assert (info["format"], info["network"], info["beside_lora"]) == ("comfy", "LoRA", "13 tensors beside the LoRA (bias deltas .diff_b x13)")
     assert ("also in the file: 13 tensors beside the LoRA (bias deltas .diff_b x13) (merge_lora, generate.py and base_loras "
-            "add .diff / .diff_b as ComfyUI does, resize_lora keeps them; network_weights, convert_lora and combine_loras "
-            "leave them out)") in lora_info.text_report(info).splitlines()
+            "add .diff / .diff_b as ComfyUI does, resize_lora keeps them, combine_loras sums them; network_weights and "
+            "convert_lora leave them out)") in lora_info.text_report(info).splitlines()
     bundled = str(tmp_path / "onetrainer.safetensors")
     save_file({**load_file(flux_loras["cases"]["OneTrainer lora_transformer_ (diffusers names)"][0]),
                "bundle_emb.mystyle.clip_l": torch.ones(2, 8), "bundle_emb.mystyle.t5": torch.ones(2, 32)}, bundled)

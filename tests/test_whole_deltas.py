@@ -219,3 +219,25 @@ def test_whole_deltas_merge_into_a_comfyui_scaled_fp8_base(flux_loras, tmp_path)
     got_w = after[f"{module}.weight"].float() * scale_out
     assert ((got_w - want_w).abs() <= e4m3_step(want_w / scale_out) * scale_out).all()
     assert not torch.equal(after[f"{module}.bias"], before[f"{module}.bias"])
+
+
+def test_combine_sums_the_whole_deltas_of_inputs_in_one_layout(flux_loras, tmp_path, capsys):
+    """combine_loras left the `.diff_b` of ComfyUI extractions out; inputs in the output's layout now have theirs
+    summed at the ratios (a merge of the combined file adds what merging each adds); inputs in two layouts keep
+    the old warning."""
+    from tools import combine_loras
+
+    path = flux_loras["cases"]["ComfyUI extraction (.diff_b beside)"][0]
+    other = as_file({"double_blocks.0.img_attn.qkv.bias": numbered(192, seed=5)}, tmp_path / "other.safetensors",
+                    extra={k: v for k, v in load_file(path).items() if not k.endswith(".diff_b")})
+    out = tmp_path / "both.safetensors"
+    assert combine_loras.main(["--lora", f"{path}:0.5", f"{other}:-2", "--save_to", str(out)]) == 0
+    a, b, got = load_file(path), load_file(other), load_file(out)
+    key = "diffusion_model.double_blocks.0.img_attn.qkv.diff_b"
+    assert torch.allclose(got[key], 0.5 * a[key] - 2 * b[key])
+    assert all(torch.equal(got[k], 0.5 * a[k]) for k in a if k.endswith(".diff_b") and k != key)
+    assert "left out" not in capsys.readouterr().err
+    kohya = flux_loras["cases"]["kohya (ours)"][0]
+    assert combine_loras.main(["--lora", path, kohya, "--save_to", str(tmp_path / "mixed.safetensors")]) == 0
+    assert "left out 13 tensors beside the LoRA (bias deltas .diff_b x13): the inputs are in different layouts" in capsys.readouterr().err
+    assert not any(k.endswith(".diff_b") for k in load_file(tmp_path / "mixed.safetensors"))

@@ -18,7 +18,8 @@ turned into kohya names (`lora_unet_`, `lora_te_` for `model.layers...` LLM path
 kohya. LoRAs of one model in two namings (its original and diffusers' names, or ComfyUI's own fused
 qkv beside split q / k / v: the spec's module_map / comfy_map) are read as tools/merge_lora.py reads them, by the
 model's own module paths (a fused module split by rows, parts joined: exact), and combined in those.
-DoRA (its delta is not additive) and LyCORIS files are refused. The metadata is the first input's,
+Whole deltas beside the LoRAs (ComfyUI's extraction: `.diff` / `.diff_b`) are summed key by key at the ratios
+(exact) where every input is in the output's layout. DoRA (its delta is not additive) and LyCORIS files are refused. The metadata is the first input's,
 with `lora_combined` listing the files, ratios and mode, every input's training folders and tags (ss_dataset_dirs,
 ss_tag_frequency: combined_folders) and the output's own name (ss_output_name, modelspec.title where present).
 Errors are one line on stderr, exit status 2, and nothing is written.
@@ -58,8 +59,8 @@ import torch  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 from networks.lora_arch import lora_files  # noqa: E402
-from networks.lora_files import KOHYA_PREFIXES, KOHYA_TEXT_ENCODERS, PEFT_PREFIXES, LoRAWeights, kohya_name  # noqa: E402
-from networks.lora_reader import read_for_model  # noqa: E402
+from networks.lora_files import KOHYA_PREFIXES, KOHYA_TEXT_ENCODERS, PEFT_PREFIXES, LoRAWeights, beside_lora_note, kohya_name  # noqa: E402
+from networks.lora_reader import read_for_model, split_whole_deltas  # noqa: E402
 from networks.lora_svd import factors, svd_of_product  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import (  # noqa: E402
@@ -151,9 +152,31 @@ def _check_architectures(loras: list[LoRAFile]) -> str | None:
     return known[0][1] if known else None
 
 
+def combined_whole_deltas(specs: list[LoRASpec], loras: list[LoRAFile], fmt: str, prefix: str) -> dict[str, torch.Tensor]:
+    """The inputs' whole deltas (`.diff` / `.diff_b`, ComfyUI's extraction; read_lora_file's `beside`) summed key by key,
+    sum_i ratio_i * diff_i in float32: exact, as the deltas are added to the weights. Only where every input is in the
+    output's layout (its names are written as read); otherwise, and for other tensors beside a LoRA (bundled
+    embeddings), each file's are left out with one warning."""
+    kept = all((lora.fmt, lora.prefix) == (fmt, prefix) for lora in loras)
+    out: dict[str, torch.Tensor] = {}
+    for spec, lora in zip(specs, loras):
+        others, whole = split_whole_deltas(lora.beside)
+        if others or (whole and not kept):
+            left = {**others, **({} if kept else whole)}
+            print(f"warning: {lora.path}: left out {beside_lora_note(left)}: " + (
+                "combine_loras sums the whole .diff / .diff_b deltas only" if kept else
+                "the inputs are in different layouts, and combine_loras renames the down / up modules only"), file=sys.stderr)
+        for key, diff in whole.items() if kept else ():
+            if key in out and out[key].shape != diff.shape:
+                raise CheckpointError(f"{lora.path}: '{key}' is a delta of shape {tuple(diff.shape)}, another input's "
+                                      f"{tuple(out[key].shape)}")
+            out[key] = out.get(key, torch.zeros(diff.shape)) + spec.ratio * diff.float()
+    return out
+
+
 def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeights]]], list[LoRAFile], str, str]:
     """{module name: [(ratio, LoRA)]} in a common naming, the files, and the output (fmt, prefix)."""
-    loras = [read_lora_file(s.path, "combine_loras") for s in specs]
+    loras = [read_lora_file(s.path, "combine_loras", keep_beside=True) for s in specs]
     for lora in loras:
         if lora.has_dora:
             raise CheckpointError(f"{lora.path}: a DoRA file (dora_scale / lora_magnitude_vector): its delta is not "
@@ -242,7 +265,8 @@ def combine_loras(specs: list[LoRASpec], save_to: str, mode: str = "concat", ran
             metadata[key] = os.path.splitext(os.path.basename(save_to))[0]
     metadata["lora_combined"] = json.dumps({"mode": mode, "rank": rank,
                                             "loras": [{"file": os.path.basename(s.path), "ratio": s.ratio} for s in specs]})  # fmt: skip
-    write_lora_file(save_to, out, fmt, prefix, save_dtype(precision, first.dtype), metadata)
+    whole = combined_whole_deltas(specs, loras, fmt, prefix)
+    write_lora_file(save_to, out, fmt, prefix, save_dtype(precision, first.dtype), metadata, whole)
     return rows
 
 

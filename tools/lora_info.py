@@ -220,7 +220,8 @@ def text_report(info: dict) -> str:
         lines.append(f"text encoders: {info['text_encoders']} (transformer tools leave them out)")
     if info["beside_lora"]:
         lines.append(f"also in the file: {info['beside_lora']} (merge_lora, generate.py and base_loras add .diff / .diff_b "
-                     f"as ComfyUI does, resize_lora keeps them; network_weights, convert_lora and combine_loras leave them out)")
+                     f"as ComfyUI does, resize_lora keeps them, combine_loras sums them; network_weights and convert_lora leave "
+                     f"them out)")
     if "checked" in info:
         lines.append(f"checked: {info['checked']}")
     if info["finite"] is not None:  # a diverged training's file is what every loader refuses
