@@ -27,13 +27,14 @@ fused weight merges each part into its rows, `FusedRows`).
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 
 import torch
 
-from library.io import CheckpointError
+from library.io import CheckpointError, CheckpointReader
 from library.models.registry import arch_spec
 from library.models.spec import load_symbol
 from networks.lora_arch import (
@@ -350,8 +351,11 @@ def merge_whole_deltas(model: torch.nn.Module, arch: str, path: str, ratio: floa
     float parameter (an fp8 base's codes) is a CheckpointError naming it."""
     from networks.lora_args import diffusers_module_map
 
-    tensors = split_text_encoders(read_lora_tensors(path)[0])[0]
-    diffs = split_whole_deltas(tensors)[1]
+    if not os.path.isfile(path):  # a PEFT adapter folder: no whole deltas
+        return 0
+    if not split_whole_deltas(dict.fromkeys(CheckpointReader(path).keys()))[1]:  # the header alone: most LoRAs
+        return 0
+    diffs = split_whole_deltas(split_text_encoders(read_lora_tensors(path)[0])[0])[1]
     if not diffs:
         return 0
     modules = dict(model.named_modules())

@@ -114,14 +114,14 @@ def test_a_whole_delta_of_another_shape_is_one_line_and_nothing_written(flux_lor
 
 
 def tiny_flux_extraction(tiny_set, path, bias_rows: int | None = None) -> str:
-    """A ComfyUI extraction of the tiny set's FLUX.1: one down / up module and three `.diff_b` (one of
-    `bias_rows` rows where given: the wrong size)."""
+    """A ComfyUI extraction of the tiny set's FLUX.1: one down / up module and three `.diff_b`, one of them the
+    LoRA module's (the first: of `bias_rows` rows where given, the wrong size)."""
     model = FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32)
     params = dict(model.named_parameters())
     names = ["double_blocks.0.img_attn.qkv.bias", "double_blocks.0.img_mod.lin.bias", "single_blocks.0.linear2.bias"]
     biases = {n: numbered(bias_rows or params[n].shape[0], seed=i) * 0.3 for i, n in enumerate(names)}
-    lora = {"diffusion_model.double_blocks.0.img_attn.proj.lora_down.weight": numbered(4, 64, seed=7) * 0.1,
-            "diffusion_model.double_blocks.0.img_attn.proj.lora_up.weight": numbered(64, 4, seed=8) * 0.1}
+    lora = {"diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight": numbered(4, 64, seed=7) * 0.1,
+            "diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight": numbered(192, 4, seed=8) * 0.1}
     return as_file(biases, path, extra=lora)
 
 
