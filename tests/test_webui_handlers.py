@@ -878,3 +878,23 @@ def test_the_live_view_empties_when_its_job_is_deleted(ui):
     run(live, shown)
     assert shown[status] == "Pick a job in the Jobs tab." and shown[block(app, "log-tail")._id] == ""
     assert shown[block(app, "samples")._id] == [] and len(shown[block(app, "plot-loss")._id]) == 0
+
+
+def test_the_fields_follow_an_edited_toml_where_the_user_left_them(ui):
+    """An edit in the TOML editor left the field beside it showing the old value (the TOML's won at Create, unseen).
+    Leaving the editor now sets each field Load filled and the user left (or an empty one) from the TOML; a field
+    the user changed keeps its value; text that is no config TOML changes nothing."""
+    from library.ui.app import build_app
+    from library.ui.handlers import FORM_KEYS, form_values_of
+
+    on_toml_edit = {fn.api_name: fn for fn in build_app(ui).fns.values()}["fields_from_toml"].fn
+    order = list(FORM_KEYS)
+    loaded = form_values_of('model_type = "flux"\nmax_train_steps = 100\nlearning_rate = 1e-3\n')
+    shown = {**loaded, "learning_rate": "5e-4"}  # the user's edit of one field
+    edited = 'model_type = "flux"\nmax_train_steps = 500\nlearning_rate = 2e-3\nnetwork_dim = 16\nfp8_base = true\n'
+    *fields, now_loaded = on_toml_edit(edited, *[shown[k] for k in order], loaded)
+    got = dict(zip(order, fields))
+    assert (got["max_train_steps"], got["network_dim"], got["base_precision"]) == ("500", "16", "fp8_scaled")
+    assert got["learning_rate"] == gr.update() and now_loaded["learning_rate"] == "0.001"  # still the user's
+    assert now_loaded["max_train_steps"] == "500"  # followed: Create leaves it to the TOML, as shown
+    assert on_toml_edit("max_train_steps = ", *[shown[k] for k in order], loaded) == [gr.update()] * (len(order) + 1)

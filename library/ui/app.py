@@ -11,7 +11,8 @@ import pandas as pd
 from library.models.registry import arch_specs
 from library.text_files import toml_dumps
 from library.ui.files import OutsideRoots
-from library.ui.handlers import BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, PLOT_COLUMNS, WebUI, job_number
+from library.ui.handlers import (BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, PLOT_COLUMNS, WebUI, form_values_of,
+                                job_number)
 from library.ui.jobs import JobError
 from library.ui.peer_configs import CONFIG_SUFFIXES
 
@@ -192,6 +193,22 @@ def jobs_tab(ui: WebUI):
 
     pick.change(on_pick, [pick, text, *form_inputs, loaded, loaded_text], load_outputs, api_name="pick_config").then(
         show_conversion, [conversion], [converted], api_name=False, show_progress="hidden")
+
+    def on_toml_edit(text_value, *values):
+        """Leaving the editor: the fields that still show what Load (or this) put there, or nothing, follow the
+        TOML's text (they showed the old value beside an edited one, which then gave way to the TOML unseen); a
+        field the user changed keeps its value and wins, as before. Text that is no config TOML changes nothing:
+        Validate names what is wrong with it."""
+        *values, filled = values
+        try:
+            new = form_values_of(text_value)
+        except ValueError:
+            return [gr.update()] * (len(order) + 1)
+        follow = [k for k, v in zip(order, values) if (v == filled[k] if k in filled else v in (None, "", []))]
+        return [new[k] if k in follow else gr.update() for k in order] + [{**filled, **{k: new[k] for k in follow}}]
+
+    text.blur(on_toml_edit, [text, *form_inputs, loaded], [*form_inputs, loaded], api_name="fields_from_toml",
+              show_progress="hidden")
 
     def on_check(text_value, *values):
         result = ui.check(text_value, edited(order, values))

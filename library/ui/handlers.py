@@ -71,6 +71,11 @@ def form_values(settings: dict) -> dict:
     return values
 
 
+def form_values_of(text: str) -> dict:
+    """The form's fields from a config's TOML text (a ValueError where it is no valid config TOML)."""
+    return form_values(_flatten(toml_loads(text or ""), "config"))
+
+
 class FormError(JobError):
     def __init__(self, key: str, message: str):
         super().__init__(message)
