@@ -19,9 +19,10 @@ kohya. LoRAs of one model in two namings (its original and diffusers' names, or 
 qkv beside split q / k / v: the spec's module_map / comfy_map) are read as tools/merge_lora.py reads them, by the
 model's own module paths (a fused module split by rows, parts joined: exact), and combined in those.
 Whole deltas beside the LoRAs (ComfyUI's extraction: `.diff` / `.diff_b`) are summed key by key at the ratios
-(exact) where every input is in the output's layout. DoRA (its delta is not additive) and LyCORIS files are refused. The metadata is the first input's,
-with `lora_combined` listing the files, ratios and mode, every input's training folders and tags (ss_dataset_dirs,
-ss_tag_frequency: combined_folders) and the output's own name (ss_output_name, modelspec.title where present).
+(exact) where every input is in the output's layout. DoRA (its delta is not additive) and LyCORIS files are refused.
+The metadata is the first input's, with `lora_combined` listing the files, ratios and mode, every input's training
+folders and tags (ss_dataset_dirs, ss_tag_frequency: combined_folders) and the output's own name (ss_output_name,
+modelspec.title where present).
 Errors are one line on stderr, exit status 2, and nothing is written.
 """
 

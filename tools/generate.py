@@ -261,10 +261,10 @@ def first_free_index(folder: str) -> int:
 
 
 def generate(args) -> list[str]:
-    from library.data.images import save_png, to_pil
-    from library.models.block_swap import enable_block_swap
     import warnings
 
+    from library.data.images import save_png, to_pil
+    from library.models.block_swap import enable_block_swap
     from networks.factory import network_from_file
     from networks.lora import LoRANetwork
     from networks.lora_reader import WholeDeltasLeftOut, check_lora_arch, merge_whole_deltas

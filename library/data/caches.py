@@ -379,9 +379,9 @@ def plan_in_memory_caches(blueprint: DatasetBlueprint, latent_per_pixel: float, 
     """Upper bounds of the caches cache_latents / cache_text keep in memory for `blueprint`'s images (the held-out
     sets' too), from the folders' file lists alone: each image's latents at its dataset's largest bucket (a
     bucket's area is at most that), once more per reference (the most any image has; a layered image's composite)
-    and per layer file, twice
-    with flip_aug; its caption and its caption_variants (with shuffle_caption or caption_tag_dropout_rate), each
-    `text_bytes` (the planned caption length's). latent_per_pixel: cached bytes per pixel of an image."""
+    and per layer file, twice with flip_aug; its caption and its caption_variants (with shuffle_caption or
+    caption_tag_dropout_rate), each `text_bytes` (the planned caption length's). latent_per_pixel: cached bytes per
+    pixel of an image."""
     references = reference_count(blueprint)
     images = texts = variants = latents = 0
     for ds in [*blueprint.datasets, *blueprint.validation_datasets]:
@@ -392,7 +392,8 @@ def plan_in_memory_caches(blueprint: DatasetBlueprint, latent_per_pixel: float, 
             frames = sum(1 + len(layers.get(p, ())) + own for p in paths)
             latents += frames * (2 if subset.flip_aug else 1) * width * height * latent_per_pixel
             augmented = subset.caption_variants if subset.shuffle_caption or subset.caption_tag_dropout_rate > 0 else 0
-            images, texts, variants = images + len(paths), texts + len(paths) * (1 + augmented), variants + len(paths) * augmented
+            images, texts = images + len(paths), texts + len(paths) * (1 + augmented)
+            variants += len(paths) * augmented
     return InMemoryCaches(images, texts, variants, int(latents), texts * text_bytes)
 
 
