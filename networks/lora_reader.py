@@ -62,6 +62,7 @@ from networks.lora_files import (
     adapter_name_dropped,
     beside_lora_note,
     detect_format,
+    first_non_finite,
     is_lycoris_file,
     lora_reader,
     naming,
@@ -391,7 +392,10 @@ def whole_deltas_for_model(tensors: dict, arch: str, paths, module_map=None, tar
     module path of the target (norms too: a `.diff` may be a norm's weight). Names as lycoris_for_model reads them; a
     module in ComfyUI's own names (LORA_FILES.comfy_map) or the other naming (module_map, target_is_key as there)
     moves by rows, exact for whole deltas: a row of a fused tensor is a row of one part's. A module the target lacks
-    keeps the file's name (the caller reports it)."""
+    keeps the file's name (the caller reports it); a NaN / inf is a CheckpointError naming the tensor (every tool
+    that applies them reads them here)."""
+    if problem := first_non_finite((f"tensor '{k}'", t) for k, t in tensors.items()):
+        raise CheckpointError(f"{name}: {problem}: a broken LoRA, which would make the weights it touches NaN")
     files = lora_files().get(arch)
     counts, resolvable = _names_to_resolve(tensors, files, paths)
     own = set(paths)

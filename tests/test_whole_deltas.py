@@ -241,3 +241,25 @@ def test_combine_sums_the_whole_deltas_of_inputs_in_one_layout(flux_loras, tmp_p
     assert combine_loras.main(["--lora", path, kohya, "--save_to", str(tmp_path / "mixed.safetensors")]) == 0
     assert "left out 13 tensors beside the LoRA (bias deltas .diff_b x13): the inputs are in different layouts" in capsys.readouterr().err
     assert not any(k.endswith(".diff_b") for k in load_file(tmp_path / "mixed.safetensors"))
+
+
+def test_a_bias_delta_holding_a_nan_is_one_line_and_nothing_merged_or_rendered(tiny_set, tmp_path, capsys, monkeypatch):
+    """A diverged file's NaN in a `.diff_b` made every output of its layer NaN once generate and base_loras added the
+    deltas (a black image, exit 0); merge_lora checked it on its own. Every tool reads whole deltas through one
+    reader now, which names the tensor."""
+    from tests.test_generate import generate_args
+    from tests.test_reliability import one_error_line
+    from tools import generate
+
+    path = tiny_flux_extraction(tiny_set, tmp_path / "nan.safetensors")
+    tensors = load_file(path)
+    tensors["diffusion_model.double_blocks.0.img_mod.lin.diff_b"][3] = float("nan")
+    save_file(tensors, path)
+    said = (f"{path}: tensor 'diffusion_model.double_blocks.0.img_mod.lin.diff_b' holds 1 non-finite value (NaN / inf) "
+            f"of 384: a broken LoRA, which would make the weights it touches NaN")
+    monkeypatch.setattr(FluxFamily, "load_text_encoder", lambda *a, **k: pytest.fail("a model loaded"))
+    capsys.readouterr()
+    assert one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", "--lora", path))) == f"error: {said}"
+    out = tmp_path / "merged.safetensors"
+    assert merge_lora.main(["--model", tiny_set["flux_bfl"], "--lora", path, "--save_to", str(out)]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {said}" and not out.exists()

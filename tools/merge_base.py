@@ -203,11 +203,11 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     if te and not body:
         raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te, text_encoder_labels(base.family))}; "
                               f"merge_lora merges into the transformer")
+    body, diffs = split_whole_deltas(body)  # their NaN check: whole_deltas_for_model's
     _check_finite(body, spec.path)
     if te:  # sd-scripts' files: CLIP-L / T5-XXL modules beside the transformer's
         print(f"warning: {spec.path}: skipped {text_encoder_note(te, text_encoder_labels(base.family))}: they adapt the text encoders, not the transformer "
               f"merged here", file=sys.stderr)  # fmt: skip
-    body, diffs = split_whole_deltas(body)
     if diffs and not body:  # whole deltas alone (LyCORIS' full type, ComfyUI's full_diff extraction)
         weights = {}
     elif is_lycoris_file(body):  # LoKr, LoHa, ...: kohya names; another naming's modules renamed where whole
