@@ -524,8 +524,10 @@ def test_fp8_linear_backward_saves_no_weight_through_autograd():
 # The CPU pair table (fp8.fp8_to): the cast PyTorch gives, bit for bit, faster
 
 
+@pytest.mark.parametrize("chunk", [fp8.PAIR_CHUNK, 1000])  # 1000: by chunks, the last one short
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_pair_table_cast_is_bit_identical_to_torch_for_every_pair_of_codes(dtype):
+def test_pair_table_cast_is_bit_identical_to_torch_for_every_pair_of_codes(dtype, chunk, monkeypatch):
+    monkeypatch.setattr(fp8, "PAIR_CHUNK", chunk)
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
     every_pair = torch.stack(torch.meshgrid(codes, codes, indexing="ij"), -1).reshape(-1, 64).view(fp8.FP8_DTYPE)
     view = torch.int16 if dtype.itemsize == 2 else torch.int32  # NaN codes too: compare bits, not values

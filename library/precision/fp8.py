@@ -132,6 +132,7 @@ def quantize_weight(w: torch.Tensor, mode: str, per_row: bool = False) -> tuple[
 # holds what .to(dtype) gives for every code. CUDA keeps the native cast (a fused kernel there).
 _PAIR_TABLES: dict[torch.dtype, torch.Tensor] = {}
 CPU_TABLE = True  # False: the native cast everywhere (bench/bench_fp8_dequant.py compares the two)
+PAIR_CHUNK = 1 << 18  # pairs looked up at a time: a 1 MiB int32 index, the table and the chunk stay in L2
 
 
 def _pair_table(dtype: torch.dtype) -> torch.Tensor:
@@ -154,8 +155,17 @@ def fp8_to(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
               and q.dim() > 0 and q.shape[-1] % 2 == 0 and q.is_contiguous() and q.storage_offset() % 2 == 0)
     if not usable:
         return q.to(dtype)
-    index = q.view(torch.uint16).reshape(-1).to(torch.int32)
-    return _pair_table(dtype).index_select(0, index).view(dtype).view(q.shape)
+    table, codes = _pair_table(dtype), q.view(torch.uint16).reshape(-1)
+    if codes.numel() <= PAIR_CHUNK:
+        return table.index_select(0, codes.to(torch.int32)).view(dtype).view(q.shape)
+    out = torch.empty(q.shape, dtype=dtype)
+    pairs = out.view(-1).view(table.dtype)  # one packed entry per two codes
+    # By chunks: index_select wants int32 / int64 indices, which for a whole weight were a transient of 2 bytes
+    # an element beside the output (33 MB for a 3072 x 10752 weight), memory a GPU's native cast never takes.
+    for begin in range(0, codes.numel(), PAIR_CHUNK):
+        index = codes[begin : begin + PAIR_CHUNK].to(torch.int32)
+        torch.index_select(table, 0, index, out=pairs[begin : begin + PAIR_CHUNK])
+    return out
 
 
 def dequantize_weight(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
