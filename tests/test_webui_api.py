@@ -1,6 +1,7 @@
 """The web UI through gradio_client, against tools/webui.py serving the tiny set: each action the pages
-offer (validate, create, queue, stop, delete, the live view, compare, planner, dataset view,
-captions, lora_info; resume: test_webui_faults.py) and the roots that confine what the pages may read."""
+offer (validate, create, queue, stop, delete, the live view, planner, dataset view, captions; a stopped job's
+LoRA in the tools, compare, delete and resume: test_webui_faults.py) and the roots that confine what the pages
+may read."""
 
 from __future__ import annotations
 
@@ -119,57 +120,6 @@ def test_two_tabs_queuing_at_once_keep_the_queue_consistent(server, tiny_set):
         tabs[1].predict(str(job_id), api_name="/stop_job")
     wait_for(lambda: not {r[2] for r in tabs[0].predict(api_name="/list_jobs")["data"]} & {"running", "stopping"},
              180, "every job to end")
-
-
-def test_create_queue_stop_compare_and_delete(client, server, tiny_toml):
-    """Stop through the UI of a trainer the UI started (its resume through the UI, after the UI was killed and
-    restarted: test_webui_faults.py, one trainer start less than resuming here too)."""
-    steps = 3  # stopped at step 2, before its last
-    answer, *_ = client.predict("api job", tiny_toml, *form(max_train_steps=str(steps)), api_name="/create_job")
-    assert answer["ok"] and answer["state"] == "draft", answer
-    job_id, folder = answer["job_id"], answer["output_dir"]
-    assert os.path.dirname(folder) == os.path.realpath(server.jobs_dir)
-
-    mark_to_pause(folder)
-    assert client.predict(str(job_id), api_name="/queue_job")[0]["state"] == "queued"
-    log = os.path.join(folder, "train.log")
-    wait_for(lambda: os.path.exists(log) and job_pid(server.jobs_dir, job_id), 60, "the trainer's start")
-    pid = job_pid(server.jobs_dir, job_id)
-    try:  # the server's trainers pause at step 2 (ui_support.pause_at_step_2), however fast the machine
-        wait_for(lambda: paused(pid, log), 240, "the trainer's pause at step 2")
-        assert client.predict(str(job_id), api_name="/stop_job")[0]["state"] == "stopping"
-        wait_for(lambda: signal.SIGINT in pending_signals(pid), 10, "the runner's SIGINT")
-    finally:
-        os.kill(pid, signal.SIGCONT)
-    view = wait_for(lambda: (v := live(client, job_id))["state"] == "stopped" and v, 120, "the clean stop")
-    step = view["step"]
-    assert step == 2 and f"stopped at step {step}" in view["status"], view["status"]
-    lora = os.path.join(folder, f"tiny_flux_lora-step{step:06d}.safetensors")
-    assert os.path.getsize(lora) > 0 and os.path.isdir(os.path.join(folder, "tiny_flux_lora-state"))
-
-    info = client.predict(lora, api_name="/lora_info")
-    assert "rank" in info.lower() and "8" in info, info
-    converted = client.predict(lora, "as_diffusers.safetensors", "diffusers", api_name="/convert_lora")
-    assert os.path.isfile(os.path.join(server.jobs_dir, "tools", "as_diffusers.safetensors")), converted
-    resized = client.predict(lora, "/etc/r4.safetensors", 4, api_name="/resize_lora")
-    assert "outside the folders" in resized and not os.path.exists("/etc/r4.safetensors")
-    output, image = client.predict(str(job_id), lora, 0.8, "a red circle", 64, 2, 0, api_name="/generate")
-    assert image and Image.open(image).size == (64, 64), output
-
-    # the live view of the stopped job (its resume, and the view across two runs: test_webui_faults.py)
-    assert [row["value"] for row in view["loss"] if row["series"] == "loss"] and len(view["loss"]) == step
-    assert {row["series"] for row in view["dlr"]} == {"d*lr/lora"} and len(view["lr"]) == step
-    assert view["peak_rss"] > 100 * 2**20 and "peak RSS" in view["status"]
-
-    both, note = client.predict(str(job_id), str(job_id), "d*lr", api_name="/compare")
-    assert not note["visible"]
-    assert len(both["data"]) == 2 * step and {r[2] for r in both["data"]} == {f"{job_id} api job: d*lr/lora"}
-
-    refused = client.predict(str(job_id), False, api_name="/delete_job")[0]
-    assert refused["ok"] is False and "confirm" in refused["error"] and os.path.isdir(folder)
-    assert client.predict(str(job_id), True, api_name="/delete_job")[0]["ok"] is True
-    assert not os.path.exists(folder)
-    assert all(row[0] != job_id for row in client.predict(api_name="/list_jobs")["data"])
 
 
 def test_pages_read_only_under_their_roots(client):
