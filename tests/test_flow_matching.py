@@ -163,6 +163,26 @@ def test_flux_inference_sigmas_match_diffusers_scheduler(steps, tokens):
     assert float((ours - theirs).abs().max()) < 1e-6
 
 
+@pytest.mark.parametrize("arch,config", [("flux", FLUX_DEV_SCHEDULER), ("qwen_image", QWEN_IMAGE_SCHEDULER)])
+@pytest.mark.parametrize("shift", [0.5, 2.2, 7.0])
+def test_a_fixed_flow_shift_is_the_released_scheduler_with_that_shift_and_no_dynamic_shifting(arch, config, shift):
+    """A prompt's --fs (musubi-tuner's flow_shift): its get_scheduler(shift) is the release's scheduler with shift k,
+    use_dynamic_shifting off and the linear shift (Qwen-Image's terminal stretch kept), given the pipeline's linspace;
+    for FLUX.1 (no terminal) also its own FlowMatchDiscreteScheduler's sd3_time_shift of linspace(1, 0, steps + 1)."""
+    steps = 8
+    scheduler = FlowMatchEulerDiscreteScheduler(**{**config, "shift": shift, "use_dynamic_shifting": False,
+                                                   "time_shift_type": "linear"})
+    scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps))
+    ours = fm.inference_sigmas(steps, 4096, arch, shift=shift)
+    assert ours.dtype == torch.float32 and float((ours - scheduler.sigmas).abs().max()) < 1e-6
+    assert torch.equal(ours, fm.inference_sigmas(steps, 256, arch, shift=shift))  # no token count in it
+    if arch == "flux":
+        t = torch.linspace(1, 0, steps + 1, dtype=torch.float64)
+        assert float((ours - shift * t / (1 + (shift - 1) * t)).abs().max()) < 1e-6
+    else:
+        assert float(ours[-2]) == pytest.approx(0.02, abs=1e-6)
+
+
 @pytest.mark.parametrize("steps,tokens", [(4, 256), (30, 4096), (50, 6032)])
 def test_qwen_image_inference_sigmas_match_diffusers_scheduler(steps, tokens):
     ours = fm.inference_sigmas(steps, tokens, "qwen_image")

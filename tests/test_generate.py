@@ -79,6 +79,8 @@ CASES = {
     # was an OverflowError traceback from the tokenizer, after the models loaded
     "t5_tokens_negative": lambda tmp, tiny: (["--t5xxl_max_token_length", "-5"], ["--t5xxl_max_token_length -5: expected at least 1"]),
     "guidance_nan": lambda tmp, tiny: (["--guidance", "nan"], ["--guidance must be a finite number, got nan"]),  # a NaN image
+    "flow_shift_0": lambda tmp, tiny: (["--flow_shift", "0"], ["--flow_shift must be a number > 0 (a flow shift), got 0.0"]),
+    "prompt_flow_shift_nan": lambda tmp, tiny: (["--prompt", "a cat --fs nan"], ["--prompt: --fs must be a number > 0"]),
     "width_negative": lambda tmp, tiny: (["--width", "-64"], ["--width -64: expected at least 16 pixels"]),
     "seed_too_large": lambda tmp, tiny: (["--seed", str(2**64)], [f"--seed {2**64}: expected 0 to 2^64 - 1"]),
     "prompt_seed_negative": lambda tmp, tiny: (["--prompt", "a cat --d -1"], ["--prompt: seed -1: expected 0 to 2^64 - 1"]),
@@ -155,6 +157,20 @@ def test_vae_tiling_decodes_the_image_in_tiles(tiny_set, tmp_path, monkeypatch):
         with Image.open(tmp_path / "out" / f"00{k}_3.png") as png:
             images.append(torch.tensor(list(png.getdata()), dtype=torch.float32))
     assert (images[0] - images[1]).abs().max() > 2
+
+
+def test_a_prompts_flow_shift_samples_on_the_fixed_shift_schedule(tiny_set, tmp_path, monkeypatch):
+    """--fs (musubi-tuner's prompt flag) and --flow_shift: the sampler's sigmas are the fixed shift's, not the
+    release's resolution shift; a prompt's --fs wins over --flow_shift, a prompt without one takes it."""
+    from library.models import flow_matching
+
+    seen, euler = [], flow_matching.euler_sample
+    monkeypatch.setattr(flow_matching, "euler_sample", lambda f, x, sigmas: seen.append(sigmas) or euler(f, x, sigmas))
+    args = generate_args(tiny_set, tmp_path / "out", "--steps", "3", "--flow_shift", "2.5") + ["--prompt", "a dog --fs 7"]
+    assert generate.main(args) == 0
+    fixed = [flow_matching.inference_sigmas(3, 16, "flux", shift=k).tolist() for k in (2.5, 7.0)]
+    assert [s.tolist() for s in seen] == fixed and fixed[0] != fixed[1]
+    assert fixed[0] != flow_matching.inference_sigmas(3, 16, "flux").tolist()  # 64 px: 16 tokens, the release's shift
 
 
 def test_a_repeated_lora_flag_applies_every_lora():

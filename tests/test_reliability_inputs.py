@@ -306,6 +306,27 @@ def test_a_prompt_line_reads_sd_scripts_l_scale_and_flags_in_any_case():
     assert line == SamplePrompt("a cat", 512, 256, 3, None, 6.5, "blurry")
 
 
+def test_musubi_tuners_fs_flag_is_a_prompts_flow_shift_and_ideogram4_warns_it_unread(tmp_path):
+    """musubi-tuner's prompt files set a flow shift with --fs ("unknown flag '--fs'" until 2026-11-30); a shift that is
+    not a number > 0 is one line naming the file and line; Ideogram 4, whose schedule is no shift, warns it unread."""
+    from library.data.prompts import read_prompt_file
+    from library.models.family import warn_unread_prompt_options
+    from library.models.ideogram4.family import Ideogram4Family
+
+    path = tmp_path / "p.txt"
+    path.write_text("a cat --fs 2.2 --s 8\na dog\n")
+    prompts = read_prompt_file(str(path))
+    assert [(p.flow_shift, p.steps) for p in prompts] == [(2.2, 8), (None, 20)]
+    for bad in ("0", "-1", "inf", "x"):
+        path.write_text(f"a cat --fs {bad}\n")
+        with pytest.raises(ValueError, match=rf"^{path}:1: (--fs must be a number > 0|flag '--fs' needs float)"):
+            read_prompt_file(str(path))
+    with pytest.warns(UserWarning) as caught:
+        warn_unread_prompt_options(Ideogram4Family("unused"), prompts, str(path))
+    assert [str(w.message) for w in caught] == [f"{path}: --fs (--flow_shift) is not read: Ideogram 4 samples on its "
+                                                f"pipeline's logit-normal schedule at the image's resolution, not a shifted one"]
+
+
 @pytest.mark.parametrize("kind", ["txt", "json"])
 def test_sd_scripts_l_is_a_cfg_models_guidance_and_unread_without_cfg(tmp_path, kind):
     """sd-scripts' --l is its CFG scale, --g FLUX.1's embedded guidance; its docs give Chroma '--l 4.0 --g 0.0'.
@@ -503,7 +524,7 @@ def test_prompts_without_a_size_sample_at_the_resolution_on_the_16_pixel_grid(tm
                                              "subsets": [{"image_dir": str(tmp_path)}]}]})
     task = SimpleNamespace(args=SimpleNamespace(sample_prompts=str(tmp_path / "p.txt")), blueprint=bp,
                            family=SimpleNamespace(sample_steps=4, sample_guidance=1.0, name="any", max_controls=0, true_cfg=True,
-                                                  min_controls=0, unread_prompt_options=lambda negative, guidance: {},
+                                                  min_controls=0, unread_prompt_options=lambda *options: {},
                                                   guidance_is_cfg_scale=lambda: True, reference_vl_size=lambda w, h: None))
     prompts = DiffusionTask._read_prompts(task, None)
     assert [(p.width, p.height) for p in prompts] == [(64, 992), (96, 992)]  # was (72, 1000), (96, 1000)

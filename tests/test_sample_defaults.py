@@ -71,7 +71,7 @@ def test_a_negative_that_no_cfg_reads_is_named_in_one_warning(tiny_set):
     assert turbo.unread_prompt_options("blurry", 5.0) == {} and turbo.unread_prompt_options("", 0.0) == {}
     qwen = family_class("qwen_image")("unused")  # CFG above 1, as QwenImagePipeline
     assert set(qwen.unread_prompt_options("blurry", 1.0)) == {"negative"} and qwen.unread_prompt_options("blurry", 4.0) == {}
-    prompt = SimpleNamespace(prompt="a cat", negative="blurry", guidance=0.0)
+    prompt = SimpleNamespace(prompt="a cat", negative="blurry", guidance=0.0, flow_shift=None)
     with pytest.warns(UserWarning) as caught:
         warn_unread_prompt_options(turbo, [prompt], "prompts.txt")
     (line,) = [str(w.message) for w in caught]

@@ -160,16 +160,22 @@ def test_step_clock_counts_only_the_time_blocked_on_the_iterable():
     assert clock.lap()["data_wait_s"] == 0.0
 
 
-def test_samples_leave_the_training_rng_alone(tiny_set, tmp_path):
+def test_samples_leave_the_training_rng_alone(tiny_set, tmp_path, monkeypatch):
     """A sample's bf16 reference base gets a LoRA network whose init draws from the CPU RNG, which
     shifted every later module_dropout draw: a run with samples trained other weights than the same run
-    without. Sampling now restores the RNG states (as sd-scripts does), so both end equal."""
+    without. Sampling now restores the RNG states (as sd-scripts does), so both end equal. (The prompt's
+    --fs, musubi-tuner's flow shift, is the samples' schedule.)"""
     from safetensors.torch import load_file
 
-    (tmp_path / "p.txt").write_text("a red circle --w 32 --h 32 --s 1\n")
+    from library.models import flow_matching
+
+    seen, euler = [], flow_matching.euler_sample
+    monkeypatch.setattr(flow_matching, "euler_sample", lambda f, x, sigmas: seen.append(sigmas) or euler(f, x, sigmas))
+    (tmp_path / "p.txt").write_text("a red circle --w 32 --h 32 --s 2 --fs 3\n")
     common = ("--max_train_steps", "2", "--network_args", "module_dropout=0.5", "--mixed_precision", "no")
     assert train_lora.main(flux_args(tiny_set, tmp_path / "a", *common, "--sample_prompts", str(tmp_path / "p.txt"),
                                      "--sample_at_first", "true")) == 0
+    assert seen and all(s.tolist() == [1.0, 0.75, 0.0] for s in seen)  # 3 * 0.5 / (1 + 2 * 0.5)
     assert train_lora.main(flux_args(tiny_set, tmp_path / "b", *common, "--sample_prompts", "")) == 0
     a, b = (load_file(tmp_path / run / "tiny_flux_lora.safetensors") for run in ("a", "b"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -74,6 +74,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=None,
                    help="for every prompt without its own --d (default: a random one per image, as sd-scripts "
                         "and musubi-tuner; the file name and the PNG's info record it)")
+    p.add_argument("--flow_shift", "--fs", type=float, default=None,
+                   help="a fixed flow shift k of the sampler's sigmas, k s / (1 + (k - 1) s), in place of the release's "
+                        "own schedule (musubi-tuner's --flow_shift; default: the release's, its scheduler's resolution or "
+                        "constant shift); a prompt's --fs wins")
     p.add_argument("--guidance", type=float, default=None,
                    help="embedded guidance, or the CFG scale of models that sample with true CFG (default: the "
                         f"release's - {_per_release('sample_guidance')}; a prompt's --g wins, on a CFG model its --l, "
@@ -102,7 +106,7 @@ from library.models.family import family_class, stack_text, warn_unread_prompt_o
 from library.io import CheckpointError  # noqa: E402
 from library.models.vae import decoding_in_tiles  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts  # noqa: E402
-from library.data.prompts import (SamplePrompt, check_guidance, check_seed, decode_references,  # noqa: E402
+from library.data.prompts import (SamplePrompt, check_flow_shift, check_guidance, check_seed, decode_references,  # noqa: E402
                                   parse_prompt_line, read_prompt_file, refuse_large_prompts, refuse_long_prompts,
                                   rendered_side, seed_or_random)
 from library.training.config import PRECISION_DTYPES  # noqa: E402
@@ -131,6 +135,8 @@ def check_args(args) -> torch.device:
         check_seed("--seed", args.seed)
     if args.guidance is not None:
         check_guidance("--guidance", args.guidance)
+    if args.flow_shift is not None:
+        check_flow_shift("--flow_shift", args.flow_shift)
     check_out_folder("--out", args.out, "the images are written into it")  # now, not after the models are loaded
     return device_from_flag(args.device)
 
@@ -140,7 +146,7 @@ def check_model_options(args, family) -> None:
     guidance, --control_image on a family that takes no references) is refused, not ignored; and
     --blocks_to_swap is checked against the model's blocks, from its header."""
     unread = family.unread_sample_options()
-    given = {"negative": args.negative != "", "guidance": args.guidance is not None}
+    given = {"negative": args.negative != "", "guidance": args.guidance is not None, "flow_shift": args.flow_shift is not None}
     for flag in unread:
         if given[flag]:
             raise ValueError(f"--{flag} is not read: {unread[flag]}")
@@ -194,7 +200,8 @@ def collect_prompts(args, family) -> list[SamplePrompt]:
             raise ValueError(f"--control_image {path!r} is not an image file")
     multiple = family.vae_downsample * family.patch  # a prompt's own --w / --h is rounded alike (to 16)
     width, height = rendered_side("--width", args.width, multiple), rendered_side("--height", args.height, multiple)
-    defaults = SamplePrompt("", width, height, steps, args.seed, guidance, args.negative, tuple(args.control_image))
+    defaults = SamplePrompt("", width, height, steps, args.seed, guidance, args.negative, tuple(args.control_image),
+                            args.flow_shift)
     cfg = family.guidance_is_cfg_scale()  # a prompt's --l is its guidance, or unread
     prompts = [parse_prompt_line(p, "--prompt", defaults, cfg) for p in args.prompt]
     decode_references([("--prompt", p) for p in prompts])
@@ -327,7 +334,8 @@ def generate(args) -> list[str]:
                   f"aspect ratio at the area of --w {prompt.width} x --h {prompt.height}")
         control = [vae.encode(r.to(device)) for r in references] or None  # float32 [1, 16, h, w] each
         latents = family.sample_latents(model, to_device(text), width, height, prompt.steps, seed,
-                                        prompt.guidance, to_device(negative), control=control)
+                                        prompt.guidance, to_device(negative), control=control,
+                                        flow_shift=prompt.flow_shift)
         with decoding_in_tiles(vae.vae, args.vae_tiling):
             image = to_pil(vae.decode(latents)[0])
             # A layered family's latents are frames [B, C, F, h, w]: besides the preview strip, each frame

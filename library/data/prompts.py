@@ -7,7 +7,8 @@ samples are: the size a model renders; below 16 is an error), --s steps, --d see
 embedded guidance of a guidance-distilled model, the CFG scale of a true-CFG one), --l sd-scripts' CFG
 scale (a CFG model's guidance, winning over a --g beside it; unread by a model without CFG), --n
 negative prompt, --ci a reference (control) image for edit models (musubi-tuner's flag; repeat it for
-several, in order). Flags are read in any case (--W is --w, as in sd-scripts). Lines starting with # and
+several, in order), --fs a fixed flow shift k of the sampler's sigmas (musubi-tuner's flag: sigma' = k sigma /
+(1 + (k - 1) sigma) in place of the release's resolution or constant shift). Flags are read in any case (--W is --w, as in sd-scripts). Lines starting with # and
 blank lines are skipped. An unknown flag or a bad value is an error naming the file and line.
 
 sd-scripts' structured files load too: a `.json` list of prompt objects (or prompt lines), and a
@@ -44,10 +45,11 @@ class SamplePrompt:
     guidance: float = 3.5
     negative: str = ""
     control_images: tuple[str, ...] = ()  # --ci paths, in order
+    flow_shift: float | None = None  # --fs: a fixed shift of the sigmas; None: the release's own schedule
 
 
 FLAGS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int), "g": ("guidance", float),
-         "n": ("negative", str), "l": ("scale", float)}
+         "n": ("negative", str), "l": ("scale", float), "fs": ("flow_shift", float)}
 
 
 def split_prompt_line(line: str) -> list[str]:
@@ -113,6 +115,8 @@ def _checked(prompt: str, fields: dict, controls: list[str], where: str, default
         check_guidance(f"{where}: guidance", fields["guidance"])
     if "seed" in fields:
         check_seed(f"{where}: seed", fields["seed"])
+    if "flow_shift" in fields:
+        check_flow_shift(f"{where}: --fs", fields["flow_shift"])
     if controls:  # a line's own --ci replace the defaults' (e.g. generate.py --control_image)
         fields["control_images"] = tuple(controls)
     return replace(defaults or SamplePrompt(prompt), prompt=prompt, **fields)
@@ -132,6 +136,12 @@ def decode_references(prompts: list[tuple[str, SamplePrompt]]) -> None:
                 load_rgb(path)
             except ValueError as e:
                 raise ValueError(f"{where}: --ci {e}") from None
+
+
+def check_flow_shift(what: str, shift: float) -> None:
+    """A finite shift > 0: k = 0 made every sigma 0 (nothing denoised), a negative one sigmas outside [0, 1]."""
+    if not (math.isfinite(shift) and shift > 0):
+        raise ValueError(f"{what} must be a number > 0 (a flow shift), got {shift}")
 
 
 def check_guidance(what: str, guidance: float) -> None:

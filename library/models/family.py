@@ -457,9 +457,9 @@ class DiffusionFamily:
     @torch.no_grad()
     def sample_latents(self, model, text: dict, width: int, height: int, steps: int, seed: int,
                        guidance: float | None, negative_text: dict | None = None,
-                       control: list[torch.Tensor] | None = None) -> torch.Tensor:
+                       control: list[torch.Tensor] | None = None, flow_shift: float | None = None) -> torch.Tensor:
         """Euler flow-matching sampling; returns unpacked latents [B, C, height/8, width/8] float32.
-        control: reference latents (edit families), on the text's device."""
+        control: reference latents (edit families), on the text's device. flow_shift: a prompt's --fs."""
         lh, lw = height // self.vae_downsample, width // self.vae_downsample
         h, w = lh // self.patch, lw // self.patch
         batch = next(iter(text.values())).shape[0]
@@ -467,7 +467,7 @@ class DiffusionFamily:
         gen = torch.Generator("cpu").manual_seed(seed)
         noise = self.initial_noise(batch, lh, lw, gen).to(device)
         sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=self.dynamic_shift(model),
-                                     sampling=self.inference_sampling())
+                                     sampling=self.inference_sampling(), shift=flow_shift)
 
         def velocity(x, s):
             return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
@@ -506,7 +506,7 @@ class DiffusionFamily:
         return {"guidance_scale": f"model_type {self.name} has no guidance embedding to feed it to"}
 
     def unread_sample_options(self) -> dict[str, str]:
-        """Sampling options this model never reads ("negative", "guidance") -> why, from the class and
+        """Sampling options this model never reads ("negative", "guidance", "flow_shift") -> why, from the class and
         the checkpoint's header (no weights): tools/generate.py refuses them as flags."""
         if self.true_cfg:
             return {}
@@ -517,11 +517,14 @@ class DiffusionFamily:
         model samples with CFG, as a negative prompt it reads says (prompts.settle_scale reads --l by it)."""
         return self.true_cfg and "negative" not in self.unread_sample_options()
 
-    def unread_prompt_options(self, negative: str, guidance: float | None) -> dict[str, str]:
-        """A sample prompt's options this model would not read ("negative", "guidance") -> why: a
+    def unread_prompt_options(self, negative: str, guidance: float | None, flow_shift: float | None = None) -> dict[str, str]:
+        """A sample prompt's options this model would not read ("negative", "guidance", "flow_shift") -> why: a
         negative where unread_sample_options says so or where its guidance runs no CFG (guidance <=
-        cfg_above: a turbo release's 0), a guidance other than the default on a model without one."""
+        cfg_above: a turbo release's 0), a guidance other than the default on a model without one, a flow
+        shift on a model whose schedule is no shift."""
         unread, found = self.unread_sample_options(), {}
+        if flow_shift is not None and "flow_shift" in unread:
+            found["flow_shift"] = unread["flow_shift"]
         if negative and "negative" in unread:
             found["negative"] = unread["negative"]
         elif negative and guidance is not None and guidance <= self.cfg_above:
@@ -545,14 +548,14 @@ class DiffusionFamily:
         return None
 
 
-PROMPT_FLAGS = {"negative": "--n (--negative)", "guidance": "--g (--guidance)"}  # how a prompt sets each option
+PROMPT_FLAGS = {"negative": "--n (--negative)", "guidance": "--g (--guidance)", "flow_shift": "--fs (--flow_shift)"}  # how a prompt sets each option
 
 
 def warn_unread_prompt_options(family: DiffusionFamily, prompts, where: str) -> None:
     """One warning line per option the sample prompts set and the model would not read (as the
     prompt flags are a file's, shared between models, they are warned about, not refused)."""
     for prompt in prompts:
-        for option, why in family.unread_prompt_options(prompt.negative, prompt.guidance).items():
+        for option, why in family.unread_prompt_options(prompt.negative, prompt.guidance, prompt.flow_shift).items():
             warnings.warn(f"{where}: {PROMPT_FLAGS[option]} is not read: {why}", stacklevel=2)
 
 

@@ -163,22 +163,28 @@ def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor 
 
 
 def inference_sigmas(steps: int, image_seq_len: int, arch: str, *, dynamic_shift: bool = True,
-                     sampling: Sampling | None = None, grid: list[float] | None = None) -> torch.Tensor:
+                     sampling: Sampling | None = None, grid: list[float] | None = None,
+                     shift: float | None = None) -> torch.Tensor:
     """The sigma schedule the architecture's diffusers pipeline runs with FlowMatchEulerDiscreteScheduler:
     linspace(1, 1/steps, steps), time-shifted with its mu for this token count (and step count,
     where mu depends on it) or its constant shift, stretched to end at its shift_terminal where it has
     one, then a final 0. dynamic_shift=False: no shift (a distilled model whose scheduler has none).
     sampling: a release's own schedule where it differs from the architecture's (the family's
     inference_sampling). grid: the unshifted sigmas a release ships in place of the linspace (its
-    pipeline's sample_sigmas; `steps` of them), shifted alike. float32 [steps + 1]."""
+    pipeline's sample_sigmas; `steps` of them), shifted alike. shift: a fixed shift k in place of the mu
+    (a prompt's --fs, musubi-tuner's flow_shift: its scheduler with shift k and dynamic shifting off, the
+    terminal stretch kept), on a distilled model too. float32 [steps + 1]."""
     sampling = sampling or sampling_of(arch)
     if grid is not None and len(grid) != steps:
         raise ValueError(f"a sigma grid of {len(grid)} values for {steps} steps")
     # the linspace in float64 math, a grid in float32 as the scheduler takes it; float32 results
     sigmas = np.linspace(1.0, 1.0 / steps, steps) if grid is None else np.array(grid, dtype=np.float32)
-    if dynamic_shift:
-        mu = resolution_mu(sampling, image_seq_len, steps)
-        sigmas = math.exp(mu) / (math.exp(mu) + (1.0 / sigmas - 1.0))
+    if shift is not None or dynamic_shift:
+        if shift is not None:  # the scheduler's own shift set, its dynamic shifting off (musubi-tuner's --fs)
+            sigmas = shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
+        else:
+            mu = resolution_mu(sampling, image_seq_len, steps)
+            sigmas = math.exp(mu) / (math.exp(mu) + (1.0 / sigmas - 1.0))
         if sampling.shift_terminal and steps > 1:  # one step: sigma 1, which the stretch turns into 0 / 0
             one_minus = 1.0 - sigmas
             sigmas = 1.0 - one_minus / (one_minus[-1] / (1.0 - sampling.shift_terminal))

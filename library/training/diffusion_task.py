@@ -732,6 +732,7 @@ class DiffusionTask:
                     model, {k: v.to(self.device) for k, v in text.items()}, width, height, prompt.steps,
                     seeds[i], prompt.guidance,
                     {k: v.to(self.device) for k, v in negative.items()} if negative else None, control=control,
+                    flow_shift=prompt.flow_shift,
                 )
                 with decoding_in_tiles(vae.vae, bool(self.args.vae_tiling)):
                     images.append((label, vae.decode(latents)[0]))

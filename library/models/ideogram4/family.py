@@ -33,6 +33,11 @@ class Ideogram4Family(DiffusionFamily):
     def guidance_is_cfg_scale(self) -> bool:
         return True  # CFG against the unconditional transformer, without a negative prompt
 
+    def unread_sample_options(self) -> dict[str, str]:
+        return {**super().unread_sample_options(),
+                "flow_shift": "Ideogram 4 samples on its pipeline's logit-normal schedule at the image's resolution, not a "
+                              "shifted one"}
+
     # -- loading -------------------------------------------------------------------------------
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.ideogram4.checkpoint import load_ideogram4
@@ -231,8 +236,10 @@ class Ideogram4Family(DiffusionFamily):
         return loss, sigmas
 
     @torch.no_grad()
-    def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None):
-        """The pipeline's logit-normal schedule and guidance blend; noise drawn as its packed tokens."""
+    def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None,
+                       flow_shift=None):
+        """The pipeline's logit-normal schedule and guidance blend; noise drawn as its packed tokens. (No flow
+        shift: unread_sample_options says so where a prompt sets one.)"""
         from library.models.ideogram4.sampling import GUIDANCE_SCHEDULE, STEPS, inference_sigmas
         from library.models.ideogram4.vae import from_ideogram_tokens
 

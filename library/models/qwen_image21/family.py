@@ -300,7 +300,8 @@ class QwenImage21Family(DiffusionFamily):
         return loss
 
     @torch.no_grad()
-    def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None):
+    def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None,
+                       flow_shift=None):
         """Euler flow-matching sampling (DiffusionFamily.sample_latents) on latent-pixel tokens; returns
         latents [B, 64, height/16, width/16] float32."""
         h, w = height // self.vae_downsample, width // self.vae_downsample
@@ -308,7 +309,8 @@ class QwenImage21Family(DiffusionFamily):
         noise = self.initial_noise(batch, h, w, torch.Generator("cpu").manual_seed(seed)).to(device)
         # the shipped grid at its own step count (the pipeline takes it whatever the count; another --s: linspace)
         grid = self.sample_sigmas if self.sample_sigmas and len(self.sample_sigmas) == steps else None
-        sigmas = fm.inference_sigmas(steps, h * w, self.arch, sampling=self.inference_sampling(), grid=grid)
+        sigmas = fm.inference_sigmas(steps, h * w, self.arch, sampling=self.inference_sampling(), grid=grid,
+                                     shift=flow_shift)
 
         def velocity(x, s):
             return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
