@@ -558,8 +558,13 @@ def _rebuilt(algo, params, name: str, base: nn.Module):
     the module: LyCORIS' loader re-infers LoKr's factors and DoRA's axis from the shapes, which some files defeat."""
     from lycoris.modules import make_module
 
+    if algo.__name__ == "FullModule" and isinstance(base, FP8LinearView):  # LyCORIS: "Quant Linear is not supported"
+        raise CheckpointError(f"LyCORIS module '{name}' (FullModule): a whole delta of the weight, which an fp8 base's codes "
+                              f"cannot take: render on a bf16 base (base_precision bf16), or merge the file into a bf16 "
+                              f"checkpoint with tools/merge_lora.py")
     try:
-        return make_module(algo, params, name, base)
+        with _cpu_copies_of_meta_stay_meta(base):  # algo=full copies the weight to the CPU: on meta (a check) it stays
+            return make_module(algo, params, name, base)
     except (RuntimeError, TypeError, ValueError) as e:
         on = f" on a weight of shape {tuple(base.weight.shape)}" if isinstance(base, nn.Linear) else ""
         raise CheckpointError(f"LyCORIS module '{name}' ({algo.__name__}): LyCORIS' loader cannot rebuild it{on} "

@@ -125,10 +125,20 @@ def tiny_flux_extraction(tiny_set, path, bias_rows: int | None = None) -> str:
     return as_file(biases, path, extra=lora)
 
 
-def test_base_loras_and_generate_add_the_bias_deltas_as_the_merge_does(tiny_set, tmp_path, monkeypatch):
+def tiny_flux_full(tiny_set, path) -> str:
+    """LyCORIS' full type on the tiny set's FLUX.1: whole deltas alone, two weights and a bias, ComfyUI's names."""
+    params = dict(FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32).named_parameters())
+    names = ["double_blocks.0.img_attn.proj.weight", "double_blocks.0.img_attn.proj.bias", "single_blocks.0.linear2.weight"]
+    return as_file({n: numbered(*params[n].shape, seed=i) * 0.05 for i, n in enumerate(names)}, path)
+
+
+@pytest.mark.parametrize("kind", ["extraction", "lycoris_full"])
+def test_base_loras_and_generate_add_the_bias_deltas_as_the_merge_does(tiny_set, tmp_path, monkeypatch, kind):
     """A ComfyUI extraction as base_loras and as generate.py's --lora: the down / up modules and the `.diff_b`
     tensors, the old ones with a warning that the bias deltas were left out. Now the base_loras merge equals the
-    merge_lora checkpoint, and generate renders with the LoRA what it renders with that checkpoint."""
+    merge_lora checkpoint, and generate renders with the LoRA what it renders with that checkpoint. generate.py the
+    same with LyCORIS' full type (whole deltas alone), which it refused until 2026-11-30: its check on the meta
+    model failed in LyCORIS' CPU copy of the weight ("LyCORIS does not recognise its keys")."""
     import copy
 
     from library.lora_spec import LoRASpec
@@ -137,14 +147,19 @@ def test_base_loras_and_generate_add_the_bias_deltas_as_the_merge_does(tiny_set,
     from tools import generate
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    path = tiny_flux_extraction(tiny_set, tmp_path / "extract.safetensors")
+    if kind == "extraction":
+        path, modules = tiny_flux_extraction(tiny_set, tmp_path / "extract.safetensors"), 1 + 3
+    else:
+        path, modules = tiny_flux_full(tiny_set, tmp_path / "full.safetensors"), None
     merged_file = str(tmp_path / "merged.safetensors")
     merged = merged_model(FluxFamily, tiny_set["flux_bfl"], path, merged_file, ratio=0.8)
     model = FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32)
     base = copy.deepcopy(model)
-    assert merge_base_loras(base, "flux", [LoRASpec(path, 0.8)]) == 1 + 3
-    assert_model_is(base, merged.state_dict())
-    assert not torch.equal(merged.state_dict()["double_blocks.0.img_mod.lin.bias"], model.state_dict()["double_blocks.0.img_mod.lin.bias"])
+    if kind == "extraction":  # (base_loras takes no LyCORIS file: merge_lora, then train on the checkpoint)
+        assert merge_base_loras(base, "flux", [LoRASpec(path, 0.8)]) == modules
+        assert_model_is(base, merged.state_dict())
+    changed = "double_blocks.0.img_mod.lin.bias" if kind == "extraction" else "single_blocks.0.linear2.weight"
+    assert not torch.equal(merged.state_dict()[changed], model.state_dict()[changed])
 
     images = {}
     for name, extra in (("lora", ("--lora", f"{path}:0.8")), ("merged", ("--model", merged_file)), ("base", ())):
@@ -173,6 +188,28 @@ def test_a_bias_delta_of_another_shape_is_refused_before_any_model_loads(tiny_se
         monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
     line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "run", "--base_loras", f"{path}:0.5")))
     assert line.endswith(f"quickstart.toml: key 'base_loras': {said}"), line
+
+
+def test_a_weight_delta_on_an_fp8_base_is_refused_before_any_model_loads(tiny_set, tmp_path, capsys, monkeypatch):
+    """A `.diff` of a 2-D weight rendered on an fp8_scaled base (whose weights are e4m3 codes: no delta adds to
+    them) was refused only once the text encoders had run and the transformer had loaded, in LyCORIS' words ("Quant
+    Linear is not supported ... a file for another model"); now by the meta check, at the render's precision, saying
+    what to do."""
+    from tests.test_generate import generate_args
+    from tests.test_reliability import one_error_line
+    from tools import generate
+
+    module = "double_blocks.0.img_attn.proj"
+    weight = FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32).get_submodule(module).weight
+    path = as_file({f"{module}.weight": numbered(*weight.shape, seed=3) * 0.01}, tmp_path / "full.safetensors")
+    monkeypatch.setattr(FluxFamily, "load_text_encoder", lambda *a, **k: pytest.fail("a model loaded"))
+    capsys.readouterr()
+    args = generate_args(tiny_set, tmp_path / "out", "--lora", path, "--base_precision", "fp8_scaled")
+    line = one_error_line(capsys, generate.main(args))
+    name = "lora_unet_" + module.replace(".", "_")  # a file of whole deltas alone: LyCORIS' full type
+    assert line == (f"error: {path}: LyCORIS module '{name}' (FullModule): a whole delta of the weight, which an fp8 base's "
+                    f"codes cannot take: render on a bf16 base (base_precision bf16), or merge the file into a bf16 "
+                    f"checkpoint with tools/merge_lora.py"), line
 
 
 def test_resize_keeps_the_tensors_beside_the_lora(flux_loras, tmp_path, capsys):

@@ -170,10 +170,11 @@ def check_stored_base(args, family) -> None:
                          f"which renders as it is stored; leave --base_precision out")
 
 
-def check_lora_modules(family, loras) -> None:
-    """Each --lora read onto the transformer built on meta from its header, as the load reads it: a module the
-    checkpoint lacks (a LoRA of a model with more blocks) is one CheckpointError naming the file and the
-    module now, not after the text encoders ran and the transformer loaded (minutes)."""
+def check_lora_modules(family, loras, base_precision: str) -> None:
+    """Each --lora read onto the transformer built on meta from its header at the render's base precision, as the
+    load reads it: a module the checkpoint lacks (a LoRA of a model with more blocks), or a weight's `.diff` on an
+    fp8 base (its codes take no delta), is one CheckpointError naming the file and the module now, not after the
+    text encoders ran and the transformer loaded (minutes)."""
     import warnings
 
     from networks.factory import network_from_file
@@ -182,7 +183,7 @@ def check_lora_modules(family, loras) -> None:
 
     if not loras:
         return
-    skeleton = family.load_transformer(torch.float32, read_weights=False)
+    skeleton = family.load_transformer(torch.float32, family.stored_layout() or base_precision, read_weights=False)
     with warnings.catch_warnings():  # the load below says them once
         warnings.simplefilter("ignore")
         for spec in loras:
@@ -289,7 +290,7 @@ def generate(args) -> list[str]:
             print(f"note: {spec.path} {note}")
     check_model_options(args, family)
     check_stored_base(args, family)  # before any model loads
-    check_lora_modules(family, loras)
+    check_lora_modules(family, loras, args.base_precision)
     prompts = collect_prompts(args, family)
     check_prompt_controls(prompts, args.prompt_file or "--prompt", family.name, family.max_controls, family.min_controls,
                           family.reference_vl_size)
