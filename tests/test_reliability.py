@@ -195,7 +195,7 @@ def log_prefix_a_path(ts, tmp):  # TensorBoard wrote wherever it pointed, out of
 
 def sample_prompt_bad_flag(ts, tmp):
     (tmp / "prompts.txt").write_text("# samples\na red circle --w 64 --x 3\n")
-    return ["--sample_prompts", str(tmp / "prompts.txt")], ["prompts.txt:2: unknown flag '--x' (allowed: --w, --h, --s, --d, --g, --n, --l, --ci)"]
+    return ["--sample_prompts", str(tmp / "prompts.txt")], ["prompts.txt:2: unknown flag '--x' (allowed: --w, --h, --s, --d, --g, --n, --l, --fs, --ci)"]
 
 
 def checkpoint_missing(ts, tmp):
