@@ -34,10 +34,11 @@ def freeze_what_lives():
 # whenever it runs short, so starting the long ones first ends the workers together rather than leaving
 # one of them alone with a long file at the end (xdist's own order, most tests first, put them last).
 LONGEST_FIRST = (
-    "test_memory_plan.py", "test_learning.py", "test_train_lora.py", "test_block_swap.py", "test_webui_api.py",
-    "test_train_llm.py", "test_webui_faults.py", "test_webui_browser.py", "test_precision_matrix.py", "test_fsdp.py",
-    "test_validation_ema.py", "test_residual_projection.py", "test_crash_safety.py", "test_lora_clients.py",
-    "test_webui_handlers.py", "test_chroma.py", "test_saved_attention.py", "test_run_lifecycle.py",
+    "test_memory_plan.py", "test_learning.py", "test_webui_faults.py", "test_train_lora.py", "test_precision_matrix.py",
+    "test_block_swap.py", "test_webui_browser.py", "test_train_llm.py", "test_crash_safety.py", "test_webui_handlers.py",
+    "test_fsdp.py", "test_residual_projection.py", "test_lora_clients.py", "test_webui_api.py", "test_validation_ema.py",
+    "test_webui_peer_configs.py", "test_flux2_train.py", "test_run_lifecycle.py", "test_precision_doctor.py",
+    "test_saved_attention.py", "test_chroma.py",
 )
 
 
