@@ -563,7 +563,8 @@ def _rebuilt(algo, params, name: str, base: nn.Module):
                               f"cannot take: render on a bf16 base (base_precision bf16), or merge the file into a bf16 "
                               f"checkpoint with tools/merge_lora.py")
     try:
-        with _cpu_copies_of_meta_stay_meta(base):  # algo=full copies the weight to the CPU: on meta (a check) it stays
+        # dora_wd and algo=full copy the weight to the CPU as they build: on meta (generate.py's check) it stays meta
+        with _cpu_copies_of_meta_stay_meta(base):
             return make_module(algo, params, name, base)
     except (RuntimeError, TypeError, ValueError) as e:
         on = f" on a weight of shape {tuple(base.weight.shape)}" if isinstance(base, nn.Linear) else ""

@@ -86,6 +86,22 @@ def test_a_lycoris_network_that_copies_target_weights_builds_on_a_meta_model(arg
     meta.apply()  # algo=full: the weight it replaces copied to the CPU, here to meta
 
 
+@pytest.mark.parametrize("args", [{**LOKR, "dora_wd": True}, {"algo": "loha", "dora_wd": True}, {"algo": "full"}])
+def test_a_lycoris_file_whose_modules_copy_target_weights_reads_onto_a_meta_model(args, tmp_path):
+    """generate.py reads each --lora onto the transformer built on meta before any model loads: a file of those
+    algos failed there (LyCORIS' CPU copy of a meta weight, swallowed by its make_module as "LyCORIS does not
+    recognise its keys"), so generate.py rendered no LyCORIS DoRA or full-type file until 2026-11-30."""
+    from networks.factory import network_from_file
+
+    path = str(tmp_path / "lycoris.safetensors")
+    real = LycorisNetwork(tiny_flux(), "flux", 4, 2.0, network_args=args)
+    real.save(path)
+    with torch.device("meta"):
+        model = tiny_flux()
+    meta = network_from_file(model, "flux", path)
+    assert {k: v.shape for k, v in meta.named_parameters()} == {k: v.shape for k, v in real.named_parameters()}
+
+
 def test_lycoris_selection_args_are_checked_for_the_arch_without_a_model():
     """The old line checked only the names of the selection args before caching: a block arg of
     another family or a bad index range failed when the network was built, after caching."""
