@@ -339,17 +339,28 @@ class WholeDelta:
         return out
 
 
+def whole_deltas_only(path: str) -> bool:
+    """A file of `.diff` / `.diff_b` tensors and nothing else (ComfyUI's full_diff extraction, LyCORIS' full type),
+    from its header: no down / up module to read, its deltas merge as they are (base_loras)."""
+    if not os.path.isfile(path):  # a PEFT adapter folder
+        return False
+    body, diffs = split_whole_deltas(dict.fromkeys(CheckpointReader(path).keys()))
+    return bool(diffs) and not body
+
+
 class WholeDeltasLeftOut(UserWarning):
     """A LoRA network read a file's down / up modules and left its `.diff` / `.diff_b` tensors out."""
 
 
 @torch.no_grad()
 def merge_whole_deltas(model: torch.nn.Module, arch: str, path: str, ratio: float,
-                       keep_float32=lambda module: False) -> int:
+                       keep_float32=lambda module: False, codes_merge_before: bool = False) -> int:
     """Add the `.diff` / `.diff_b` tensors of LoRA file `path` into `model`'s parameters (ratio * diff, float32 math),
     each stored back in its own dtype, or float32 where keep_float32(module) (a weight an fp8 conversion quantizes
     next); returns how many. A module or tensor the model lacks, a delta of another shape, or a weight that is not a
-    float parameter (an fp8 base's codes) is a CheckpointError naming it."""
+    float parameter (an fp8 base's codes) is a CheckpointError naming it. codes_merge_before: the check on a meta
+    model of a run whose deltas merge into its weights before they are quantized (base_loras): a quantized
+    weight's shape is checked and the weight left as it is."""
     from networks.lora_args import diffusers_module_map
 
     if not os.path.isfile(path):  # a PEFT adapter folder: no whole deltas
@@ -365,6 +376,12 @@ def merge_whole_deltas(model: torch.nn.Module, arch: str, path: str, ratio: floa
                                    (lambda: diffusers_module_map(arch, config)) if config is not None else None, name=path)
     for (module, part), delta in found.items():
         param = getattr(modules.get(module), part, None)
+        if codes_merge_before and isinstance(param, torch.Tensor) and param.dtype.itemsize == 1:
+            layer = modules[module]  # the weight's own shape: nf4 / int8 packings store codes of another
+            shape = (layer.out_features, layer.in_features) if part == "weight" and hasattr(layer, "in_features") else param.shape
+            if problem := delta.mismatch(shape):
+                raise CheckpointError(f"{path}: {problem} ({module}.{part})")
+            continue
         if not isinstance(param, torch.nn.Parameter) or param.dtype.itemsize < 2 or not param.is_floating_point():
             raise CheckpointError(f"{path}: '{delta.name}' changes {module}.{part}, which this model holds "
                                   f"{'as ' + str(param.dtype) if param is not None else 'nowhere'}: merge the file "

@@ -138,7 +138,9 @@ def test_base_loras_and_generate_add_the_bias_deltas_as_the_merge_does(tiny_set,
     tensors, the old ones with a warning that the bias deltas were left out. Now the base_loras merge equals the
     merge_lora checkpoint, and generate renders with the LoRA what it renders with that checkpoint. generate.py the
     same with LyCORIS' full type (whole deltas alone), which it refused until 2026-11-30: its check on the meta
-    model failed in LyCORIS' CPU copy of the weight ("LyCORIS does not recognise its keys")."""
+    model failed in LyCORIS' CPU copy of the weight ("LyCORIS does not recognise its keys"); base_loras refused it
+    as a LyCORIS file, and now merges its deltas as they are, on an fp8_scaled run too (its check before caching
+    on the meta model)."""
     import copy
 
     from library.lora_spec import LoRASpec
@@ -150,14 +152,13 @@ def test_base_loras_and_generate_add_the_bias_deltas_as_the_merge_does(tiny_set,
     if kind == "extraction":
         path, modules = tiny_flux_extraction(tiny_set, tmp_path / "extract.safetensors"), 1 + 3
     else:
-        path, modules = tiny_flux_full(tiny_set, tmp_path / "full.safetensors"), None
+        path, modules = tiny_flux_full(tiny_set, tmp_path / "full.safetensors"), 3
     merged_file = str(tmp_path / "merged.safetensors")
     merged = merged_model(FluxFamily, tiny_set["flux_bfl"], path, merged_file, ratio=0.8)
     model = FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32)
     base = copy.deepcopy(model)
-    if kind == "extraction":  # (base_loras takes no LyCORIS file: merge_lora, then train on the checkpoint)
-        assert merge_base_loras(base, "flux", [LoRASpec(path, 0.8)]) == modules
-        assert_model_is(base, merged.state_dict())
+    assert merge_base_loras(base, "flux", [LoRASpec(path, 0.8)]) == modules
+    assert_model_is(base, merged.state_dict())
     changed = "double_blocks.0.img_mod.lin.bias" if kind == "extraction" else "single_blocks.0.linear2.weight"
     assert not torch.equal(merged.state_dict()[changed], model.state_dict()[changed])
 
@@ -166,6 +167,12 @@ def test_base_loras_and_generate_add_the_bias_deltas_as_the_merge_does(tiny_set,
         assert generate.main(generate_args(tiny_set, tmp_path / name, "--seed", "0", *extra)) == 0
         images[name] = torch.tensor(list(Image.open(tmp_path / name / "000_0.png").getdata()), dtype=torch.int16)
     assert (images["lora"] - images["merged"]).abs().max() <= 1 and (images["lora"] - images["base"]).abs().max() > 8
+    if kind == "lycoris_full":
+        import train_lora
+        from tests.test_train_lora import flux_args
+
+        assert train_lora.main(flux_args(tiny_set, tmp_path / "run", "--base_loras", f"{path}:0.8", "--fp8_base", "true",
+                                         "--max_train_steps", "1", "--sample_prompts", "")) == 0
 
 
 def test_a_bias_delta_of_another_shape_is_refused_before_any_model_loads(tiny_set, tmp_path, capsys, monkeypatch):

@@ -44,10 +44,13 @@ def merge_base_loras(model: nn.Module, arch: str, specs: list[LoRASpec], keep_fl
     from networks.factory import network_module_of_file
     from networks.lora import LoRANetwork
     from networks.lora_files import merge_into_weight
-    from networks.lora_reader import WholeDeltasLeftOut, merge_whole_deltas
+    from networks.lora_reader import WholeDeltasLeftOut, merge_whole_deltas, whole_deltas_only
 
     merged = 0
     for spec in specs:
+        if whole_deltas_only(spec.path):  # ComfyUI's full_diff, LyCORIS' full type: the deltas alone, no network
+            merged += merge_whole_deltas(model, arch, spec.path, spec.ratio, keep_float32)
+            continue
         if network_module_of_file(spec.path) != "networks.lora":
             raise ValueError(f"base_loras {spec.path}: a LyCORIS file; merge it into the checkpoint with "
                              f"tools/merge_lora.py and train on the merged checkpoint")

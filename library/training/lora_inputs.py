@@ -16,7 +16,7 @@ def check_lora_inputs(args, arch: str) -> None:
     that the run's network cannot read: a LyCORIS file as network_weights of networks.lora (or a LoRA of
     lycoris.kohya), a LyCORIS file as base_loras (merged by tools/merge_lora.py only)."""
     from networks.factory import network_module_of_file  # torch: not for the config check the web UI runs
-    from networks.lora_reader import check_lora_arch
+    from networks.lora_reader import check_lora_arch, whole_deltas_only
 
     where = args.config_file or "command line"
     named = [("network_weights", args.network_weights)] if args.network_weights else []
@@ -24,7 +24,8 @@ def check_lora_inputs(args, arch: str) -> None:
     for key, path in named:
         try:
             check_lora_arch(path, arch)
-            kind = network_module_of_file(path)
+            # base_loras merges a file of whole deltas alone as it is (a LyCORIS full type's too)
+            kind = "networks.lora" if key == "base_loras" and whole_deltas_only(path) else network_module_of_file(path)
         except (ValueError, OSError) as e:  # CheckpointError is a ValueError
             raise ConfigError(f"{where}: key '{key}': {e}") from None
         wanted = (getattr(args, "network_module", None) or "networks.lora") if key == "network_weights" else "networks.lora"
@@ -86,14 +87,16 @@ def _check_base_loras_fit(args, arch: str, model, where: str) -> None:
 
     from library.training.base_loras import base_lora_specs
     from networks.lora import LoRANetwork
-    from networks.lora_reader import merge_whole_deltas
+    from networks.lora_reader import merge_whole_deltas, whole_deltas_only
 
     for spec in base_lora_specs(getattr(args, "base_loras", None) or []):
         try:  # fork_rng: building the modules draws initial weights (the file's replace them), not the run's draws
             with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # the merge says them
-                LoRANetwork.from_weights(model, arch, spec.path)
-            merge_whole_deltas(model, arch, spec.path, spec.ratio)  # its .diff / .diff_b: names and shapes, on meta
+                if not whole_deltas_only(spec.path):
+                    LoRANetwork.from_weights(model, arch, spec.path)
+            # its .diff / .diff_b: names and shapes, on meta (an fp8 run merges them before it quantizes)
+            merge_whole_deltas(model, arch, spec.path, spec.ratio, codes_merge_before=True)
         except (ValueError, OSError) as e:  # CheckpointError is a ValueError
             raise ConfigError(f"{where}: key 'base_loras': {e}") from None
 
