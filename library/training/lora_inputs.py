@@ -14,7 +14,8 @@ from library.lora_spec import parse_lora_spec
 def check_lora_inputs(args, arch: str) -> None:
     """Raise ConfigError for the first of network_weights / base_loras that `arch`'s model cannot take, or
     that the run's network cannot read: a LyCORIS file as network_weights of networks.lora (or a LoRA of
-    lycoris.kohya), a LyCORIS file as base_loras (merged by tools/merge_lora.py only)."""
+    lycoris.kohya), a LyCORIS file as base_loras (merged by tools/merge_lora.py only; one of whole deltas alone,
+    LyCORIS' full type, merges as it is)."""
     from networks.factory import network_module_of_file  # torch: not for the config check the web UI runs
     from networks.lora_reader import check_lora_arch, whole_deltas_only
 
