@@ -21,6 +21,7 @@ import csv
 import dataclasses
 import json
 import math
+import mmap
 import os
 import re
 import socket
@@ -158,6 +159,7 @@ class CheckpointReader:
         self.path = path
         self.files = safetensors_files(path)
         self._headers, self._where = [], {}
+        self._maps: dict[int, mmap.mmap] = {}  # file index -> its private mapping (get(mapped=True))
         for i, f in enumerate(self.files):
             entries, metadata, data_start = _read_gguf_header(f) if f.endswith(GGUF_SUFFIX) else _read_header(f)
             self._headers.append((entries, data_start))
@@ -194,7 +196,10 @@ class CheckpointReader:
         """A GGUF tensor stored in ggml blocks (Q8_0, Q4_K, ...): get() gives its packed bytes."""
         return "packed" in self._entry(key)
 
-    def get(self, key: str) -> torch.Tensor:
+    def get(self, key: str, mapped: bool = False) -> torch.Tensor:
+        """The tensor in fresh memory; mapped: on the file's pages where its offset allows (a private, copy-on-write
+        mapping: pages the kernel may drop and read again, not memory of the process's own), for a file read once
+        and whole that may be as large as a model (a LoRA of whole deltas, merge_lora's and generate.py's)."""
         i = self._where[key]
         entries, data_start = self._headers[i]
         entry = entries[key]
@@ -206,6 +211,14 @@ class CheckpointReader:
         if out.numel() * out.element_size() != end - begin:
             raise CheckpointError(f"{self.files[i]}: tensor '{key}' holds {end - begin} bytes, not "
                                   f"{out.numel() * out.element_size()} for {entry['dtype']} {entry['shape']}")
+        if mapped and out.numel() and (data_start + begin) % out.element_size() == 0 and "packed" not in entry:
+            if os.path.getsize(self.files[i]) < data_start + end:
+                raise CheckpointError(f"{self.files[i]}: truncated inside tensor '{key}'")
+            if i not in self._maps:
+                with open(self.files[i], "rb") as f:
+                    self._maps[i] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            return torch.frombuffer(self._maps[i], dtype=out.dtype, count=out.numel(),
+                                    offset=data_start + begin).view(out.shape)
         view = memoryview(out.reshape(-1).view(torch.uint8).numpy()) if end > begin else memoryview(b"")
         with open(self.files[i], "rb", buffering=0) as f:
             done = 0

@@ -479,11 +479,15 @@ def lora_reader(path: str) -> tuple[CheckpointReader, dict | None]:
     return reader, config
 
 
-def read_lora_tensors(path: str) -> tuple[dict[str, torch.Tensor], dict[str, str], dict | None]:
+def read_lora_tensors(path: str, map_whole_deltas: bool = False) -> tuple[dict[str, torch.Tensor], dict[str, str], dict | None]:
     """A LoRA safetensors file or PEFT adapter folder -> (tensors, header metadata, the folder's
-    adapter_config.json or None)."""
+    adapter_config.json or None). map_whole_deltas: the `.diff` / `.diff_b` tensors on the file's pages
+    (CheckpointReader.get(mapped=True)), for a tool that adds each once: a file of whole deltas is as large as the
+    model it changes. (The rest in memory of their own: views of a mapping may be unaligned, and the CPU's GEMMs
+    round differently there.)"""
     reader, config = lora_reader(path)
-    return dict(reader.items()), reader.metadata, config
+    mapped = lambda key: map_whole_deltas and _beside_kind(key) in (".diff", ".diff_b")  # noqa: E731
+    return {k: reader.get(k, mapped(k)) for k in reader.keys()}, reader.metadata, config
 
 
 def peft_alpha_known(keys, metadata: dict[str, str], adapter_config: dict | None = None) -> bool:

@@ -332,8 +332,8 @@ class WholeDelta:
     def merged(self, tensor: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
         out = tensor.to(torch.float32, copy=True)
         for diff, rows in self.parts:
-            if rows is None:
-                out.add_(diff.to(out.device, torch.float32), alpha=multiplier)
+            if rows is None:  # (a copy: a delta on a file's pages may be unaligned, and add's rounding follow it)
+                out.add_(diff.to(out.device, torch.float32, copy=True), alpha=multiplier)
             else:
                 out[rows] += multiplier * diff.to(out.device, torch.float32)
         return out
@@ -367,7 +367,7 @@ def merge_whole_deltas(model: torch.nn.Module, arch: str, path: str, ratio: floa
         return 0
     if not split_whole_deltas(dict.fromkeys(CheckpointReader(path).keys()))[1]:  # the header alone: most LoRAs
         return 0
-    diffs = split_whole_deltas(split_text_encoders(read_lora_tensors(path)[0])[0])[1]
+    diffs = split_whole_deltas(split_text_encoders(read_lora_tensors(path, map_whole_deltas=True)[0])[0])[1]
     if not diffs:
         return 0
     modules = dict(model.named_modules())

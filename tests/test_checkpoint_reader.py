@@ -1,6 +1,7 @@
 """library/io.CheckpointReader reads tensors into memory of their own (pread), not as views of a
 mapped file: aligned data (views were only 8-byte aligned, or worse, and CPU kernels round
-differently on them) and no mapping kept alive by a loaded model. Bad files are one line."""
+differently on them) and no mapping kept alive by a loaded model; on the file's pages only where asked
+(a LoRA's whole deltas, added once). Bad files are one line."""
 
 import os
 
@@ -25,6 +26,50 @@ def test_tensors_are_aligned_owned_copies_equal_to_the_file(tmp_path):
         assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8)) if got.numel() else True
         assert got.numel() == 0 or got.data_ptr() % 64 == 0, name
         got.add_(1) if got.is_floating_point() and got.dtype.itemsize > 1 else None  # writable, not a read-only map
+
+
+def on_pages_of(path: str, t: torch.Tensor) -> bool:
+    """Whether t's memory lies in a mapping of the file `path` (/proc/self/maps)."""
+    ptr = t.untyped_storage().data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *_, name = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in span.split("-"))
+            if name.strip() == os.path.realpath(path) and low <= ptr < high:
+                return True
+    return False
+
+
+def test_mapped_tensors_lie_on_the_files_pages_where_aligned_and_are_the_same_values(tmp_path):
+    """get(mapped=True), for the whole deltas a merge adds once (a file as large as the model): a tensor on the file's
+    pages, copy-on-write (writable, the file unchanged); one at an offset its dtype cannot view, an empty one, read
+    into memory of its own; a file cut short is one line."""
+    path = str(tmp_path / "a.safetensors")
+    tensors = {"a": torch.randn(3).bfloat16(), "b": torch.randn(5, 7), "c": torch.randn(64, 64), "e": torch.zeros(0, 3)}
+    save_file(tensors, path)
+    reader = CheckpointReader(path)
+    got = {name: reader.get(name, mapped=True) for name in tensors}
+    for name, expected in tensors.items():
+        assert got[name].dtype == expected.dtype and torch.equal(got[name], expected), name
+    entries, start = reader._headers[0]
+    for name in ("b", "c"):
+        aligned = (start + entries[name]["data_offsets"][0]) % 4 == 0
+        assert on_pages_of(path, got[name]) == aligned, name
+    assert any(on_pages_of(path, t) for t in got.values()) and not on_pages_of(path, got["e"])
+    before = open(path, "rb").read()
+    got["c"].add_(1)
+    assert open(path, "rb").read() == before and torch.equal(CheckpointReader(path).get("c"), tensors["c"])
+    with open(path, "r+b") as f:
+        f.truncate(len(before) - 64)
+    with pytest.raises(CheckpointError, match=r"a\.safetensors: truncated inside tensor 'c'"):
+        reader_again(reader).get("c", mapped=True)
+
+
+def reader_again(reader: CheckpointReader) -> CheckpointReader:
+    """The reader's headers, read before the file was cut, without its mappings."""
+    again = CheckpointReader.__new__(CheckpointReader)
+    again.__dict__.update(reader.__dict__, _maps={})
+    return again
 
 
 def test_truncated_and_foreign_files_are_one_line_naming_the_file(tmp_path):

@@ -197,6 +197,34 @@ def test_a_bias_delta_of_another_shape_is_refused_before_any_model_loads(tiny_se
     assert line.endswith(f"quickstart.toml: key 'base_loras': {said}"), line
 
 
+def test_the_merges_read_the_whole_deltas_on_the_files_pages_and_the_rest_into_memory(tiny_set, tmp_path, monkeypatch):
+    """A file of whole deltas is as large as the model it changes: merge_lora (which streams the checkpoint) and
+    merge_whole_deltas (generate.py, base_loras) held all of it in memory of their own, beside the model. They read
+    the `.diff` / `.diff_b` tensors on the file's pages now; down / up in memory of their own (aligned for the GEMM)."""
+    from library.lora_spec import LoRASpec
+    from networks.lora_files import read_lora_tensors
+    from networks.lora_reader import WholeDelta, merge_whole_deltas
+    from tests.test_checkpoint_reader import on_pages_of
+    from tools.merge_base import lora_deltas, open_base
+
+    path = tiny_flux_extraction(tiny_set, tmp_path / "extract.safetensors")
+    tensors = read_lora_tensors(path, map_whole_deltas=True)[0]
+    plain = read_lora_tensors(path)[0]
+    assert tensors.keys() == plain.keys() and all(torch.equal(tensors[k], plain[k]) for k in plain)
+    diffs = [k for k in tensors if k.endswith(".diff_b")]
+    assert len(diffs) == 3 and all(on_pages_of(path, tensors[k]) for k in diffs)
+    assert not any(on_pages_of(path, v) for k, v in tensors.items() if k not in diffs)
+    assert not any(on_pages_of(path, v) for v in plain.values())
+    # merge_lora's deltas by checkpoint key, and what merge_whole_deltas adds
+    merged = lora_deltas(open_base(tiny_set["flux_bfl"]), LoRASpec(path, 1.0), allow_unmatched=False)
+    whole = [d for d in merged.values() if isinstance(d, WholeDelta)]
+    assert len(whole) == 3 and all(on_pages_of(path, diff) for d in whole for diff, _ in d.parts)
+    added, merge = [], WholeDelta.merged
+    monkeypatch.setattr(WholeDelta, "merged", lambda self, *a: added.extend(diff for diff, _ in self.parts) or merge(self, *a))
+    merge_whole_deltas(FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32), "flux", path, 1.0)
+    assert len(added) == 3 and all(on_pages_of(path, diff) for diff in added)
+
+
 def test_a_weight_delta_on_an_fp8_base_is_refused_before_any_model_loads(tiny_set, tmp_path, capsys, monkeypatch):
     """A `.diff` of a 2-D weight rendered on an fp8_scaled base (whose weights are e4m3 codes: no delta adds to
     them) was refused only once the text encoders had run and the transformer had loaded, in LyCORIS' words ("Quant

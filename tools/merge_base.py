@@ -198,7 +198,8 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges). A down/up LoRA is read
     by networks/lora_reader.py (every layout convert_lora reads, in the base's naming); its `.diff` / `.diff_b`
     tensors (ComfyUI's extraction, LyCORIS' full type) change the weight or bias they name, as ComfyUI patches them."""
-    tensors, metadata, adapter_config = read_lora_tensors(spec.path)  # a file, or a PEFT adapter folder
+    # a file (its whole deltas on its pages: as large as the model they change), or a PEFT adapter folder
+    tensors, metadata, adapter_config = read_lora_tensors(spec.path, map_whole_deltas=True)
     body, te = split_text_encoders(tensors)
     if te and not body:
         raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te, text_encoder_labels(base.family))}; "
