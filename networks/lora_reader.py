@@ -384,8 +384,9 @@ def merge_whole_deltas(model: torch.nn.Module, arch: str, path: str, ratio: floa
             continue
         if not isinstance(param, torch.nn.Parameter) or param.dtype.itemsize < 2 or not param.is_floating_point():
             raise CheckpointError(f"{path}: '{delta.name}' changes {module}.{part}, which this model holds "
-                                  f"{'as ' + str(param.dtype) if param is not None else 'nowhere'}: merge the file "
-                                  f"into a bf16 checkpoint with tools/merge_lora.py")
+                                  f"{'as ' + str(param.dtype) if param is not None else 'nowhere'}: render on a bf16 "
+                                  f"base (base_precision bf16), or merge the file into a bf16 checkpoint with "
+                                  f"tools/merge_lora.py")
         if problem := delta.mismatch(param.shape):
             raise CheckpointError(f"{path}: {problem} ({module}.{part})")
         dtype = torch.float32 if part == "weight" and keep_float32(module) else param.dtype

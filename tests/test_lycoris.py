@@ -102,6 +102,20 @@ def test_a_lycoris_file_whose_modules_copy_target_weights_reads_onto_a_meta_mode
     assert {k: v.shape for k, v in meta.named_parameters()} == {k: v.shape for k, v in real.named_parameters()}
 
 
+def test_a_full_type_file_on_an_fp8_model_says_what_to_do(tmp_path):
+    """LyCORIS' full type on an fp8 base (precision_doctor, the tools that read a file as its network): LyCORIS' own
+    "Quant Linear is not supported ... a file for another model" became a line saying what to do."""
+    from library.io import CheckpointError
+    from networks.factory import network_from_file
+
+    path = str(tmp_path / "full.safetensors")
+    LycorisNetwork(tiny_flux(), "flux", 4, 2.0, network_args={"algo": "full"}).save(path)
+    model = quantize_module(tiny_flux(), "fp8_scaled", arch_spec("flux").fp8)
+    with pytest.raises(CheckpointError, match=r"\(FullModule\): a whole delta of the weight, which an fp8 base's codes "
+                                              r"cannot take: render on a bf16 base"):
+        network_from_file(model, "flux", path)
+
+
 def test_lycoris_selection_args_are_checked_for_the_arch_without_a_model():
     """The old line checked only the names of the selection args before caching: a block arg of
     another family or a bad index range failed when the network was built, after caching."""

@@ -241,9 +241,8 @@ def test_a_weight_delta_on_an_fp8_base_is_refused_before_any_model_loads(tiny_se
     capsys.readouterr()
     args = generate_args(tiny_set, tmp_path / "out", "--lora", path, "--base_precision", "fp8_scaled")
     line = one_error_line(capsys, generate.main(args))
-    name = "lora_unet_" + module.replace(".", "_")  # a file of whole deltas alone: LyCORIS' full type
-    assert line == (f"error: {path}: LyCORIS module '{name}' (FullModule): a whole delta of the weight, which an fp8 base's "
-                    f"codes cannot take: render on a bf16 base (base_precision bf16), or merge the file into a bf16 "
+    assert line == (f"error: {path}: 'diffusion_model.{module}.diff' changes {module}.weight, which this model holds as "
+                    f"torch.float8_e4m3fn: render on a bf16 base (base_precision bf16), or merge the file into a bf16 "
                     f"checkpoint with tools/merge_lora.py"), line
 
 

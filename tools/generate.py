@@ -179,7 +179,7 @@ def check_lora_modules(family, loras, base_precision: str) -> None:
 
     from networks.factory import network_from_file
     from networks.lora import LoRANetwork
-    from networks.lora_reader import merge_whole_deltas
+    from networks.lora_reader import merge_whole_deltas, whole_deltas_only
 
     if not loras:
         return
@@ -187,7 +187,8 @@ def check_lora_modules(family, loras, base_precision: str) -> None:
     with warnings.catch_warnings():  # the load below says them once
         warnings.simplefilter("ignore")
         for spec in loras:
-            if isinstance(network_from_file(skeleton, family.arch, spec.path, multiplier=spec.ratio), LoRANetwork):
+            if whole_deltas_only(spec.path) or isinstance(
+                    network_from_file(skeleton, family.arch, spec.path, multiplier=spec.ratio), LoRANetwork):
                 merge_whole_deltas(skeleton, family.arch, spec.path, spec.ratio)  # its .diff / .diff_b: names, shapes
 
 
@@ -275,7 +276,7 @@ def generate(args) -> list[str]:
     from library.models.block_swap import enable_block_swap
     from networks.factory import network_from_file
     from networks.lora import LoRANetwork
-    from networks.lora_reader import WholeDeltasLeftOut, check_lora_arch, merge_whole_deltas
+    from networks.lora_reader import WholeDeltasLeftOut, check_lora_arch, merge_whole_deltas, whole_deltas_only
 
     loras = [parse_lora_spec(s) for s in args.lora]
     device = check_args(args)
@@ -310,8 +311,12 @@ def generate(args) -> list[str]:
     # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it); a DoRA's norm is of the base
     # with the LoRAs before it (networks/lora.py forward_weight), as ComfyUI and a base_loras run take it
     # A LoRA's `.diff` / `.diff_b` tensors (ComfyUI's extraction) are added to the weights and biases they name, as
-    # ComfyUI patches them (a LyCORIS network applies its own).
+    # ComfyUI patches them (a LyCORIS network applies its own). A file of them alone (full_diff, LyCORIS' full type)
+    # is added the same way, from the file's pages: LyCORIS' full modules held the delta and a copy of each weight.
     for spec in loras:
+        if whole_deltas_only(spec.path):
+            merge_whole_deltas(model, family.arch, spec.path, spec.ratio)
+            continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", WholeDeltasLeftOut)
             network = network_from_file(model, family.arch, spec.path, multiplier=spec.ratio)  # LoRA, DoRA or LyCORIS
