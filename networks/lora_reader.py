@@ -332,7 +332,7 @@ class WholeDelta:
     def merged(self, tensor: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
         out = tensor.to(torch.float32, copy=True)
         for diff, rows in self.parts:
-            if rows is None:  # (a copy: a delta on a file's pages may be unaligned, and add's rounding follow it)
+            if rows is None:  # (a copy: a delta on a file's pages may be unaligned, and a kernel's rounding with it)
                 out.add_(diff.to(out.device, torch.float32, copy=True), alpha=multiplier)
             else:
                 out[rows] += multiplier * diff.to(out.device, torch.float32)
@@ -378,7 +378,8 @@ def merge_whole_deltas(model: torch.nn.Module, arch: str, path: str, ratio: floa
         param = getattr(modules.get(module), part, None)
         if codes_merge_before and isinstance(param, torch.Tensor) and param.dtype.itemsize == 1:
             layer = modules[module]  # the weight's own shape: nf4 / int8 packings store codes of another
-            shape = (layer.out_features, layer.in_features) if part == "weight" and hasattr(layer, "in_features") else param.shape
+            linear = part == "weight" and hasattr(layer, "in_features")
+            shape = (layer.out_features, layer.in_features) if linear else param.shape
             if problem := delta.mismatch(shape):
                 raise CheckpointError(f"{path}: {problem} ({module}.{part})")
             continue

@@ -290,7 +290,7 @@ def _cpu_copies_of_meta_stay_meta(model: nn.Module):
     """LyCORIS copies a target's weight to the CPU as it builds and applies (dora_wd's weight norms, algo=full's
     frozen copy): on a meta model (the memory planner's, a run's plan before caching) `.cpu()` raised "Cannot copy out of
     meta tensor". There the copy stays on meta: its shape is all a plan needs."""
-    on_meta = any(p.is_meta for p in model.parameters())
+    on_meta = any(t.is_meta for t in (*model.parameters(), *model.buffers()))  # (an FP8Linear's codes are a buffer)
     return _MetaCopiesStayMeta() if on_meta else contextlib.nullcontext()
 
 
@@ -543,7 +543,7 @@ def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], mul
             target = by_name[name]
             base = FP8LinearView(target) if is_quantized_linear(target) else target
             algo, params = get_module(tensors, name)
-            module = _rebuilt(algo, params, name, base) if algo is not None else None
+            module = _rebuilt(algo, params, name, base, target) if algo is not None else None
             if module is None:
                 raise CheckpointError(f"LyCORIS module '{name}': LyCORIS does not recognise its keys")
             if getattr(module, "wd", False):  # LyCORIS' loader picks bypass for a non-`Linear` class, which drops dora_wd
@@ -553,7 +553,7 @@ def read_lycoris_modules(model: nn.Module, tensors: dict[str, torch.Tensor], mul
     return modules
 
 
-def _rebuilt(algo, params, name: str, base: nn.Module):
+def _rebuilt(algo, params, name: str, base: nn.Module, target: nn.Module):
     """LyCORIS' make_module, its failures (a shape or signature error deep in LyCORIS) one CheckpointError naming
     the module: LyCORIS' loader re-infers LoKr's factors and DoRA's axis from the shapes, which some files defeat."""
     from lycoris.modules import make_module
@@ -564,7 +564,7 @@ def _rebuilt(algo, params, name: str, base: nn.Module):
                               f"checkpoint with tools/merge_lora.py")
     try:
         # dora_wd and algo=full copy the weight to the CPU as they build: on meta (generate.py's check) it stays meta
-        with _cpu_copies_of_meta_stay_meta(base):
+        with _cpu_copies_of_meta_stay_meta(target):
             return make_module(algo, params, name, base)
     except (RuntimeError, TypeError, ValueError) as e:
         on = f" on a weight of shape {tuple(base.weight.shape)}" if isinstance(base, nn.Linear) else ""
@@ -606,7 +606,7 @@ class LycorisDelta:
         holder.weight = nn.Parameter(weight.float(), requires_grad=False)
         try:
             with _quiet_lycoris():
-                module = _rebuilt(self.algo, self.params, self.name, holder).eval()
+                module = _rebuilt(self.algo, self.params, self.name, holder, holder).eval()
         except CheckpointError as e:
             raise naming(self.source, e) from None
         module.multiplier = multiplier

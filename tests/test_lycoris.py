@@ -86,11 +86,16 @@ def test_a_lycoris_network_that_copies_target_weights_builds_on_a_meta_model(arg
     meta.apply()  # algo=full: the weight it replaces copied to the CPU, here to meta
 
 
-@pytest.mark.parametrize("args", [{**LOKR, "dora_wd": True}, {"algo": "loha", "dora_wd": True}, {"algo": "full"}])
-def test_a_lycoris_file_whose_modules_copy_target_weights_reads_onto_a_meta_model(args, tmp_path):
-    """generate.py reads each --lora onto the transformer built on meta before any model loads: a file of those
-    algos failed there (LyCORIS' CPU copy of a meta weight, swallowed by its make_module as "LyCORIS does not
-    recognise its keys"), so generate.py rendered no LyCORIS DoRA or full-type file until 2026-11-30."""
+COPYING = [{**LOKR, "dora_wd": True}, {"algo": "loha", "dora_wd": True}]  # (the full type on fp8: the test below)
+
+
+@pytest.mark.parametrize("args,base", [(a, "bf16") for a in [*COPYING, {"algo": "full"}]] + [(a, "fp8_scaled") for a in COPYING])
+def test_a_lycoris_file_whose_modules_copy_target_weights_reads_onto_a_meta_model(args, base, tmp_path):
+    """generate.py reads each --lora onto the transformer built on meta (at the render's base precision) before any
+    model loads: a file of those algos failed there (LyCORIS' CPU copy of a meta weight, swallowed by its make_module
+    as "LyCORIS does not recognise its keys"), so generate.py rendered no LyCORIS DoRA or full-type file until
+    2026-11-30."""
+    from library.precision.fp8 import prepare_fp8
     from networks.factory import network_from_file
 
     path = str(tmp_path / "lycoris.safetensors")
@@ -98,6 +103,8 @@ def test_a_lycoris_file_whose_modules_copy_target_weights_reads_onto_a_meta_mode
     real.save(path)
     with torch.device("meta"):
         model = tiny_flux()
+    if base == "fp8_scaled":
+        prepare_fp8(model, base, arch_spec("flux").fp8)
     meta = network_from_file(model, "flux", path)
     assert {k: v.shape for k, v in meta.named_parameters()} == {k: v.shape for k, v in real.named_parameters()}
 

@@ -8,8 +8,8 @@ embedded guidance of a guidance-distilled model, the CFG scale of a true-CFG one
 scale (a CFG model's guidance, winning over a --g beside it; unread by a model without CFG), --n
 negative prompt, --ci a reference (control) image for edit models (musubi-tuner's flag; repeat it for
 several, in order), --fs a fixed flow shift k of the sampler's sigmas (musubi-tuner's flag: sigma' = k sigma /
-(1 + (k - 1) sigma) in place of the release's resolution or constant shift). Flags are read in any case (--W is --w, as in sd-scripts). Lines starting with # and
-blank lines are skipped. An unknown flag or a bad value is an error naming the file and line.
+(1 + (k - 1) sigma) in place of the release's resolution or constant shift). Flags are read in any case (--W
+is --w, as in sd-scripts). Lines starting with # and blank lines are skipped. An unknown flag or a bad value is an error naming the file and line.
 
 sd-scripts' structured files load too: a `.json` list of prompt objects (or prompt lines), and a
 `.toml` with a [prompt] table of defaults and its [[prompt.subset]] entries. Their keys: prompt,

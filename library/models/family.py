@@ -517,7 +517,8 @@ class DiffusionFamily:
         model samples with CFG, as a negative prompt it reads says (prompts.settle_scale reads --l by it)."""
         return self.true_cfg and "negative" not in self.unread_sample_options()
 
-    def unread_prompt_options(self, negative: str, guidance: float | None, flow_shift: float | None = None) -> dict[str, str]:
+    def unread_prompt_options(self, negative: str, guidance: float | None,
+                              flow_shift: float | None = None) -> dict[str, str]:
         """A sample prompt's options this model would not read ("negative", "guidance", "flow_shift") -> why: a
         negative where unread_sample_options says so or where its guidance runs no CFG (guidance <=
         cfg_above: a turbo release's 0), a guidance other than the default on a model without one, a flow
@@ -548,7 +549,8 @@ class DiffusionFamily:
         return None
 
 
-PROMPT_FLAGS = {"negative": "--n (--negative)", "guidance": "--g (--guidance)", "flow_shift": "--fs (--flow_shift)"}  # how a prompt sets each option
+# how a prompt sets each option
+PROMPT_FLAGS = {"negative": "--n (--negative)", "guidance": "--g (--guidance)", "flow_shift": "--fs (--flow_shift)"}
 
 
 def warn_unread_prompt_options(family: DiffusionFamily, prompts, where: str) -> None:
