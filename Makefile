@@ -26,10 +26,10 @@ demo: $(STAMP)
 	$(PYTHON) tools/concept_demo.py --config_file configs/quickstart.toml --concept tiny_models/concept/concept.json
 
 # One pytest-xdist worker per core (at most 4: each builds its own tiny model sets), each taking whole
-# files, the longest first (tests/conftest.py): 825-908 s on 2 cores in stop 86's four clean-clone CI runs (2852-
-# 2859 tests; 861, 856 and 908 s for 2857-2859 passed, the last with every long test 8-10% slower: the machine;
-# 830-925 s in stop 85's four; ~1560-1650 worker-seconds): at the 15-minute target, not under it with room: the
-# multi-process tests are where to trim next.
+# files, the longest first (tests/conftest.py): 793-814 s on 2 cores in stop 87's two clean-clone CI runs after
+# its trims (2871-2879 tests, ~1490 worker-seconds; 825-908 s and ~1560-1720 worker-seconds in stop 86's four):
+# under the 15-minute target with ~90 s to spare. The longest are multi-process (web UI, DDP / FSDP launches) and
+# the full-size planner's tests (~90 worker-seconds).
 # PYTHONDONTWRITEBYTECODE (set on the CI machines) is cleared for the suite: each worker collecting the ~200 test
 # modules rewrote their asserts itself (~23 s of a worker's 45 s collection on 2 cores); with bytecode written
 # (to the gitignored __pycache__ folders) the two workers share the rewrites: collecting on a clean clone took
