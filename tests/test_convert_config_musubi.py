@@ -242,6 +242,7 @@ def test_sample_prompts_lose_the_flags_ours_does_not_read(tmp_path):
     assert ours == str(tmp_path / "c_converted_prompts.txt")
     prompt, = read_prompt_file(ours, decode=False)
     assert (prompt.prompt, prompt.width, prompt.height, prompt.seed, prompt.steps) == ("A cat on the grass.", 640, 480, 1, 20)
+    assert prompt.flow_shift == 3.0  # its samples read --fs, as ours do (dropped until ours read it, 2026-11-30)
 
 
 def test_our_dataset_loader_names_the_command_for_a_musubi_dataset(tmp_path):

@@ -340,9 +340,9 @@ def _sample_when(t: Translation, key: str, value: Any, run: Run) -> None:
     sample_when(t, key, value, run.flat)
 
 
-# musubi-tuner's prompt flags ours does not read: video frames, flow shift (ours samples with the model's
-# schedule), I2V images, control videos, FramePack's one-frame mode
-UNREAD_PROMPT_FLAGS = ("f", "fs", "i", "ei", "cn", "of")
+# musubi-tuner's prompt flags ours does not read: video frames, I2V images, control videos, FramePack's one-frame
+# mode (its --fs, the flow shift its samples read, ours reads too)
+UNREAD_PROMPT_FLAGS = ("f", "i", "ei", "cn", "of")
 
 
 def _sample_prompts(t: Translation, key: str, value: Any, run: Run) -> None:

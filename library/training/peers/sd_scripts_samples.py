@@ -2,7 +2,8 @@
 it renders (its sample_images: only where sample_every_n_steps, sample_every_n_epochs or sample_at_first says so;
 ours renders the prompts at the end too). The samples of the models it trains that we translate read the flags
 --w --h --s --d --l --g --n of a prompt line and skip any other (--ss, --cn, --ctr, --rcfg, --fs) without a word;
-ours refuses those, so a prompt file with them is copied without them. No torch here (rules.py)."""
+ours refuses most of those and would read --fs (a flow shift sd-scripts never applied), so a prompt file with them is
+copied without them. No torch here (rules.py)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ def _sample_prompts(t: Translation, key: str, value: Any) -> None:
     if not is_off(value) and all(is_off(t.given.get(k)) for k in SAMPLE_KEYS):
         t.drop(key, value, f"no {', '.join(SAMPLE_KEYS)}: sd-scripts renders none (ours would at the end)")
     else:
-        copy_prompts_without(t, key, value, sample_flag_read, "sd-scripts' samples skip them, ours refuses them")
+        copy_prompts_without(t, key, value, sample_flag_read, "sd-scripts' samples skip them (ours refuses most, and "
+                                                              "would read --fs)")
 
 
 RULES: dict[str, Rule] = {
