@@ -248,11 +248,14 @@ def lycoris_kohya_names(tensors: dict, prefix: str = "lora_unet") -> dict:
 BESIDE_LORA = {".diff": "whole 1-D weight deltas", ".diff_b": "bias deltas", "bundle_emb.": "OneTrainer's bundled embeddings"}
 
 
-def _beside_kind(key: str) -> str | None:
-    if key.startswith("bundle_emb."):
-        return "bundle_emb."
+def whole_delta_suffix(key: str) -> str | None:
+    """".diff" / ".diff_b" for a whole weight / bias delta's key (ComfyUI's extraction, LyCORIS' full type), else None."""
     last = "." + key.rsplit(".", 1)[-1]
     return last if last in (".diff", ".diff_b") else None
+
+
+def _beside_kind(key: str) -> str | None:
+    return "bundle_emb." if key.startswith("bundle_emb.") else whole_delta_suffix(key)
 
 
 def split_beside_lora(tensors: dict) -> tuple[dict, dict]:
@@ -486,8 +489,8 @@ def read_lora_tensors(path: str, map_whole_deltas: bool = False) -> tuple[dict[s
     model it changes. (The rest in memory of their own: views of a mapping may be unaligned, and the CPU's GEMMs
     round differently there.)"""
     reader, config = lora_reader(path)
-    mapped = lambda key: map_whole_deltas and _beside_kind(key) in (".diff", ".diff_b")  # noqa: E731
-    return {k: reader.get(k, mapped(k)) for k in reader.keys()}, reader.metadata, config
+    tensors = {k: reader.get(k, map_whole_deltas and whole_delta_suffix(k) is not None) for k in reader.keys()}
+    return tensors, reader.metadata, config
 
 
 def peft_alpha_known(keys, metadata: dict[str, str], adapter_config: dict | None = None) -> bool:

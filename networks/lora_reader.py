@@ -74,6 +74,7 @@ from networks.lora_files import (
     split_beside_lora,
     split_text_encoders,
     text_encoder_note,
+    whole_delta_suffix,
 )
 from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl
 
@@ -309,8 +310,13 @@ _COMFY_PREFIX, _DIFFUSERS_PREFIX = "diffusion_model.", "transformer."
 
 def split_whole_deltas(tensors: dict) -> tuple[dict, dict]:
     """(the other tensors, the `.diff` / `.diff_b` ones) of a LoRA file, with or without down / up modules."""
-    whole = {k: v for k, v in tensors.items() if "." + k.rsplit(".", 1)[-1] in WHOLE_DELTA_PARTS}
+    whole = {k: v for k, v in tensors.items() if whole_delta_suffix(k)}
     return {k: v for k, v in tensors.items() if k not in whole}, whole
+
+
+def _header_keys(path: str) -> tuple[dict, dict]:
+    """split_whole_deltas of a LoRA file's keys, from its header alone (a PEFT adapter folder: no whole deltas)."""
+    return split_whole_deltas(dict.fromkeys(CheckpointReader(path).keys())) if os.path.isfile(path) else ({}, {})
 
 
 @dataclass
@@ -342,9 +348,7 @@ class WholeDelta:
 def whole_deltas_only(path: str) -> bool:
     """A file of `.diff` / `.diff_b` tensors and nothing else (ComfyUI's full_diff extraction, LyCORIS' full type),
     from its header: no down / up module to read, its deltas merge as they are (base_loras)."""
-    if not os.path.isfile(path):  # a PEFT adapter folder
-        return False
-    body, diffs = split_whole_deltas(dict.fromkeys(CheckpointReader(path).keys()))
+    body, diffs = _header_keys(path)
     return bool(diffs) and not body
 
 
@@ -363,9 +367,7 @@ def merge_whole_deltas(model: torch.nn.Module, arch: str, path: str, ratio: floa
     weight's shape is checked and the weight left as it is."""
     from networks.lora_args import diffusers_module_map
 
-    if not os.path.isfile(path):  # a PEFT adapter folder: no whole deltas
-        return 0
-    if not split_whole_deltas(dict.fromkeys(CheckpointReader(path).keys()))[1]:  # the header alone: most LoRAs
+    if not _header_keys(path)[1]:  # the header alone: most LoRAs hold no whole delta
         return 0
     diffs = split_whole_deltas(split_text_encoders(read_lora_tensors(path, map_whole_deltas=True)[0])[0])[1]
     if not diffs:
@@ -420,7 +422,7 @@ def whole_deltas_for_model(tensors: dict, arch: str, paths, module_map=None, tar
     own = set(paths)
     read: dict[str, dict[str, tuple[str, torch.Tensor]]] = {}  # module -> part -> (key, delta)
     for key, diff in tensors.items():
-        part = WHOLE_DELTA_PARTS["." + key.rsplit(".", 1)[-1]]
+        part = WHOLE_DELTA_PARTS[whole_delta_suffix(key)]
         read.setdefault(_whole_delta_module(key, resolvable), {})[part] = (key, diff)
     out: dict[tuple[str, str], WholeDelta] = {}
 
