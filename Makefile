@@ -26,7 +26,7 @@ demo: $(STAMP)
 	$(PYTHON) tools/concept_demo.py --config_file configs/quickstart.toml --concept tiny_models/concept/concept.json
 
 # One pytest-xdist worker per core (at most 4: each builds its own tiny model sets), each taking whole
-# files, the longest first (tests/conftest.py): 793-814 s on 2 cores in stop 87's three clean-clone CI runs after
+# files, the longest first (tests/conftest.py): 793-814 s on 2 cores in stop 87's four clean-clone CI runs after
 # its trims (2871-2879 tests, ~1490 worker-seconds; 825-908 s and ~1560-1720 worker-seconds in stop 86's four):
 # under the 15-minute target with ~90 s to spare. The longest are multi-process (web UI, DDP / FSDP launches) and
 # the full-size planner's tests (~90 worker-seconds).
