@@ -77,6 +77,30 @@ def test_flux_refuses_a_paired_dataset_in_one_line(edit_set, tmp_path, capsys):
     assert len(err) == 1 and "model_type flux takes no reference images" in err[0], err
 
 
+def test_sample_prompts_with_references_for_a_model_without_them_are_refused_before_any_model_loads(edit_set, tmp_path,
+                                                                                                    capsys):
+    """Old: an edit model's prompt file (--ci) on FLUX.1 was refused only once train_lora.py had loaded the text
+    encoders (~13 s at tiny size, minutes at full size); the web UI's Validate and tools/plan_memory.py passed it.
+    check_before_caching, the one function all three run first, refuses it now."""
+    import toml
+
+    from library.ui.config_check import check
+    from tests.ui_support import tiny_job_settings
+    from tools import plan_memory
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(f"make the shape red --ci {os.path.join(edit_set['edit_control_dir'], '000.png')}\n")
+    line = f"{prompts}: prompt 'make the shape red' has 1 --ci image(s), but model_type flux takes no reference images"
+    settings = tiny_job_settings(edit_set, steps=1, sample_prompts=str(prompts), sample_every_n_steps=1)
+    answer = check(toml.dumps(settings), str(tmp_path / "out"))
+    assert (answer["ok"], answer["error"]) == (False, line), answer
+    config = tmp_path / "config.toml"
+    config.write_text(toml.dumps({**settings, "output_dir": str(tmp_path / "out")}))
+    capsys.readouterr()
+    assert plan_memory.main(["--config_file", str(config), "--vram", "8", "--base_precision", "bf16"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {line}"
+
+
 def test_generate_takes_references_from_the_option_and_the_prompt_line(edit_set, tmp_path, capsys):
     from tools import generate
 

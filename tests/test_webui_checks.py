@@ -105,7 +105,8 @@ def test_sample_prompts_with_a_reference_outside_the_roots_are_refused(checked, 
     inside = tmp_path / "ref.png"
     Image.new("RGB", (16, 16)).save(inside)
     prompts.write_text(f"a cat --ci {inside}\n")
-    assert checked(sample_prompts=str(prompts))["ok"] is True
+    # past the roots check, the references are the model's to take: FLUX.1 takes none (train_lora.py's line)
+    assert checked(sample_prompts=str(prompts))["error"].endswith("model_type flux takes no reference images")
     # Old: the references were decoded before the roots check: an outside file that is no image answered
     # with its decode error (the check had opened it), not the roots refusal.
     not_an_image = outside.parent / "notes.png"

@@ -13,6 +13,7 @@ import pytest
 import toml
 
 from library.ui.config_check import ConfigChecker
+from library.ui.files import OutsideRoots
 from library.ui.handlers import WebUI
 
 
@@ -242,10 +243,13 @@ def test_an_empty_caption_is_refused_and_an_image_captioned_by_class_tokens_says
     assert ui._gallery_caption(entry) == "(class_tokens: ohwx person)"
 
 
-def test_a_missing_or_unreachable_image_dir_is_a_row_of_the_dataset_view_not_its_end(ui, caption_dataset, tmp_path):
+def test_a_missing_image_dir_is_a_row_of_the_dataset_view_and_one_outside_the_roots_is_refused(ui, caption_dataset,
+                                                                                               tmp_path):
     """Old: a subset whose image_dir is missing made the Dataset tab one bare FileNotFoundError (check_dataset.py
-    reports it as one error beside the rest); one outside the roots, one OutsideRoots line. The gallery also
-    listed macOS's '._000.png' files, which training skips."""
+    reports it as one error beside the rest). The gallery also listed macOS's '._000.png' files, which training
+    skips. A subset outside the roots was left out of the gallery, but check_dataset.py read it whole: the report
+    named its files, decoded its images and read its captions; refused now (as Validate refuses the dataset),
+    before anything there is opened."""
     images = os.path.join(os.path.dirname(caption_dataset), "images")
     with open(os.path.join(images, "._000.png"), "wb") as f:
         f.write(b"\x00\x05\x16\x07" + b"\x00" * 60)  # an AppleDouble header
@@ -253,8 +257,7 @@ def test_a_missing_or_unreachable_image_dir_is_a_row_of_the_dataset_view_not_its
     shutil.copytree(images, outside)
     dataset = toml.load(caption_dataset)
     subset = dataset["datasets"][0]["subsets"][0]
-    dataset["datasets"][0]["subsets"] += [{**subset, "image_dir": str(missing)},
-                                          {**subset, "image_dir": str(outside)}]
+    dataset["datasets"][0]["subsets"] += [{**subset, "image_dir": str(missing)}]
     with open(caption_dataset, "w") as f:
         toml.dump(dataset, f)
     view = ui.dataset(caption_dataset)
@@ -263,8 +266,12 @@ def test_a_missing_or_unreachable_image_dir_is_a_row_of_the_dataset_view_not_its
     rows = view["problems"].values.tolist()
     assert [row for row in rows if str(missing) in row[2]] == [
         ["error", "folder", f"{missing}: image_dir does not exist or is not a folder"]]
-    assert [row[:2] for row in rows if f"image_dir {str(outside)!r} is outside the folders" in row[2]] == [
-        ["warning", "folder"]]
+    for key in ("image_dir", "mask_dir", "control_directory"):
+        with open(caption_dataset, "w") as f:
+            toml.dump({**dataset, "datasets": [{**dataset["datasets"][0], "subsets": [subset, {**subset, key: str(outside)}]}]},
+                      f)
+        with pytest.raises(OutsideRoots, match=rf"^data/dataset.toml's {key} '{outside}' is outside the folders"):
+            ui.dataset(caption_dataset)
 
 
 def test_the_planner_names_the_forms_config_and_a_missing_lora_weight_is_one_line(ui, monkeypatch, tmp_path):
@@ -274,6 +281,7 @@ def test_the_planner_names_the_forms_config_and_a_missing_lora_weight_is_one_lin
 
     monkeypatch.setattr(commands, "run_tool", lambda script, args, *rest, **keywords: commands.Result(
         False, f"error: {args[1]}: unknown key 'bogus_key'"))
+    monkeypatch.setattr(ui.checker, "check", lambda *args, **keywords: {"ok": True})  # the roots' check: inside
     assert ui.plan("the job form's config", "", 24, "", "", "bogus_key = 1\n", {})["report"] == (
         "error: the job form's config: unknown key 'bogus_key'")
     lora = str(tmp_path / "data" / "a.safetensors")
@@ -285,6 +293,30 @@ def test_the_planner_names_the_forms_config_and_a_missing_lora_weight_is_one_lin
         for weight in (None, "abc", float("nan")):
             answer = ui.lora_tool(tool, {**values, "lora": lora, "weight": weight})
             assert answer == {"ok": False, "output": f"{field}: give a number, got {weight!r}", "image": None}
+
+
+def test_plan_reads_nothing_outside_the_roots(ui, tmp_path, monkeypatch):
+    """Old: Validate refused a config naming a model or dataset folder outside the roots, but Plan ran
+    plan_memory.py on it: the report was built from that file's header and those images."""
+    from library.ui import commands, config_check
+
+    monkeypatch.setattr(ui.checker, "check", config_check.check)  # the helper's function, in this process
+    monkeypatch.setattr(commands, "run_tool", lambda *args, **keywords: pytest.fail("the planner ran"))
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    config = {"model_type": "flux", "pretrained_model_name_or_path": str(tmp_path / "data" / "m.safetensors"),
+              "ae": "data/ae.safetensors", "clip_l": "data/clip", "t5xxl": "data/t5",
+              "dataset_config": "data/dataset.toml"}
+    monkeypatch.chdir(tmp_path)  # the helper runs in the UI's working folder
+    for changed, images, key, path in (
+            ({"pretrained_model_name_or_path": str(outside / "m.safetensors")}, "data/images",
+             "pretrained_model_name_or_path", outside / "m.safetensors"),
+            ({}, str(outside), "dataset_config", outside)):
+        (tmp_path / "data" / "dataset.toml").write_text(toml.dumps(
+            {"datasets": [{"resolution": 64, "subsets": [{"image_dir": images}]}]}))
+        answer = ui.plan("the job form's config", "", 24, "", "", toml.dumps({**config, **changed}), {})
+        assert answer["ok"] is False and f"config: key '{key}': " in answer["report"], answer
+        assert f"{str(path)!r} is outside the folders this UI may open" in answer["report"], answer
 
 
 def test_a_confirmation_names_its_job_and_yes_acts_on_that_job_whatever_is_picked_since(ui):
@@ -563,6 +595,29 @@ def test_generate_passes_the_jobs_boolean_family_keys(tmp_path):
         args, _ = ui._tool_args("generate", {"job_id": job.id, "prompt": "a cat", "width": 64, "steps": 2, "seed": 1,
                                              "lora": None, "weight": 1.0})
         assert build_parser().parse_args([str(a) for a in args]).reference_kv_cache is kv_cache
+
+
+def test_generate_renders_as_the_job_trained(tmp_path):
+    """Old: the Generate button passed --dtype fp32 (the form sends no dtype) and none of the job's memory
+    settings: a full-size base trained in bf16 with blocks swapped drew in float32, every block resident."""
+    from library.ui.handlers import WebUI
+    from tools.generate import build_parser
+
+    (tmp_path / "data").mkdir()
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
+    base = {"model_type": "flux", "pretrained_model_name_or_path": "m.safetensors", "ae": "ae.safetensors",
+            "clip_l": "clip", "t5xxl": "t5", "output_name": "lora"}
+    for given, device, expected in (
+            ({}, None, ("bf16", "bf16", 0, False, None)),
+            ({"mixed_precision": "no"}, "cpu", ("fp32", "bf16", 0, False, "cpu")),
+            ({"mixed_precision": "bf16", "blocks_to_swap": 2, "text_encoder_precision": "fp8", "vae_tiling": True},
+             "cuda:1", ("bf16", "fp8", 2, True, "cuda:1"))):
+        job = ui.store.create("g", {**base, **given}, 10, device=device)
+        args, _ = ui._tool_args("generate", {"job_id": job.id, "prompt": "a cat", "width": 64, "steps": 2, "seed": 1,
+                                             "lora": None, "weight": 1.0})
+        parsed = build_parser().parse_args([str(a) for a in args])
+        assert (parsed.dtype, parsed.text_encoder_precision, parsed.blocks_to_swap, parsed.vae_tiling,
+                parsed.device) == expected, (given, args)
 
 
 def test_the_planners_caching_advice_is_applied_with_its_setting(ui, monkeypatch):

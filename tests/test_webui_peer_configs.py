@@ -7,6 +7,7 @@ say its model gets the converter's line asking for it, nothing written. Handler 
 from __future__ import annotations
 
 import os
+import shutil
 
 import gradio as gr
 import pytest
@@ -81,6 +82,13 @@ def test_a_peer_config_outside_the_roots_or_reading_a_file_outside_them_is_refus
     with pytest.raises(OutsideRoots, match=r"^data/mine.toml's dataset_config '.*my_dataset.toml' is outside the "):
         ui.load_config("data/mine.toml")
     assert os.listdir(tmp_path / "data") == ["mine.toml"] and not os.path.exists(elsewhere / "job_converted.toml")
+    # an ai-toolkit YAML under the roots whose captions are not (old: they were read, and the note said how many
+    # held the trigger word: with trigger_word and caption_ext chosen, whether any file outside held a word)
+    (elsewhere / "a.txt").write_text("password SECRETWORD")
+    (tmp_path / "data" / "job.yaml").write_text(FLUX_EXAMPLE.replace("/path/to/images/folder", str(elsewhere)))
+    with pytest.raises(OutsideRoots, match=r"^data/job.yaml's datasets\[0\].folder_path '.*elsewhere' is outside "):
+        ui.load_config("data/job.yaml")
+    assert sorted(os.listdir(tmp_path / "data")) == ["job.yaml", "mine.toml"]
 
 
 def test_a_musubi_config_that_does_not_say_its_model_gets_the_converters_line_and_nothing_is_written(ui, tmp_path):
@@ -107,7 +115,8 @@ def test_the_config_picker_lists_yaml_and_load_converts_it_with_the_note_under_t
     from library.ui.app import build_app
     from tests.test_webui_handlers import block, event, run
 
-    text = (FLUX_EXAMPLE.replace("/path/to/images/folder", tiny_set["image_dir"])
+    images = shutil.copytree(tiny_set["image_dir"], tmp_path / "data" / "images")  # its captions: read, under the roots
+    text = (FLUX_EXAMPLE.replace("/path/to/images/folder", str(images))
             .replace("black-forest-labs/FLUX.1-dev", flux_pipeline_folder(tiny_set, tmp_path)))
     (tmp_path / "data" / "job.yml").write_text(text)
     (tmp_path / "data" / "ours.toml").write_text("network_dim = 8\n")

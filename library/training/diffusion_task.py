@@ -141,11 +141,25 @@ def check_before_caching(args, family) -> tuple[str | None, str | None]:
     check_unread_keys(args, family)
     check_network_settings(args, family.arch)
     check_lora_inputs(args, family.arch)  # network_weights, base_loras: their headers
+    check_prompt_references(args, family)
     stored_and_widened = check_base_layout(args, family)
     # network_args against the model's blocks and names, network_weights' ranks against the network's
     check_network_fits(args, family.arch, lambda: family.load_transformer(
         compute_dtype(args), base_precision(args), read_weights=False))
     return stored_and_widened
+
+
+def check_prompt_references(args, family) -> None:
+    """The sample prompts' reference images (--ci) against what the model takes (how many, what its image
+    processor reads): a prompt file for an edit model on a text-to-image one was refused only once the models
+    had loaded, and the web UI's check and the planner passed it. A prompt file missing now is one a tool
+    writes later (the quickstarts'): read with the rest of the prompts (DiffusionTask._read_prompts)."""
+    if not args.sample_prompts or not os.path.isfile(args.sample_prompts):
+        return
+    prompts = read_prompt_file(args.sample_prompts, guidance_is_cfg=family.guidance_is_cfg_scale(),
+                               negatives=family.true_cfg)
+    check_prompt_controls(prompts, args.sample_prompts, family.name, family.max_controls, family.min_controls,
+                          family.reference_vl_size)
 
 
 def check_base_layout(args, family) -> tuple[str | None, str | None]:
@@ -281,9 +295,7 @@ class DiffusionTask:
                                 guidance=self.family.sample_guidance)
         prompts = read_prompt_file(self.args.sample_prompts, defaults,
                                    guidance_is_cfg=self.family.guidance_is_cfg_scale(), token_limit=limit,
-                                   negatives=self.family.true_cfg, largest=largest)
-        check_prompt_controls(prompts, self.args.sample_prompts, self.family.name, self.family.max_controls,
-                              self.family.min_controls, self.family.reference_vl_size)
+                                   negatives=self.family.true_cfg, largest=largest)  # --ci: check_before_caching
         warn_unread_prompt_options(self.family, prompts, self.args.sample_prompts)
         return prompts
 

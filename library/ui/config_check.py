@@ -141,19 +141,22 @@ def listed_outside_roots(args, key: str, read, named_paths, roots: list[str]) ->
     return None
 
 
+def dataset_folders(blueprint):
+    """(key, folder) of each folder a dataset TOML names: images, masks, control images, caches (None where
+    unset), its validation datasets' too."""
+    for spec in [*blueprint.datasets, *blueprint.validation_datasets]:
+        yield "cache_dir", spec.cache_dir
+        for subset in spec.subsets:
+            yield from (("image_dir", subset.image_dir), ("mask_dir", subset.mask_dir),
+                        ("control_directory", subset.control_directory))
+
+
 def dataset_outside_roots(args, roots: list[str]) -> dict | None:
-    """The dataset TOML's folders (images, masks, control images, caches) outside the roots, as an error
-    answer under dataset_config (None: all inside): a job's dataset reads and writes only there."""
+    """The dataset TOML's folders outside the roots, as an error answer under dataset_config (None: all
+    inside): a job's dataset reads and writes only there."""
     from library.data.dataset_config import load_dataset_config
 
-    def folders(blueprint):
-        for spec in [*blueprint.datasets, *blueprint.validation_datasets]:
-            yield "cache_dir", spec.cache_dir
-            for subset in spec.subsets:
-                yield from (("image_dir", subset.image_dir), ("mask_dir", subset.mask_dir),
-                            ("control_directory", subset.control_directory))
-
-    return listed_outside_roots(args, "dataset_config", load_dataset_config, folders, roots)
+    return listed_outside_roots(args, "dataset_config", load_dataset_config, dataset_folders, roots)
 
 
 def missing_image_dir(args) -> dict | None:
@@ -215,7 +218,16 @@ def check_before_training(args) -> None:
         check_before_caching(args, get_family(args))
 
 
-def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
+def reads_outside_roots(args, roots: list[str]) -> dict | None:
+    """The first file or folder outside the roots that the config makes a tool read (the model files, the
+    dataset's folders, the prompts' reference images), as an error answer (None: all inside)."""
+    return outside_roots(args, roots) or dataset_outside_roots(args, roots) or prompt_images_outside_roots(args, roots)
+
+
+def check(text: str, output_dir: str, roots: list[str] | None = None, reads_only: bool = False) -> dict:
+    """train_lora.py's reading of the config with `output_dir` as its output folder (the error answer of the
+    first thing refused). reads_only: what tools/plan_memory.py would read outside the roots, nothing else (a
+    config load_config refuses is left for the planner to say why)."""
     import toml
 
     from library.text_files import toml_dumps, toml_loads
@@ -235,6 +247,8 @@ def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
         args = None
         try:
             args = load_config(["--config_file", path])
+            if reads_only:
+                return (roots is not None and reads_outside_roots(args, roots)) or {"ok": True}
             refused = (roots is not None and outside_roots(args, roots)) or missing_paths(args) or \
                 not_an_optimizer(args) or (roots is not None and dataset_outside_roots(args, roots)) or \
                 missing_image_dir(args) or \
@@ -243,6 +257,8 @@ def check(text: str, output_dir: str, roots: list[str] | None = None) -> dict:
                 return refused
             check_before_training(args)
         except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
+            if reads_only and args is None:
+                return {"ok": True}
             message = str(e).replace(path, "config")
             key = error_key(message) or (file_key(args, message) if args else None)
             return {"ok": False, "key": key, "error": message.splitlines()[0] if message else repr(e)}
@@ -324,7 +340,7 @@ def answer(request: dict) -> dict:
     try:
         if request.get("kind") == "tool":
             return run_tool(request["script"], request["args"])
-        return check(request["toml"], request["output_dir"], request.get("roots"))
+        return check(request["toml"], request["output_dir"], request.get("roots"), request.get("reads_only", False))
     except Exception as e:  # an unforeseen failure is the config's answer, not the helper's death
         return {"ok": False, "key": None, "error": f"config check failed: {type(e).__name__}: {e}"}
 
@@ -427,8 +443,9 @@ class ConfigChecker:
                 return None
         return None
 
-    def check(self, text: str, output_dir: str, roots: list[str] | None = None) -> dict:
-        answer = self._ask({"kind": "check", "toml": text, "output_dir": output_dir, "roots": roots})
+    def check(self, text: str, output_dir: str, roots: list[str] | None = None, reads_only: bool = False) -> dict:
+        answer = self._ask({"kind": "check", "toml": text, "output_dir": output_dir, "roots": roots,
+                            "reads_only": reads_only})
         return answer or {"ok": False, "key": None, "error": "the config checker process exited; see the UI's terminal"}
 
     def run_tool(self, script: str, args: list, timeout: float) -> dict:

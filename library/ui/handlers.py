@@ -21,7 +21,7 @@ from library.text_files import read_utf8, set_toml_keys, toml_dumps, toml_loads
 from library.training.config import KEEPING_KEYS, SCHEMA, _flatten
 from library.ui import commands, peer_configs, run_files
 from library.ui import runner as actions
-from library.ui.config_check import ConfigChecker
+from library.ui.config_check import ConfigChecker, dataset_folders
 from library.ui.files import OutsideRoots, Roots, write_whole
 from library.ui.jobs import ACTIVE, JobError, JobStore
 from library.ui.runner import Runner
@@ -127,6 +127,22 @@ def check_steps_override(settings: dict, changed: dict) -> None:
         raise FormError("max_train_steps", f"form: steps (max_train_steps) {steps} would be ignored: max_train_epochs "
                                            f"= {epochs} in the TOML overrides it; remove max_train_epochs from the "
                                            f"TOML to train {steps} step{'s' if steps != 1 else ''}")
+
+
+# A job's compute dtype as generate.py names it (mixed_precision "no": float32, as the run computed).
+RENDER_DTYPES = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
+
+
+def rendering_as_trained(config: dict, device: str | None) -> list:
+    """generate.py's flags that render as the job trained: its compute dtype, caption encoders' precision,
+    swapped blocks, tiled decode and device (a full-size base it trained in bf16 with blocks swapped was
+    drawn in float32, all blocks resident: twice its weights' memory)."""
+    args = ["--dtype", RENDER_DTYPES[config.get("mixed_precision", SCHEMA["mixed_precision"].default)]]
+    for key in ("text_encoder_precision", "blocks_to_swap"):
+        if config.get(key) not in (None, ""):
+            args += [f"--{key}", config[key]]
+    args += ["--vae_tiling"] if config.get("vae_tiling") else []
+    return args + (["--device", device] if device else [])
 
 
 def apply_form(settings: dict, form: dict) -> dict:
@@ -429,7 +445,10 @@ class WebUI:
         except (JobError, ValueError) as e:
             return self._plan_refused(str(e))
         config_file = None
-        if settings is not None:
+        if settings is not None:  # the planner reads the files it names (headers, images): the roots first
+            answer = self.checker.check(toml_dumps(settings), self.store.root, self.roots.roots, reads_only=True)
+            if not answer["ok"]:
+                return self._plan_refused(answer["error"])
             with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=self.store.root, delete=False) as f:
                 f.write(toml_dumps(settings))
                 config_file = f.name
@@ -464,12 +483,12 @@ class WebUI:
     def dataset(self, path: str) -> dict:
         """check_dataset.py's report (buckets, problems) and the images with their captions."""
         real = self.roots.resolve(path, "dataset config")
+        self._check_dataset_reads(real)
         result, report = commands.check_dataset(self.workdir, real, self.python, self.checker)
         if report is None:
             return {"ok": False, "error": result.output}
-        unshown: list[str] = []
-        entries = self._caption_files(real, unshown)
-        buckets, problems = {}, [("warning", "folder", message) for message in unshown]
+        entries = self._caption_files(real)
+        buckets, problems = {}, []
         for subset in report["subsets"]:
             for bucket, count in subset["buckets"].items():
                 buckets[bucket] = buckets.get(bucket, 0) + count
@@ -481,10 +500,23 @@ class WebUI:
                            f"{sum(s['trained'] for s in report['subsets'])} trained; {report['errors']} errors, "
                            f"{report['warnings']} warnings; {report['token_check']}"}
 
-    def _caption_files(self, dataset_config: str, unshown: list[str] | None = None) -> list[CaptionFile]:
+    def _check_dataset_reads(self, dataset_config: str) -> None:
+        """OutsideRoots where a folder the dataset TOML names lies outside the roots: check_dataset.py decodes
+        its images and reads its captions (old: the report named the files of a folder anywhere)."""
+        from library.data.dataset_config import load_dataset_config
+
+        try:
+            blueprint = load_dataset_config(dataset_config)
+        except (ValueError, OSError):  # check_dataset.py's own line says why
+            return
+        for key, folder in dataset_folders(blueprint):
+            if folder:
+                self.roots.resolve(folder, f"{self.roots.shown(dataset_config)}'s {key}")
+
+    def _caption_files(self, dataset_config: str) -> list[CaptionFile]:
         """The dataset's images (real paths, under the roots), each with its subset's caption file. A subset
-        whose image_dir is missing is left out (check_dataset's report names it); one outside the roots
-        too, its refusal added to `unshown`: the rest of the dataset is still shown."""
+        whose image_dir is missing is left out (check_dataset's report names it), one outside the roots too
+        (the dataset page refuses such a dataset first: _check_dataset_reads)."""
         from library.data.dataset_config import load_dataset_config
 
         found = []
@@ -493,11 +525,7 @@ class WebUI:
                 try:
                     folder = self.roots.resolve(subset.image_dir, "image_dir")
                     names = sorted(os.listdir(folder))
-                except OutsideRoots as e:
-                    if unshown is not None:
-                        unshown.append(f"{e}: its images are not shown")
-                    continue
-                except OSError:
+                except (OutsideRoots, OSError):
                     continue
                 for name in filter(is_image_name, names):  # training's images: no '._000.png' of macOS
                     try:  # each file too: a link in the folder may lead out of the roots
@@ -601,7 +629,7 @@ class WebUI:
             args = ["--model_type", config["model_type"], "--model", config["pretrained_model_name_or_path"],
                     "--ae", config["ae"], "--prompt", v["prompt"], "--width", whole_number(v["width"], "size (px)"),
                     "--height", whole_number(v["width"], "size (px)"), "--steps", whole_number(v["steps"], "steps"),
-                    "--base_precision", base_precision_of(config), "--out", out, "--dtype", v.get("dtype", "fp32")]
+                    "--base_precision", base_precision_of(config), "--out", out, *rendering_as_trained(config, job.device)]
             from library.training.config import FAMILY_KEYS
 
             for key in (k for k in FAMILY_KEYS if k in config):  # generate.py reads these as the config's

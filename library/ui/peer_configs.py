@@ -43,12 +43,41 @@ def is_peer_config(path: str, text: str) -> bool:
     return keys is not None and "datasets" not in keys and any(peers_of(key) for key in keys if key not in SCHEMA)
 
 
+# ai-toolkit's dataset keys naming folders: the converter reads folder_path's captions (is the trigger word in
+# them?) and names the rest in the dataset TOML it writes.
+YAML_FOLDER_KEYS = ("folder_path", "mask_path", "control_path", "control_path_1", "control_path_2", "control_path_3")
+
+
+def yaml_reads(text: str) -> dict[str, str]:
+    """{"datasets[i].key": folder} of an ai-toolkit YAML's processes ({} where it is no such YAML: the
+    converter's own line explains it)."""
+    import yaml
+
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError:
+        return {}
+    job = doc.get("config") if isinstance(doc, dict) else None
+    processes = job.get("process") if isinstance(job, dict) else None
+    found = {}
+    for process in processes if isinstance(processes, list) else []:
+        datasets = process.get("datasets") if isinstance(process, dict) else None
+        for i, entry in enumerate(datasets if isinstance(datasets, list) else []):
+            if isinstance(entry, dict):
+                found.update({f"datasets[{i}].{key}": entry[key] for key in YAML_FOLDER_KEYS if key in entry})
+    return found
+
+
 def check_reads(roots: Roots, real: str, text: str) -> None:
     """OutsideRoots where the converter would read a file outside the roots: the path as the peer config
-    names it (relative to the working folder, where the tool runs) or beside the config, as it looks."""
-    keys = {} if real.lower().endswith(YAML_SUFFIXES) else toml_keys(text) or {}
-    for key in READ_KEYS:
-        value = keys.get(key)
+    names it (relative to the working folder, where the tool runs) or beside the config, as it looks. An
+    ai-toolkit YAML's dataset folders too (its captions were read: with trigger_word and caption_ext of the
+    user's choosing, the note told whether any file outside held a word)."""
+    if real.lower().endswith(YAML_SUFFIXES):
+        keys = yaml_reads(text)
+    else:
+        keys = {key: value for key, value in (toml_keys(text) or {}).items() if key in READ_KEYS}
+    for key, value in keys.items():
         if not isinstance(value, str) or not value:
             continue
         for candidate in (os.path.join(roots.workdir, value), os.path.join(os.path.dirname(real), value)):
