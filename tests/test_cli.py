@@ -100,6 +100,20 @@ def test_help_and_bad_flags_are_answered_before_torch_loads():
     assert json.loads(done.stdout) == {script: [0, 2, []] for script in scripts}
 
 
+def test_output_into_a_closed_pipe_ends_a_tool_as_it_ends_cat(tmp_path):
+    """Old: `resize_lora.py ... | head -1` (or lora_info) printed a BrokenPipeError traceback once head had gone,
+    and exited 1 after the file was written. A reader closed before the first line: the tool ends by SIGPIPE,
+    as cat does, and says nothing."""
+    import signal
+
+    for script in ("tools/lora_info.py", "tools/convert_lora.py"):
+        process = subprocess.Popen([sys.executable, script, "--help"], cwd=ROOT, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE)
+        process.stdout.close()  # long before its first line: the interpreter starts in ~0.1 s
+        assert (process.wait(timeout=120), process.stderr.read()) == (-signal.SIGPIPE, b""), script
+        process.stderr.close()
+
+
 # The LoRA tools' modules as their real runs import them (after parsing): torch, our library, no
 # diffusers or transformers (seconds of start-up each; library/models/latents.py keeps the latent
 # packing the families import out of library/models/vae.py, which loads diffusers).

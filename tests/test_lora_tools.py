@@ -195,7 +195,7 @@ def test_resize_errors_are_one_line(flux_lora, tmp_path, capsys):
     assert not (tmp_path / "o.safetensors").exists()
 
 
-def test_a_lora_with_nan_factors_is_one_line_in_resize_and_combine(tmp_path, capsys):
+def test_a_lora_with_nan_factors_is_one_line_in_resize_combine_and_convert(tmp_path, capsys):
     """A diverged training's LoRA (NaN in a factor): resize was a traceback (linalg.svd failed to converge),
     combine --mode concat wrote the NaN into a new file and said it kept 100% of the energy."""
     _lora_with_spectrum(tmp_path / "s.safetensors", [10.0, 5.0, 2.0, 1.0])
@@ -213,6 +213,22 @@ def test_a_lora_with_nan_factors_is_one_line_in_resize_and_combine(tmp_path, cap
         err = capsys.readouterr().err.strip()
         assert "module 'lora_unet_double_blocks_0_img_attn_proj' up holds 1 non-finite value" in err, err
         assert "\n" not in err and str(tmp_path / "nan.safetensors") in err, err
+        assert not (tmp_path / "o.safetensors").exists()
+    # convert_lora wrote it on, NaN and all, exit 0 (a LyCORIS file too: its keys pass through as they are)
+    from tools import convert_lora
+
+    lokr = tmp_path / "lokr_nan.safetensors"
+    save_file({"lora_unet_double_blocks_0_img_attn_proj.lokr_w1": torch.full((4, 4), float("nan")),
+               "lora_unet_double_blocks_0_img_attn_proj.lokr_w2": torch.ones(16, 16),
+               "lora_unet_double_blocks_0_img_attn_proj.alpha": torch.tensor(1.0)}, str(lokr))
+    for source, to, key in ((tmp_path / "nan.safetensors", "comfy", up), (tmp_path / "nan.safetensors", "diffusers", up),
+                            (tmp_path / "nan.safetensors", "kohya", up),
+                            (lokr, "comfy", "lora_unet_double_blocks_0_img_attn_proj.lokr_w1")):
+        assert convert_lora.main([str(source), str(tmp_path / "o.safetensors"), "--to", to]) == 2
+        assert capsys.readouterr().err.strip() == (f"error: {source}: tensor '{key}' holds "
+                                                   f"{1 if key == up else 16} non-finite value{'s' * (key != up)} (NaN / "
+                                                   f"inf) of {64 if key == up else 16}: a broken LoRA, which convert_lora "
+                                                   f"does not write on")
         assert not (tmp_path / "o.safetensors").exists()
     # lora_info describes it, and says what the tools refuse (it said nothing of the NaN)
     from tools import lora_info

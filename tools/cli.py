@@ -16,6 +16,7 @@ import argparse
 import glob
 import os
 import re
+import signal
 import sys
 from typing import Callable
 
@@ -61,7 +62,11 @@ def check_out_folder(flag: str, path: str, what: str) -> None:
 def check_command_line(build_parser: Callable[[], argparse.ArgumentParser]) -> None:
     """A script run from the shell calls this before its heavy imports: --help prints and exits 0, a
     bad flag prints one line and exits 2. main() parses the same arguments again afterwards. Its
-    warnings print as one line each from here on."""
+    warnings print as one line each from here on. Output into a pipe its reader closed (`| head`) ends the
+    script as it ends `cat`, by SIGPIPE, where Python's default printed a BrokenPipeError traceback (after a
+    tool's file was written, say) and exited 1."""
+    if hasattr(signal, "SIGPIPE"):  # POSIX
+        signal.signal(signal.SIGPIPE, signal.SIG_DFL)
     one_line_warnings()
     try:
         build_parser().parse_args()

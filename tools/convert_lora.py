@@ -91,6 +91,7 @@ from networks.lora_files import (  # noqa: E402
     comfy_state_dict,
     detect_format,
     dim_and_alpha,
+    first_non_finite,
     kohya_state_dict,
     lycoris_kohya_names,
     naming,
@@ -217,6 +218,9 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     check_destination(src, dst, to)
     model_type = model_type and lora_arch(model_type)
     tensors, metadata, adapter_config = read_lora_tensors(src)  # a file, or a PEFT adapter folder
+    # A diverged training's NaN / inf: refused as every other LoRA tool refuses it (it was written on, exit 0)
+    if problem := first_non_finite((f"tensor '{k}'", t) for k, t in tensors.items() if t.is_floating_point()):
+        raise CheckpointError(f"{src}: {problem}: a broken LoRA, which convert_lora does not write on")
     if is_lycoris_file(tensors):
         return convert_lycoris(src, dst, to, tensors, metadata, model_type)
     weights, metadata, fmt, model_type, known, counts, te = read_source(src, tensors, metadata, adapter_config, model_type)
