@@ -371,10 +371,7 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
             raise CheckpointError(f"{source}: modules '{other}' and '{module}' are both '{path}'; a file holds one "
                                   f"LoRA per module (tools/combine_loras.py adds two LoRAs)")
         if "alpha" in parts:  # 0 means alpha = rank (scale 1), as sd-scripts' LoRAModule reads it
-            stored = parts["alpha"]
-            if stored.numel() != 1 or not torch.isfinite(stored.float()).all():
-                raise CheckpointError(f"{source}: module '{module}' alpha is {_described(stored)}; expected one finite number")
-            alpha = float(stored.float().item()) or float(rank)
+            alpha = stored_alpha(parts["alpha"], source, module) or float(rank)
         elif fmt == "peft" and default_alpha is not None:
             alpha = float(_pattern_alpha(path, default_alpha, alpha_pattern))
             alpha = alpha * rank**0.5 if rslora else alpha  # rsLoRA scale alpha/sqrt(r) as alpha'/r
@@ -390,8 +387,12 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
     return weights, fmt
 
 
-def _described(t: torch.Tensor) -> str:
-    return f"{t.float().item()}" if t.numel() == 1 else f"a tensor of shape {tuple(t.shape)}"
+def stored_alpha(stored: torch.Tensor, source: str, module: str) -> float:
+    """A module's `.alpha` tensor as the number it must be (a LoRA's, a LyCORIS module's), else one line."""
+    if stored.numel() != 1 or not torch.isfinite(stored.float()).all():
+        described = f"{stored.float().item()}" if stored.numel() == 1 else f"a tensor of shape {tuple(stored.shape)}"
+        raise CheckpointError(f"{source}: module '{module}' alpha is {described}; expected one finite number")
+    return float(stored.float().item())
 
 
 def _common_prefix(modules: list[str], prefixes) -> str:

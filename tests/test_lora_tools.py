@@ -225,10 +225,9 @@ def test_a_lora_with_nan_factors_is_one_line_in_resize_combine_and_convert(tmp_p
                             (tmp_path / "nan.safetensors", "kohya", up),
                             (lokr, "comfy", "lora_unet_double_blocks_0_img_attn_proj.lokr_w1")):
         assert convert_lora.main([str(source), str(tmp_path / "o.safetensors"), "--to", to]) == 2
-        assert capsys.readouterr().err.strip() == (f"error: {source}: tensor '{key}' holds "
-                                                   f"{1 if key == up else 16} non-finite value{'s' * (key != up)} (NaN / "
-                                                   f"inf) of {64 if key == up else 16}: a broken LoRA, which convert_lora "
-                                                   f"does not write on")
+        held = ("module 'double_blocks.0.img_attn.proj' up holds 1 non-finite value (NaN / inf) of 64"
+                if key == up else f"tensor '{key}' holds 16 non-finite values (NaN / inf) of 16")
+        assert capsys.readouterr().err.strip() == f"error: {source}: {held}: a broken LoRA, which convert_lora cannot work on"
         assert not (tmp_path / "o.safetensors").exists()
     # lora_info describes it, and says what the tools refuse (it said nothing of the NaN)
     from tools import lora_info
@@ -585,6 +584,12 @@ def test_a_malformed_alpha_is_one_line_in_the_lora_tools(flux_lora, tmp_path, ca
         assert code == 2 and "\n" not in err and f"module '{key[:-len('.alpha')]}' alpha is " in err, err
         assert "expected one finite number" in err
     assert not (tmp_path / "o.safetensors").exists()
+    # a LyCORIS file's alpha in lora_info (old: "only one element tensors can be converted", no file or key named)
+    module = "lora_unet_double_blocks_0_img_attn_proj"
+    save_file({f"{module}.lokr_w1": torch.ones(4, 4), f"{module}.lokr_w2": torch.ones(16, 16), f"{module}.alpha": alpha},
+              str(tmp_path / "lokr.safetensors"))
+    assert lora_info.main([str(tmp_path / "lokr.safetensors")]) == 2
+    assert capsys.readouterr().err.strip().startswith(f"error: {tmp_path / 'lokr.safetensors'}: module '{module}' alpha is ")
 
 
 def test_converted_and_combined_files_drop_sd_scripts_legacy_hash(flux_lora, tmp_path):

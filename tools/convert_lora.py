@@ -109,7 +109,7 @@ from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl  # noqa:
 from networks.lora_reader import lora_in_our_names, lycoris_module_paths  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
 from networks.lora_arch import detect_arch, lora_files, module_of_key, text_encoder_labels, title_list  # noqa: E402
-from tools.lora_common import check_output_path, warn_unknown_peft_alpha  # noqa: E402
+from tools.lora_common import check_finite, check_output_path, warn_unknown_peft_alpha  # noqa: E402
 
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
 LAYOUT_ADVICE = {"diffusers": "--to diffusers", "comfy": "--to comfy", "peft": "--to peft (a PEFT adapter folder)"}
@@ -137,6 +137,13 @@ def read_source(path: str, tensors: dict, metadata: dict, adapter_config: dict |
         raise naming(path, e) from None
     weights, fmt, counts, _ = lora_in_our_names(tensors, metadata, adapter_config, model_type, source=path)
     return weights, metadata, fmt, model_type, peft_alpha_known(tensors, metadata, adapter_config), counts, te
+
+
+def refuse_non_finite(src: str, tensors: dict) -> None:
+    """A diverged training's NaN / inf, refused as every other LoRA tool refuses it (convert_lora wrote it on,
+    exit 0): a LoRA's factors by check_finite, the other tensors (LyCORIS', text encoders') here."""
+    if problem := first_non_finite((f"tensor '{k}'", t) for k, t in tensors.items() if t.is_floating_point()):
+        raise CheckpointError(f"{src}: {problem}: a broken LoRA, which convert_lora cannot work on")
 
 
 def lycoris_refusal() -> str:
@@ -218,12 +225,12 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     check_destination(src, dst, to)
     model_type = model_type and lora_arch(model_type)
     tensors, metadata, adapter_config = read_lora_tensors(src)  # a file, or a PEFT adapter folder
-    # A diverged training's NaN / inf: refused as every other LoRA tool refuses it (it was written on, exit 0)
-    if problem := first_non_finite((f"tensor '{k}'", t) for k, t in tensors.items() if t.is_floating_point()):
-        raise CheckpointError(f"{src}: {problem}: a broken LoRA, which convert_lora does not write on")
     if is_lycoris_file(tensors):
+        refuse_non_finite(src, tensors)
         return convert_lycoris(src, dst, to, tensors, metadata, model_type)
     weights, metadata, fmt, model_type, known, counts, te = read_source(src, tensors, metadata, adapter_config, model_type)
+    check_finite(weights, src, "convert_lora")
+    refuse_non_finite(src, te)
     kept_te = {k: v for k, v in te.items() if k.startswith(KOHYA_TEXT_ENCODERS)} if to == "kohya" else {}
     if left_te := {k: v for k, v in te.items() if k not in kept_te}:
         print(f"warning: {src}: left out {text_encoder_note(left_te, text_encoder_labels(model_type))}: --to {to} holds the transformer's modules only "
