@@ -448,6 +448,29 @@ def test_sample_prompts_with_flags_sd_scripts_skips_are_copied_without_them(tmp_
     assert (first.width, first.seed, second.seed, second.negative) == (512, 42, None, "blurry")
 
 
+def test_out_never_writes_over_a_file_the_conversion_reads(tmp_path, capsys):
+    """Old: `--out sd.toml` replaced sd-scripts' config with ours, `--out ds.toml` the dataset TOML the peer's
+    config names (now our training config), `--out prompts.toml` its prompt objects, exit 0 and no word."""
+    (tmp_path / "ds.toml").write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{tmp_path}"\n')
+    (tmp_path / "prompts.toml").write_text('[[prompt]]\nprompt = "a cat"\n')
+    config = tmp_path / "sd.toml"
+    config.write_text('pretrained_model_name_or_path = "m"\nae = "a"\nclip_l = "c"\nt5xxl = "t"\n'
+                      'dataset_config = "ds.toml"\nnetwork_train_unet_only = true\nsample_prompts = "prompts.toml"\n'
+                      'sample_every_n_steps = 100\n')
+    files = {name: (tmp_path / name).read_text() for name in os.listdir(tmp_path)}
+    for out, what in (("sd.toml", "the config being converted"), ("ds.toml", "the dataset config it names"),
+                      ("prompts.toml", "the prompt file it names"), ("ds", "the dataset config it names")):
+        if out == "ds":  # its dataset TOML beside it: ds_dataset.toml, over a dataset config of that name
+            (tmp_path / "ds_dataset.toml").write_text((tmp_path / "ds.toml").read_text())
+            config.write_text(config.read_text().replace('"ds.toml"', '"ds_dataset.toml"'))
+            files = {name: (tmp_path / name).read_text() for name in os.listdir(tmp_path)}
+            out = "ds.toml"
+        code = convert_config.main([str(config), "--out", str(tmp_path / out)])
+        err = capsys.readouterr().err.strip()
+        assert code == 2 and err.startswith("error: --out: ") and f"written over {what}" in err, err
+        assert {name: (tmp_path / name).read_text() for name in os.listdir(tmp_path)} == files, out
+
+
 @pytest.mark.parametrize("text, keys, ours", [
     ("a photo --w 512\n", {}, None),  # the kohya_ss GUI writes its prompt box into every config: sd-scripts renders none
     ("", {"sample_every_n_steps": 100}, ""),  # an empty file: sd-scripts renders nothing, ours refused the file

@@ -149,6 +149,23 @@ def out_paths(args, source: str) -> tuple[str, str]:
     return out, out[:-len(".toml")] + "_dataset.toml"
 
 
+def check_not_read(config: dict, source: str, dataset_source: str | None, written: list[str]) -> None:
+    """None of the files written is one this conversion reads (the peer's config, its dataset TOML, its prompts):
+    `--out sd.toml` replaced sd-scripts' config with ours, `--out my_dataset.toml` its dataset TOML (which the
+    peer's config still names), without a word."""
+    from library.training.peers.rules import flatten_tables, peer_file
+
+    prompts = flatten_tables(config).get("sample_prompts")
+    read = [(source if source != "command line" else None, "the config being converted"),
+            (dataset_source, "the dataset config it names"),
+            (peer_file(prompts, source) if isinstance(prompts, str) and prompts else None, "the prompt file it names")]
+    reads = {os.path.realpath(path): what for path, what in read if path}
+    for path in written:
+        if os.path.realpath(path) in reads:
+            raise ValueError(f"--out: {path} would be written over {reads[os.path.realpath(path)]}; give --out "
+                             f"another name (nothing was written)")
+
+
 def owner(peer: str) -> str:
     """The possessive: sd-scripts', musubi-tuner's."""
     return peer + ("'" if peer.endswith("s") else "'s")
@@ -228,6 +245,9 @@ def main(argv=None) -> int:
         t = peer_module(peer).translate(config, source, model_type=args.model_type, dataset=dataset,
                                         dataset_source=dataset_source, script=script)
         out, dataset_out = out_paths(args, source)
+        check_not_read(config, source, dataset_source,
+                       [out] + ([dataset_out] if t.dataset is not None else []) + [out[:-len(".toml")] + suffix
+                                                                                   for suffix, _ in t.files.values()])
         from library.atomic_files import write_text
         from library.text_files import toml_dumps
 
