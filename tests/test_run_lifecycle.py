@@ -502,3 +502,33 @@ def test_a_state_resumed_on_another_diffusers_base_with_the_same_transformer_fol
     write_llm_state(state, before)
     with pytest.raises(ValueError, match="trainable.safetensors"):
         load_state(str(state), args("Qwen-Image-2512"))
+
+
+def test_a_state_resumes_with_its_network_and_optimizer_settings_in_another_order_or_spelling(tmp_path):
+    """Old: network_args / optimizer_args were compared as written and optimizer_type as a string: the same run
+    with its arguments in another order, `0.10` for `0.1`, or `adamw` for `AdamW` (sd-scripts' lookup, any case)
+    was refused. Another value or another optimizer still is."""
+    import pytest
+
+    from library.training.state import load_state, run_digest
+
+    def args(*extra):
+        return llm_state_args(tmp_path, *extra)
+
+    state = tmp_path / "state"
+    write_llm_state(state, run_digest(args("--network_args", "mlp_dim=4", "rank_dropout=0.1", "--optimizer_type", "AdamW",
+                                           "--optimizer_args", "weight_decay=0.01", "betas=(0.9,0.99)")))
+    for same in (("--network_args", "rank_dropout = 0.10", "mlp_dim=4", "--optimizer_type", "adamw",
+                  "--optimizer_args", "betas=(0.9, 0.99)", "weight_decay=1e-2"),
+                 ("--network_args", "mlp_dim=4", "rank_dropout=0.1", "--optimizer_type", "torch.optim.AdamW",
+                  "--optimizer_args", "weight_decay=0.01", "betas=(0.9,0.99)")):
+        with pytest.raises(ValueError, match="trainable.safetensors"):  # past the settings
+            load_state(str(state), args(*same))
+    for other, key in ((("--network_args", "mlp_dim=4", "rank_dropout=0.2", "--optimizer_type", "AdamW",
+                         "--optimizer_args", "weight_decay=0.01", "betas=(0.9,0.99)"), "network_args"),
+                       (("--network_args", "mlp_dim=4", "rank_dropout=0.1", "--optimizer_type", "Adam",
+                         "--optimizer_args", "weight_decay=0.01", "betas=(0.9,0.99)"), "optimizer_type"),
+                       (("--network_args", "mlp_dim=4", "rank_dropout=0.1", "--optimizer_type", "AdamW",
+                         "--optimizer_args", "weight_decay=0.01"), "optimizer_args")):
+        with pytest.raises(ValueError, match=f"state was written with {key} = "):
+            load_state(str(state), args(*other))

@@ -75,6 +75,31 @@ def run_digest(args) -> dict:
     return identity
 
 
+def same_setting(key: str, saved, current) -> bool:
+    """Whether a state's recorded setting is this run's: network_args / optimizer_args as the run reads them
+    (any order, any spelling of one value: ['a=1', 'b=0.10'] is ['b = 0.1', 'a=1']), optimizer_type as the class
+    it names (sd-scripts looks names up in any case: 'adamw' is 'AdamW'); the rest as recorded. Each was
+    compared as written, and a resume of the same run refused."""
+    if saved == current:
+        return True
+    if key in ("network_args", "optimizer_args") and isinstance(saved, list) and isinstance(current, list):
+        from library.training.config import parse_kv_literals
+
+        try:
+            return (parse_kv_literals(saved, key, "state", any_text=key == "network_args")
+                    == parse_kv_literals(current, key, "run", any_text=key == "network_args"))
+        except ValueError:
+            return False
+    if key == "optimizer_type" and isinstance(saved, str) and isinstance(current, str):
+        from library.training.optim import optimizer_class
+
+        try:
+            return optimizer_class(saved) is optimizer_class(current)
+        except ValueError:  # (ConfigError) a class no longer installed: not this run's
+            return False
+    return False
+
+
 def base_model_name(path: str | None) -> str:
     """The base as the state records it: its file or folder name, with the parent's where the folder is a
     diffusers component (`<base>/transformer`: every diffusers base's transformer folder is called
@@ -131,7 +156,7 @@ def load_state(folder: str, args) -> SavedState:
     if saved.get("base_model") == current["base_model"].rpartition("/")[2]:  # written before the parent was kept
         current["base_model"] = saved["base_model"]
     for key in current:
-        if saved.get(key) != current[key]:
+        if not same_setting(key, saved.get(key), current[key]):
             raise ValueError(
                 f"{folder}: state was written with {key} = {saved.get(key)!r}, this run has {current[key]!r}; "
                 f"resume needs the same settings"
