@@ -451,7 +451,8 @@ def test_sample_prompts_with_flags_sd_scripts_skips_are_copied_without_them(tmp_
 def test_out_never_writes_over_a_file_the_conversion_reads(tmp_path, capsys):
     """Old: `--out sd.toml` replaced sd-scripts' config with ours, `--out ds.toml` the dataset TOML the peer's
     config names (now our training config), `--out prompts.toml` its prompt objects, exit 0 and no word."""
-    (tmp_path / "ds.toml").write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{tmp_path}"\n')
+    (tmp_path / "ds.toml").write_text(
+        f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{tmp_path}"\n')
     (tmp_path / "prompts.toml").write_text('[[prompt]]\nprompt = "a cat"\n')
     config = tmp_path / "sd.toml"
     config.write_text('pretrained_model_name_or_path = "m"\nae = "a"\nclip_l = "c"\nt5xxl = "t"\n'

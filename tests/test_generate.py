@@ -171,6 +171,13 @@ def test_a_prompts_flow_shift_samples_on_the_fixed_shift_schedule(tiny_set, tmp_
     fixed = [flow_matching.inference_sigmas(3, 16, "flux", shift=k).tolist() for k in (2.5, 7.0)]
     assert [s.tolist() for s in seen] == fixed and fixed[0] != fixed[1]
     assert fixed[0] != flow_matching.inference_sigmas(3, 16, "flux").tolist()  # 64 px: 16 tokens, the release's shift
+    from PIL import Image  # the PNG says which (old: two renders differing in --fs carried the same settings)
+
+    shifts = []
+    for name in sorted(os.listdir(tmp_path / "out")):
+        with Image.open(tmp_path / "out" / name) as image:
+            shifts.append(image.text["flow_shift"])
+    assert shifts == ["2.5", "7.0"]
 
 
 def test_a_repeated_lora_flag_applies_every_lora():

@@ -221,13 +221,14 @@ def test_a_lora_with_nan_factors_is_one_line_in_resize_combine_and_convert(tmp_p
     save_file({"lora_unet_double_blocks_0_img_attn_proj.lokr_w1": torch.full((4, 4), float("nan")),
                "lora_unet_double_blocks_0_img_attn_proj.lokr_w2": torch.ones(16, 16),
                "lora_unet_double_blocks_0_img_attn_proj.alpha": torch.tensor(1.0)}, str(lokr))
-    for source, to, key in ((tmp_path / "nan.safetensors", "comfy", up), (tmp_path / "nan.safetensors", "diffusers", up),
-                            (tmp_path / "nan.safetensors", "kohya", up),
+    nan = tmp_path / "nan.safetensors"
+    for source, to, key in ((nan, "comfy", up), (nan, "diffusers", up), (nan, "kohya", up),
                             (lokr, "comfy", "lora_unet_double_blocks_0_img_attn_proj.lokr_w1")):
         assert convert_lora.main([str(source), str(tmp_path / "o.safetensors"), "--to", to]) == 2
         held = ("module 'double_blocks.0.img_attn.proj' up holds 1 non-finite value (NaN / inf) of 64"
                 if key == up else f"tensor '{key}' holds 16 non-finite values (NaN / inf) of 16")
-        assert capsys.readouterr().err.strip() == f"error: {source}: {held}: a broken LoRA, which convert_lora cannot work on"
+        assert capsys.readouterr().err.strip() == (f"error: {source}: {held}: a broken LoRA, which convert_lora "
+                                                   f"cannot work on")
         assert not (tmp_path / "o.safetensors").exists()
     # lora_info describes it, and says what the tools refuse (it said nothing of the NaN)
     from tools import lora_info
@@ -586,10 +587,11 @@ def test_a_malformed_alpha_is_one_line_in_the_lora_tools(flux_lora, tmp_path, ca
     assert not (tmp_path / "o.safetensors").exists()
     # a LyCORIS file's alpha in lora_info (old: "only one element tensors can be converted", no file or key named)
     module = "lora_unet_double_blocks_0_img_attn_proj"
-    save_file({f"{module}.lokr_w1": torch.ones(4, 4), f"{module}.lokr_w2": torch.ones(16, 16), f"{module}.alpha": alpha},
-              str(tmp_path / "lokr.safetensors"))
+    save_file({f"{module}.lokr_w1": torch.ones(4, 4), f"{module}.lokr_w2": torch.ones(16, 16),
+               f"{module}.alpha": alpha}, str(tmp_path / "lokr.safetensors"))
     assert lora_info.main([str(tmp_path / "lokr.safetensors")]) == 2
-    assert capsys.readouterr().err.strip().startswith(f"error: {tmp_path / 'lokr.safetensors'}: module '{module}' alpha is ")
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: {tmp_path / 'lokr.safetensors'}: module '{module}' alpha is "), err
 
 
 def test_converted_and_combined_files_drop_sd_scripts_legacy_hash(flux_lora, tmp_path):

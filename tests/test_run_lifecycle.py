@@ -516,8 +516,8 @@ def test_a_state_resumes_with_its_network_and_optimizer_settings_in_another_orde
         return llm_state_args(tmp_path, *extra)
 
     state = tmp_path / "state"
-    write_llm_state(state, run_digest(args("--network_args", "mlp_dim=4", "rank_dropout=0.1", "--optimizer_type", "AdamW",
-                                           "--optimizer_args", "weight_decay=0.01", "betas=(0.9,0.99)")))
+    write_llm_state(state, run_digest(args("--network_args", "mlp_dim=4", "rank_dropout=0.1", "--optimizer_type",
+                                           "AdamW", "--optimizer_args", "weight_decay=0.01", "betas=(0.9,0.99)")))
     for same in (("--network_args", "rank_dropout = 0.10", "mlp_dim=4", "--optimizer_type", "adamw",
                   "--optimizer_args", "betas=(0.9, 0.99)", "weight_decay=1e-2"),
                  ("--network_args", "mlp_dim=4", "rank_dropout=0.1", "--optimizer_type", "torch.optim.AdamW",

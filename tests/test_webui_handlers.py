@@ -268,8 +268,8 @@ def test_a_missing_image_dir_is_a_row_of_the_dataset_view_and_one_outside_the_ro
         ["error", "folder", f"{missing}: image_dir does not exist or is not a folder"]]
     for key in ("image_dir", "mask_dir", "control_directory"):
         with open(caption_dataset, "w") as f:
-            toml.dump({**dataset, "datasets": [{**dataset["datasets"][0], "subsets": [subset, {**subset, key: str(outside)}]}]},
-                      f)
+            subsets = [subset, {**subset, key: str(outside)}]
+            toml.dump({**dataset, "datasets": [{**dataset["datasets"][0], "subsets": subsets}]}, f)
         with pytest.raises(OutsideRoots, match=rf"^data/dataset.toml's {key} '{outside}' is outside the folders"):
             ui.dataset(caption_dataset)
 

@@ -171,7 +171,8 @@ def _read_info(path: str) -> dict:
     arch, naming = arch_of(transformer)
     ranks, alphas, weights = Counter(), Counter(), {}
     if fmt == "lycoris":  # no single rank: the alphas only
-        alphas.update(f"{stored_alpha(reader.get(k), path, k.removesuffix('.alpha')):g}" for k in keys if k.endswith(".alpha"))
+        alphas.update(f"{stored_alpha(reader.get(k), path, k.removesuffix('.alpha')):g}"
+                      for k in keys if k.endswith(".alpha"))
     else:
         weights, _ = parse_lora({k: reader.get(k) for k in keys}, metadata, None, source=path,  # alphas as loaders apply them
                                 adapter_config=adapter_config)

@@ -233,8 +233,8 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     _check_version(base, spec, tensors, metadata)  # names fit: does the LoRA say it was trained on this model?
     if unmatched and not allow_unmatched:
         shown = ", ".join(unmatched[:5]) + (f" ... ({len(unmatched)} in all)" if len(unmatched) > 5 else "")
-        raise CheckpointError(f"{spec.path}: LoRA modules match no weight of {base.path}: {shown} (--allow_unmatched skips "
-                              f"them)")
+        raise CheckpointError(f"{spec.path}: LoRA modules match no weight of {base.path}: {shown} "
+                              f"(merge_lora.py --allow_unmatched skips them)")
     if unmatched:
         print(f"warning: {spec.path}: skipped {len(unmatched)} unmatched LoRA modules: {', '.join(unmatched)}", file=sys.stderr)
     for key, w in matched.items():

@@ -629,7 +629,8 @@ class WebUI:
             args = ["--model_type", config["model_type"], "--model", config["pretrained_model_name_or_path"],
                     "--ae", config["ae"], "--prompt", v["prompt"], "--width", whole_number(v["width"], "size (px)"),
                     "--height", whole_number(v["width"], "size (px)"), "--steps", whole_number(v["steps"], "steps"),
-                    "--base_precision", base_precision_of(config), "--out", out, *rendering_as_trained(config, job.device)]
+                    "--base_precision", base_precision_of(config), "--out", out,
+                    *rendering_as_trained(config, job.device)]
             from library.training.config import FAMILY_KEYS
 
             for key in (k for k in FAMILY_KEYS if k in config):  # generate.py reads these as the config's
