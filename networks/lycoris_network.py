@@ -562,6 +562,11 @@ def _rebuilt(algo, params, name: str, base: nn.Module, target: nn.Module):
         raise CheckpointError(f"LyCORIS module '{name}' (FullModule): a whole delta of the weight, which an fp8 base's codes "
                               f"cannot take: render on a bf16 base (base_precision bf16), or merge the file into a bf16 "
                               f"checkpoint with tools/merge_lora.py")
+    if "alpha" in algo.weight_list and params[algo.weight_list.index("alpha")] is None:
+        # No alpha stored: rank, scale 1, as ComfyUI reads the file and as LyCORIS' modules read an alpha of 0;
+        # its loader's float(None) refused the file
+        at = algo.weight_list.index("alpha")
+        params = (*params[:at], torch.tensor(0.0), *params[at + 1:])
     try:
         # dora_wd and algo=full copy the weight to the CPU as they build: on meta (generate.py's check) it stays meta
         with _cpu_copies_of_meta_stay_meta(target):

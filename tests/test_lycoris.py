@@ -525,3 +525,22 @@ def test_a_lycoris_network_weights_file_of_other_shapes_or_modules_stops_the_run
     with pytest.raises(ConfigError, match=r"run\.toml: key 'network_weights': .*all\.safetensors: key "
                                           r"'lora_unet_double_blocks_.*' is not a tensor of this LyCORIS network"):
         check(all_blocks, ["algo=lokr", "factor=4", "train_blocks=single"])
+
+
+def test_a_lycoris_file_without_alpha_applies_at_scale_one_as_comfyui_reads_it():
+    """Old: LyCORIS' loader took float(None) for a module without `.alpha` and every tool refused the file
+    ("cannot rebuild it ... not 'NoneType'"); ComfyUI reads it at scale 1 (alpha = rank), as LyCORIS' modules
+    read an alpha of 0."""
+    from networks.lycoris_network import LycorisDelta
+
+    torch.manual_seed(0)
+    name = "lora_unet_double_blocks_0_img_attn_proj"
+    factors = {f"{name}.lokr_w1": torch.randn(4, 4), f"{name}.lokr_w2_a": torch.randn(16, 2),
+               f"{name}.lokr_w2_b": torch.randn(2, 16)}
+    weight = torch.randn(64, 64)
+    merged = {alpha: LycorisDelta(name, {**factors, **({} if alpha is None else {f"{name}.alpha": torch.tensor(alpha)})})
+              .merged(weight) for alpha in (None, 2.0, 1.0)}
+    delta = torch.kron(factors[f"{name}.lokr_w1"], factors[f"{name}.lokr_w2_a"] @ factors[f"{name}.lokr_w2_b"])
+    torch.testing.assert_close(merged[None], weight + delta)  # rank 2: alpha 2 is scale 1
+    torch.testing.assert_close(merged[2.0], merged[None])
+    torch.testing.assert_close(merged[1.0], weight + delta / 2)
