@@ -117,6 +117,27 @@ def test_trains_on_paired_data_and_samples_with_a_reference(edit_set, tmp_path):
     assert (out / "edit.safetensors").stat().st_size > 0 and sample_png(out, "edit", "final").stat().st_size > 0
 
 
+def test_a_reference_resolution_its_image_processor_resizes_again_is_refused_before_caching(edit_set, tmp_path,
+                                                                                               capsys):
+    """Old: a reference_resolution whose square lies outside the image processor's pixels (the tiny one's 32^2 to
+    256^2; Qwen3-VL's 256^2 to 4096^2) cached every latent and caption, then stopped at the first step in the
+    model's words ("128 image slots hold 512 latent tokens ..."), naming no key; the default 1024 did on the tiny
+    models. Refused before caching now, the range named; generate.py's --ci the same way."""
+    line = ("error: key 'reference_resolution' = {side}: a reference resized to {px} x {px} pixels lies outside the "
+            "1024-65536 pixels the text encoder's image processor takes (")
+    for side, px in ((1024, 1024), (300, 288)):
+        args = ["--model_type", "qwen_image21", "--pretrained_model_name_or_path", edit_set["qwen_image21"],
+                "--ae", edit_set["qwen_image21_vae"], "--text_encoder", edit_set["qwen_image21_text_encoder"],
+                "--reference_resolution", str(side), "--dataset_config", edit_set["edit_dataset_config"],
+                "--output_dir", str(tmp_path / "run"), "--max_train_steps", "1", "--mixed_precision", "no",
+                "--network_dim", "4", "--optimizer_type", "AdamW"]
+        assert train_lora.main(args) == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(line.format(side=side, px=px)), err
+        assert err.endswith("give a reference_resolution from 32 to 256") and "\n" not in err, err
+        assert not os.path.exists(tmp_path / "run" / "cache")  # nothing cached
+
+
 @torch.no_grad()
 def test_references_reach_the_vae_with_their_alpha_in_samples_and_training(tiny_set, tmp_path):
     """QwenImage21Pipeline converts every condition image to RGBA and its VAE reads all four channels (only the

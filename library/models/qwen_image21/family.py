@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from functools import cached_property
 
@@ -136,7 +137,38 @@ class QwenImage21Family(DiffusionFamily):
         return dataclasses.replace(sampling, mu=None, shift=float(config.get("shift", 1.0)))
 
     def reference_vl_size(self, width: int, height: int) -> tuple[int, int]:
-        return reference_size(width, height, self.reference_resolution)  # load_text_encoder's resize
+        """load_text_encoder's resize, refused (ConfigError) where its pixels lie outside those the text encoder's
+        image processor takes (its preprocessor_config.json's size: Qwen3-VL's 256^2 to 4096^2): the processor
+        resized such a reference again, to other vision tokens than the VAE's latents hold, and the run stopped at
+        its first step, after caching, in the model's words ("N image slots hold M latent tokens")."""
+        w, h = reference_size(width, height, self.reference_resolution)
+        if self._vl_pixels is None:
+            self._vl_pixels = self._image_processor_pixels()
+        low, high, config_file = self._vl_pixels
+        if config_file and not low <= w * h <= high:
+            from library.errors import ConfigError
+
+            side = self.reference_resolution
+            raise ConfigError(f"key 'reference_resolution' = {side}: a reference resized to {w} x {h} pixels lies "
+                              f"outside the {low}-{high} pixels the text encoder's image processor takes "
+                              f"({config_file}), which would resize it again; give a reference_resolution from "
+                              f"{math.isqrt(low - 1) + 1} to {math.isqrt(high)}")
+        return w, h
+
+    _vl_pixels = None  # (fewest, most pixels, the processor's config file) once read; its file None: not found
+
+    def _image_processor_pixels(self) -> tuple[int, int, str | None]:
+        from library.models.qwen_image21.text_encoder import image_processor_folder
+
+        path = self.text_paths.get("text_encoder")
+        folder = image_processor_folder(path)[0] if path and os.path.exists(path) else None
+        if folder is None:  # the text encoder's load names what is missing
+            return 0, 0, None
+        config_file = os.path.join(folder, "preprocessor_config.json")
+        with open(config_file, encoding="utf-8") as f:
+            size = json.load(f).get("size") or {}
+        low, high = size.get("shortest_edge"), size.get("longest_edge")  # pixels, as Qwen2VLImageProcessor reads them
+        return (low, high, config_file) if isinstance(low, int) and isinstance(high, int) else (0, 0, None)
 
     def reference_text_tokens(self, width: int, height: int) -> int:
         w, h = self.reference_vl_size(width, height)

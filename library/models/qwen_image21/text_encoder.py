@@ -206,6 +206,17 @@ def load_qwen3_vl_vision_tower(path: str, dtype: torch.dtype = torch.float32):
     return visual
 
 
+def image_processor_folder(path: str, processor: str | None = None) -> tuple[str | None, list[str]]:
+    """(the folder holding the image processor's preprocessor_config.json, or None; the folders looked in) of
+    the pipeline folder or text encoder folder at `path`: `processor`, its processor/, the one beside it, itself."""
+    from library.io import component_folder
+
+    folder = component_folder(path, "text_encoder")
+    candidates = [c for c in (processor, os.path.join(path, "processor"),
+                              os.path.join(os.path.dirname(folder.rstrip("/")), "processor"), folder) if c]
+    return next((c for c in candidates if os.path.isfile(os.path.join(c, "preprocessor_config.json"))), None), candidates
+
+
 def with_vision(encoder: QwenImage21TextEncoder, path: str, dtype: torch.dtype = torch.float32,
                 processor: str | None = None) -> QwenImage21ImageTextEncoder:
     """`encoder` (its language model and tokenizer, shared) with the vision tower and the image processor of
@@ -215,9 +226,7 @@ def with_vision(encoder: QwenImage21TextEncoder, path: str, dtype: torch.dtype =
     from library.io import CheckpointError
 
     folder = component_folder(path, "text_encoder")
-    candidates = [c for c in (processor, os.path.join(path, "processor"),
-                              os.path.join(os.path.dirname(folder.rstrip("/")), "processor"), folder) if c]
-    found = next((c for c in candidates if os.path.isfile(os.path.join(c, "preprocessor_config.json"))), None)
+    found, candidates = image_processor_folder(path, processor)
     if found is None:
         raise CheckpointError(f"{path}: reference images need the image processor (preprocessor_config.json) in one "
                               f"of {candidates}")
