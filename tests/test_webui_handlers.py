@@ -609,6 +609,7 @@ def test_generate_renders_as_the_job_trained(tmp_path):
             "clip_l": "clip", "t5xxl": "t5", "output_name": "lora"}
     for given, device, expected in (
             ({}, None, ("bf16", "bf16", 0, False, None)),
+            ({}, "default", ("bf16", "bf16", 0, False, None)),  # tools/webui.py's device without --device
             ({"mixed_precision": "no"}, "cpu", ("fp32", "bf16", 0, False, "cpu")),
             ({"mixed_precision": "bf16", "blocks_to_swap": 2, "text_encoder_precision": "fp8", "vae_tiling": True},
              "cuda:1", ("bf16", "fp8", 2, True, "cuda:1"))):

@@ -142,7 +142,8 @@ def rendering_as_trained(config: dict, device: str | None) -> list:
         if config.get(key) not in (None, ""):
             args += [f"--{key}", config[key]]
     args += ["--vae_tiling"] if config.get("vae_tiling") else []
-    return args + (["--device", device] if device else [])
+    named = device == "cpu" or (device or "").startswith("cuda")  # webui.py's "default": generate.py's own choice
+    return args + (["--device", device] if named else [])
 
 
 def apply_form(settings: dict, form: dict) -> dict:
