@@ -84,6 +84,13 @@ def first_non_finite(named_tensors) -> str | None:
     return None
 
 
+def refuse_non_finite_tensors(tensors: dict, source: str, why: str) -> None:
+    """A NaN / inf in a LoRA file's float tensors (a diverged training's): a CheckpointError naming the first one
+    ("<source>: tensor 'key' holds 3 non-finite values ...: a broken LoRA, <why>")."""
+    if problem := first_non_finite((f"tensor '{k}'", t) for k, t in tensors.items() if t.is_floating_point()):
+        raise CheckpointError(f"{source}: {problem}: a broken LoRA, {why}")
+
+
 def non_finite_factor(weights: dict[str, LoRAWeights]) -> str | None:
     """first_non_finite of the factors of `weights`: "module 'name' down holds 3 non-finite values ...", or None."""
     return first_non_finite((f"module '{name}' {part}", tensor) for name, w in weights.items()

@@ -62,7 +62,6 @@ from networks.lora_files import (
     adapter_name_dropped,
     beside_lora_note,
     detect_format,
-    first_non_finite,
     is_lycoris_file,
     lora_reader,
     naming,
@@ -70,6 +69,7 @@ from networks.lora_files import (
     peft_alpha_known,
     read_lora_tensors,
     refuse_embedding_lora,
+    refuse_non_finite_tensors,
     resolve_kohya_names,
     split_beside_lora,
     split_text_encoders,
@@ -415,8 +415,7 @@ def whole_deltas_for_model(tensors: dict, arch: str, paths, module_map=None, tar
     moves by rows, exact for whole deltas: a row of a fused tensor is a row of one part's. A module the target lacks
     keeps the file's name (the caller reports it); a NaN / inf is a CheckpointError naming the tensor (every tool
     that applies them reads them here)."""
-    if problem := first_non_finite((f"tensor '{k}'", t) for k, t in tensors.items()):
-        raise CheckpointError(f"{name}: {problem}: a broken LoRA, which would make the weights it touches NaN")
+    refuse_non_finite_tensors(tensors, name, "which would make the weights it touches NaN")
     files = lora_files().get(arch)
     counts, resolvable = _names_to_resolve(tensors, files, paths)
     own = set(paths)

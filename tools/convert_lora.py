@@ -91,13 +91,13 @@ from networks.lora_files import (  # noqa: E402
     comfy_state_dict,
     detect_format,
     dim_and_alpha,
-    first_non_finite,
     kohya_state_dict,
     lycoris_kohya_names,
     naming,
     peft_alpha_known,
     peft_state_dict,
     read_lora_tensors,
+    refuse_non_finite_tensors,
     rescaled_up,
     split_beside_lora,
     split_text_encoders,
@@ -139,11 +139,8 @@ def read_source(path: str, tensors: dict, metadata: dict, adapter_config: dict |
     return weights, metadata, fmt, model_type, peft_alpha_known(tensors, metadata, adapter_config), counts, te
 
 
-def refuse_non_finite(src: str, tensors: dict) -> None:
-    """A diverged training's NaN / inf, refused as every other LoRA tool refuses it (convert_lora wrote it on,
-    exit 0): a LoRA's factors by check_finite, the other tensors (LyCORIS', text encoders') here."""
-    if problem := first_non_finite((f"tensor '{k}'", t) for k, t in tensors.items() if t.is_floating_point()):
-        raise CheckpointError(f"{src}: {problem}: a broken LoRA, which convert_lora cannot work on")
+# A diverged training's NaN / inf, refused as every other LoRA tool refuses it (convert_lora wrote it on, exit 0)
+NOT_CONVERTED = "which convert_lora cannot work on"
 
 
 def lycoris_refusal() -> str:
@@ -226,11 +223,11 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     model_type = model_type and lora_arch(model_type)
     tensors, metadata, adapter_config = read_lora_tensors(src)  # a file, or a PEFT adapter folder
     if is_lycoris_file(tensors):
-        refuse_non_finite(src, tensors)
+        refuse_non_finite_tensors(tensors, src, NOT_CONVERTED)
         return convert_lycoris(src, dst, to, tensors, metadata, model_type)
     weights, metadata, fmt, model_type, known, counts, te = read_source(src, tensors, metadata, adapter_config, model_type)
     check_finite(weights, src, "convert_lora")
-    refuse_non_finite(src, te)
+    refuse_non_finite_tensors(te, src, NOT_CONVERTED)  # a LoRA's factors by check_finite, above
     kept_te = {k: v for k, v in te.items() if k.startswith(KOHYA_TEXT_ENCODERS)} if to == "kohya" else {}
     if left_te := {k: v for k, v in te.items() if k not in kept_te}:
         print(f"warning: {src}: left out {text_encoder_note(left_te, text_encoder_labels(model_type))}: --to {to} holds the transformer's modules only "

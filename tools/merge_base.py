@@ -25,7 +25,7 @@ from library.precision.bfl_weights import is_bfl
 from library.precision.bnb_weights import refuse_serialized
 from library.precision.fp8_checkpoints import Fp8Checkpoint, read_fp8_checkpoint
 from library.precision.gguf_weights import is_gguf
-from networks.lora_files import (LoRAWeights, first_non_finite, read_lora_tensors, split_text_encoders,
+from networks.lora_files import (LoRAWeights, read_lora_tensors, refuse_non_finite_tensors, split_text_encoders,
                                  text_encoder_note)
 from networks.lora_arch import begins_release, detect_arch, header_arch, header_version, takes_loras_of, text_encoder_labels
 from networks.lora_reader import FusedRows, WholeDelta, lora_for_model, lycoris_for_model, split_whole_deltas, whole_deltas_for_model
@@ -186,13 +186,6 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
           f"({base.path}): the same architecture, another release", file=sys.stderr)
 
 
-def _check_finite(tensors: dict[str, torch.Tensor], path: str) -> None:
-    """A NaN / inf in a LoRA (a diverged training's) is one line naming the tensor: merged, it made every weight
-    it touches NaN and the whole checkpoint was written."""
-    if problem := first_non_finite((f"tensor '{key}'", t) for key, t in tensors.items() if t.is_floating_point()):
-        raise CheckpointError(f"{path}: {problem}: a broken LoRA, which would make the weights it touches NaN")
-
-
 def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta | FusedRows | WholeDelta]:
     """One LoRA file -> {checkpoint key: LoRAWeights, LycorisDelta, FusedRows or WholeDelta}, checked against the
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges). A down/up LoRA is read
@@ -205,7 +198,8 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
         raise CheckpointError(f"{spec.path}: holds only {text_encoder_note(te, text_encoder_labels(base.family))}; "
                               f"merge_lora merges into the transformer")
     body, diffs = split_whole_deltas(body)  # their NaN check: whole_deltas_for_model's
-    _check_finite(body, spec.path)
+    # merged, a NaN made every weight it touches NaN and the whole checkpoint was written
+    refuse_non_finite_tensors(body, spec.path, "which would make the weights it touches NaN")
     if te:  # sd-scripts' files: CLIP-L / T5-XXL modules beside the transformer's
         print(f"warning: {spec.path}: skipped {text_encoder_note(te, text_encoder_labels(base.family))}: they adapt the text encoders, not the transformer "
               f"merged here", file=sys.stderr)  # fmt: skip
