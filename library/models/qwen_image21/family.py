@@ -142,9 +142,7 @@ class QwenImage21Family(DiffusionFamily):
         resized such a reference again, to other vision tokens than the VAE's latents hold, and the run stopped at
         its first step, after caching, in the model's words ("N image slots hold M latent tokens")."""
         w, h = reference_size(width, height, self.reference_resolution)
-        if self._vl_pixels is None:
-            self._vl_pixels = self._image_processor_pixels()
-        low, high, config_file = self._vl_pixels
+        low, high, config_file = self._image_processor_pixels
         if config_file and not low <= w * h <= high:
             from library.errors import ConfigError
 
@@ -155,9 +153,9 @@ class QwenImage21Family(DiffusionFamily):
                               f"{math.isqrt(low - 1) + 1} to {math.isqrt(high)}")
         return w, h
 
-    _vl_pixels = None  # (fewest, most pixels, the processor's config file) once read; its file None: not found
-
+    @cached_property
     def _image_processor_pixels(self) -> tuple[int, int, str | None]:
+        """(fewest, most pixels, the processor's config file), read once; its file None: none found."""
         from library.models.qwen_image21.text_encoder import image_processor_folder
 
         path = self.text_paths.get("text_encoder")
