@@ -230,6 +230,18 @@ def test_a_plain_fp8_configs_advice_on_a_gguf_base_is_one_that_passes(flux_gguf,
     assert "asks for fp8; set fp8_base = false without fp8_scaled = false (what gguf" in line, line
 
 
+def test_fp8_compute_on_a_gguf_base_is_refused_for_itself_not_sent_round_the_precision_advice(flux_gguf, tiny_set,
+                                                                                                tmp_path, capsys):
+    """fp8_compute = true on a GGUF base was told "set fp8_base = false", which fp8_compute's own check then
+    refused ("needs an fp8 base"): a loop. The first line now names fp8_compute, which has no fp8 codes to run."""
+    path, _ = flux_gguf
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path",
+                                                            path, "--fp8_compute", "true", "--mixed_precision", "bf16")))
+    assert line == (f"error: {path}: fp8_compute = true runs an fp8 base's codes as fp8 GEMMs, but the checkpoint "
+                    f"stores its base as gguf_q8_0+q4_k (used as it is), with no fp8 codes; remove fp8_compute, or "
+                    f"give a bf16 or fp8 checkpoint"), line
+
+
 @pytest.mark.parametrize("mlps", [("Q2_K", "Q3_K"), ("IQ4_XS", "IQ4_NL")])
 def test_low_bit_files_q2_k_q3_k_and_iq4_load_as_ggufs_own_dequantization(tiny_set, tmp_path, mlps):
     """city96's Q2_K and Q3_K_S files (Q2_K / Q3_K MLPs) and IQ4_NL / IQ4_XS files (ComfyUI-GGUF reads them),

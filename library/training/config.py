@@ -273,11 +273,24 @@ def check_stored_precision(args, stored: str | None, path: str | None = None) ->
     from library.precision.stored_layouts import check_config_precision
 
     path = path or args.pretrained_model_name_or_path
+    check_fp8_compute_layout(args, stored, path)
     check_config_precision(path, stored, base_precision(args), getattr(args, "base_precision", None) is not None)
     if stored and getattr(args, "sample_bf16_reference", None):
         raise ConfigError(f"{path}: sample_bf16_reference = true, but the checkpoint stores a pre-quantized {stored} "
                           f"base, which loads as stored in any precision: there is no bf16 base to render beside it; "
                           f"remove the key, or give the bf16 checkpoint")
+
+
+def check_fp8_compute_layout(args, layout: str | None, path: str | None = None) -> None:
+    """fp8_compute runs an fp8 base's codes as fp8 GEMMs: a checkpoint stored in another layout (GGUF, BFL's
+    fp8r / nvfp4, a plain e5m2 file widened to bf16) has none, a ConfigError naming it. Checked before the
+    precision advice of check_stored_precision, which (fp8_base = false) would only meet fp8_compute's refusal."""
+    from library.precision.stored_layouts import config_precision
+
+    if layout and getattr(args, "fp8_compute", False) and config_precision(layout) not in ("fp8", "fp8_scaled"):
+        raise ConfigError(f"{path or args.pretrained_model_name_or_path}: fp8_compute = true runs an fp8 base's codes "
+                          f"as fp8 GEMMs, but the checkpoint stores its base as {layout} (used as it is), with no fp8 "
+                          f"codes; remove fp8_compute, or give a bf16 or fp8 checkpoint")
 
 
 def _validate_base_precision(args, origins: dict[str, str], where: str) -> None:

@@ -31,8 +31,8 @@ from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import Preservation, get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan, preservation
-from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_stored_precision,
-                                     compute_dtype, lora_network_args, network_modules_from)
+from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_fp8_compute_layout,
+                                     check_stored_precision, compute_dtype, lora_network_args, network_modules_from)
 from library.training.run_length import check_planned_steps, plan_steps
 from library.training.lora_inputs import (check_lora_inputs, check_network_fits, check_network_settings,
                                           load_network_weights)
@@ -167,6 +167,8 @@ def check_base_layout(args, family) -> tuple[str | None, str | None]:
     sample_bf16_reference = true on it is refused: it has no bf16 reference copy), and base_loras cannot merge
     into it. A plain e5m2 file widens exactly, to a bf16 base only. (stored, widened) as check_before_caching."""
     stored = family.stored_layout()
+    if args.fp8_compute and not stored:
+        check_fp8_compute_layout(args, family.widened_layout("bf16"))
     check_stored_precision(args, stored)
     if stored and args.base_loras:
         raise ConfigError(f"{args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
