@@ -89,6 +89,31 @@ def test_truncated_and_foreign_files_are_one_line_naming_the_file(tmp_path):
     assert os.path.exists(other)
 
 
+def test_a_folder_of_two_checkpoints_is_refused_naming_a_shared_key_and_both_files(tmp_path, tiny_set):
+    """A folder's .safetensors files (no index) are read as one checkpoint's shards: a folder holding two
+    checkpoints (dev beside schnell, bf16 beside fp8) loaded as one, each shared key from the last file,
+    without a word. Now one line naming a shared key and both files; shards with distinct keys still load."""
+    import shutil
+
+    from library.models.flux1.checkpoint import load_flux
+
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    save_file({"a": torch.ones(2)}, str(shards / "part-1.safetensors"))
+    save_file({"b": torch.zeros(3)}, str(shards / "part-2.safetensors"))
+    assert CheckpointReader(str(shards)).keys() == ["a", "b"]
+    folder = tmp_path / "flux"
+    folder.mkdir()
+    shutil.copy(tiny_set["flux_bfl"], folder / "flux1-dev.safetensors")
+    shutil.copy(tiny_set["flux_bfl"], folder / "flux1-schnell.safetensors")
+    with pytest.raises(CheckpointError) as caught:
+        load_flux(str(folder))
+    line = str(caught.value)
+    assert line.startswith(f"{folder}: '") and "' is in both flux1-dev.safetensors and flux1-schnell.safetensors: " \
+        "a folder's .safetensors files are read as one checkpoint's shards; keep one checkpoint in the folder, " \
+        "or give the file" in line and "\n" not in line, line
+
+
 def test_batchnorm_step_counter_may_be_absent_but_nothing_else(tmp_path):
     """AutoencoderKLFlux2 has a BatchNorm; files may leave out its num_batches_tracked counter
     (unused outside training). Its running statistics and every other key stay required."""
