@@ -38,10 +38,16 @@ LATENT_DOWNSAMPLE = 8  # VAE pixels per latent element, per side
 GREY_TOLERANCE = 8
 
 
-@functools.lru_cache(maxsize=None)
-def _mask_files(folder: str) -> dict[str, str]:
-    """File stem -> file name of the images in a mask folder (listed once; two of one stem: an error)."""
+@functools.lru_cache(maxsize=64)
+def _listed_mask_files(folder: str, changed_ns: int) -> dict[str, str]:
     return images_by_stem(folder, os.listdir(folder), "masks")
+
+
+def _mask_files(folder: str) -> dict[str, str]:
+    """File stem -> file name of the images in a mask folder (two of one stem: an error), listed once per
+    state of the folder: the web UI's checks run in one long-lived process, and a mask added between two
+    checks must be seen (a file added, removed or renamed changes the folder's mtime)."""
+    return _listed_mask_files(folder, os.stat(folder).st_mtime_ns)
 
 
 def find_mask(image_path: str, subset: SubsetSpec, size: tuple[int, int]) -> str | None:
