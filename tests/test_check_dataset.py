@@ -342,6 +342,48 @@ def test_layered_images_layer_problems_are_errors_in_the_check_as_in_training(tm
                                                                      ("error", "layers", "002_2.png")]
 
 
+def test_layers_numbered_twice_or_with_a_gap_are_errors_in_the_check_as_in_training(tmp_path):
+    """multiple_target: 000_01.png beside 000_1.png made two layers 1, and 001_1.png, 001_3.png (no 001_2.png)
+    trained layer 3 in slot 2, each without a word when the layer counts matched; references refuse both."""
+    from library.data.image_folders import scan_images
+    from tools.make_tiny_dataset import make_tiny_layered_dataset
+
+    toml = make_tiny_layered_dataset(str(tmp_path), count=3, size=32)["layered_dataset_config"]
+    folder = tmp_path / "layered_images"
+    (folder / "000_2.png").rename(folder / "000_01.png")  # as many layers as the others, two of them layer 1
+    (folder / "001_2.png").rename(folder / "001_3.png")
+    report = check.check_dataset(load_dataset_config(toml))
+    assert found(report) == [("error", "layers", "000.png"), ("error", "layers", "001.png")]
+    assert report.problems()[0].message.endswith("000.png: '000_01.png' and '000_1.png' are both its layer 1; keep one")
+    assert report.problems()[1].message.endswith("001.png: no layer '001_2.<ext>' beside it, though it has '001_3.png' "
+                                                 "(layers are numbered from 0 or 1 without gaps)")
+    (folder / "000_01.png").rename(folder / "000_2.png")
+    with pytest.raises(ValueError, match="no layer '001_2.<ext>' beside it"):
+        scan_images(load_dataset_config(toml))
+    (folder / "001_3.png").rename(folder / "001_2.png")
+    assert found(check.check_dataset(load_dataset_config(toml))) == []
+
+
+def test_a_mask_added_between_two_checks_in_one_process_is_seen(tmp_path, capsys):
+    """The web UI runs check_dataset.py in one long-lived process: each mask_dir was listed once for its life,
+    so a mask added after "no mask 'b.png'" was still missing at every later check (and one removed was found)."""
+    for name in ("a", "b"):
+        make_image(tmp_path / "img" / f"{name}.png", 32, 32, (200, 0, 0))
+        (tmp_path / "img" / f"{name}.txt").write_text("a red square")
+    (tmp_path / "masks").mkdir()
+    Image.new("L", (32, 32), 255).save(tmp_path / "masks" / "a.png")
+    toml = tmp_path / "ds.toml"
+    toml.write_text(f'[[datasets]]\nresolution = 32\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "img"}"\n'
+                    f'mask_dir = "{tmp_path / "masks"}"\n')
+    assert check_dataset.main([str(toml)]) == 1
+    assert "no mask 'b.png'" in capsys.readouterr().err
+    Image.new("L", (32, 32), 255).save(tmp_path / "masks" / "b.png")
+    assert check_dataset.main([str(toml)]) == 0, capsys.readouterr().err
+    (tmp_path / "masks" / "a.png").unlink()
+    assert check_dataset.main([str(toml)]) == 1
+    assert "no mask 'a.png'" in capsys.readouterr().err
+
+
 def test_layered_images_of_one_name_are_that_error_alone_their_layers_are_still_layers(tmp_path):
     """001.png and 001.jpg beside 001_1.png, 001_2.png: the check went on listing every file as an image,
     11 errors more (layers without captions or layers of their own, composites without layers)."""
@@ -358,17 +400,24 @@ def test_layered_images_of_one_name_are_that_error_alone_their_layers_are_still_
 def test_a_numbered_image_with_layers_of_its_own_is_a_composite_not_a_layer(tmp_path):
     """multiple_target: a_1.png was taken as the first of a.png's three layers, and a_1's own layers
     (a_1_1.png, a_1_2.png) were dropped, without a word. Captions on layers (a captioning tool run over the
-    folder) change nothing."""
+    folder) change nothing. a.png is then refused: its layer 1 is no layer (training a_2 as its first would
+    shift every layer one slot)."""
     from library.data.image_folders import scan_images
+    from library.data.layers import split_layers
 
     for name in ("a", "a_1", "a_2", "a_3", "a_1_1", "a_1_2"):
         Image.new("RGBA", (32, 32)).save(tmp_path / f"{name}.png")
         (tmp_path / f"{name}.txt").write_text("a poster")
+    composites, layers = split_layers(sorted(str(p) for p in tmp_path.glob("*.png")))
+    names = {os.path.basename(c): [os.path.basename(p) for p in layers[c]] for c in composites}
+    assert names == {"a.png": ["a_2.png", "a_3.png"], "a_1.png": ["a_1_1.png", "a_1_2.png"]}
     bp = parse_dataset_config({"datasets": [{"resolution": 32, "subsets": [
         {"image_dir": str(tmp_path), "multiple_target": True}]}]})
-    items = scan_images(bp)
-    names = {os.path.basename(it.image_path): [os.path.basename(p) for p in it.layer_paths] for it in items}
-    assert names == {"a.png": ["a_2.png", "a_3.png"], "a_1.png": ["a_1_1.png", "a_1_2.png"]}
+    with pytest.raises(ValueError, match=r"a\.png: no layer 'a_1\.<ext>' beside it, though it has 'a_3\.png'"):
+        scan_images(bp)
+    (tmp_path / "a_3.png").rename(tmp_path / "a_0.png")  # layers 0 and 2 with a_1.png a composite: still a gap
+    with pytest.raises(ValueError, match=r"a\.png: no layer 'a_1\.<ext>' beside it, though it has 'a_2\.png'"):
+        scan_images(bp)
 
 
 def test_with_a_training_config_references_the_family_does_not_take_are_errors_as_in_training(tmp_path):

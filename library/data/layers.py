@@ -42,13 +42,14 @@ def split_layers(paths: list[str]) -> tuple[list[str], dict[str, list[str]]]:
 
 def check_layers(path: str, layers: list[str] | None, first: tuple[str, int] | None,
                  size: tuple[int, int] | None = None) -> None:
-    """A composite has layers, as many as the first composite of its dataset (first: (path, count)),
+    """A composite has layers numbered without gaps, as many as the first composite of its dataset (first: (path, count)),
     each readable and of the composite's `size` (w, h) when given: every frame is fitted to the
     composite's bucket on its own, so a layer of another size would be cropped out of register."""
     stem = os.path.splitext(os.path.basename(path))[0]
     if not layers:
         raise ValueError(f"{path}: no layer images beside it (multiple_target = true expects '{stem}_1.png', "
                          f"'{stem}_2.png', ... in the same folder)")
+    check_layer_numbers(path, layers)
     if first is not None and len(layers) != first[1]:
         raise ValueError(f"{path}: {len(layers)} layer image(s), but {os.path.basename(first[0])} of the same dataset "
                          f"has {first[1]}; every image of a dataset needs the same number of layers")
@@ -57,3 +58,22 @@ def check_layers(path: str, layers: list[str] | None, first: tuple[str, int] | N
         if layer_size != size:
             raise ValueError(f"{layer}: layer is {layer_size[0]}x{layer_size[1]}, its composite {os.path.basename(path)} "
                              f"is {size[0]}x{size[1]}; a layer is the composite's whole canvas (transparent where empty)")
+
+
+def check_layer_numbers(path: str, layers: list[str]) -> None:
+    """A composite's layers are numbered from 0 or 1 without gaps or repeats, as references are
+    (controls.find_controls): poster_01.png beside poster_1.png, or poster_2.png missing, would train
+    every later layer in another slot."""
+    stem = os.path.splitext(os.path.basename(path))[0]
+    numbered: dict[int, str] = {}
+    for layer in layers:
+        n = int(_NUMBERED.fullmatch(os.path.splitext(os.path.basename(layer))[0]).group(2))
+        if n in numbered:
+            raise ValueError(f"{path}: '{os.path.basename(numbered[n])}' and '{os.path.basename(layer)}' are both its "
+                             f"layer {n}; keep one")
+        numbered[n] = layer
+    first = 0 if 0 in numbered else 1
+    missing = sorted(set(range(first, max(numbered) + 1)) - set(numbered))
+    if missing:
+        raise ValueError(f"{path}: no layer '{stem}_{missing[0]}.<ext>' beside it, though it has "
+                         f"'{os.path.basename(numbered[max(numbered)])}' (layers are numbered from 0 or 1 without gaps)")
