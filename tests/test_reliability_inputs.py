@@ -11,7 +11,9 @@ import zlib
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+from safetensors.torch import save_file
 
 import train_lora
 from library.data import image_folders
@@ -232,6 +234,26 @@ def clip_l_beside_only_t5s_tokenizer(ts, tmp):
              f"tokenizer; put the CLIP tokenizer's files in one of those folders"])
 
 
+def wider_text_input(path: str, key: str, out) -> str:
+    """The BFL-layout transformer at `path` with `key` (a Linear taking text) twice as wide, no config metadata."""
+    from library.io import CheckpointReader
+
+    reader = CheckpointReader(path)
+    tensors = {k: reader.get(k) for k in reader.keys()}
+    tensors[key] = torch.cat([tensors[key], tensors[key]], dim=1)
+    save_file(tensors, str(out))
+    return str(out)
+
+
+def t5_of_another_width(ts, tmp):
+    """A T5 of another size (the transformer's txt_in takes 64, the encoder gives 32) cached every latent and
+    caption and failed at the first step: a traceback, 'mat1 and mat2 shapes cannot be multiplied'."""
+    path = wider_text_input(ts["flux_bfl"], "txt_in.weight", tmp / "flux1-wide.safetensors")
+    return (["--pretrained_model_name_or_path", path],
+            [f"{ts['t5xxl']}: t5xxl is not a T5 encoder of width 64 (what the transformer's text input takes): "
+             f"'shared.weight' has shape (", ", 32), expected (*, 64)"])
+
+
 MODEL_FILE_CASES = {
     "vae_as_transformer": vae_as_transformer,
     "flux2_transformer_for_flux": flux2_transformer_for_flux,
@@ -239,6 +261,7 @@ MODEL_FILE_CASES = {
     "t5_as_clip_l": t5_as_clip_l,
     "flux2_vae_as_ae": flux2_vae_as_ae,
     "clip_l_beside_only_t5s_tokenizer": clip_l_beside_only_t5s_tokenizer,
+    "t5_of_another_width": t5_of_another_width,
 }
 
 

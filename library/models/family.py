@@ -109,6 +109,10 @@ class ModelFile:
     tokenizer: tuple[str | None, str, str] | None = None
 
 
+# A text encoder's token embedding as T5 (shared / encoder.embed_tokens), CLIP and the LLMs name it: [vocab, width]
+TEXT_EMBEDDINGS = ("embed_tokens.weight", "shared.weight", "token_embedding.weight")
+
+
 @dataclass(frozen=True)
 class CheckpointNames:
     """How a transformer checkpoint names its tensors (tools/merge_lora.py reads a base by them): the
@@ -181,12 +185,21 @@ class DiffusionFamily:
         from library.io import check_model_file, component_folder
         from library.models.text_encoders import tokenizer_folder
 
-        self.load_transformer(torch.float32, read_weights=False)
-        for f in self.model_files():
+        widths, files = self.text_widths(self.load_transformer(torch.float32, read_weights=False).config), self.model_files()
+        assert set(widths) <= {f.key for f in files}, f"text_widths names no model file: {sorted(widths)}"
+        for f in files:
             path = component_folder(f.path, f.component)
             check_model_file(path, f.key, f.what, f.markers)
+            if f.key in widths:  # another size of the right kind (Qwen3-4B for -8B) fails only at the first step
+                check_model_file(path, f.key, f"{f.what} of width {widths[f.key]} (what the transformer's text input "
+                                 f"takes)", {TEXT_EMBEDDINGS: (None, widths[f.key])})
             if f.tokenizer:
                 tokenizer_folder(path, *f.tokenizer)
+
+    def text_widths(self, config) -> dict[str, int]:
+        """Config key of a text encoder -> the width of its hidden states the transformer (its `config`,
+        read on meta) takes, which its token embedding has; check_model_files compares them. {}: none."""
+        return {}
 
     def swappable_block_count(self) -> int:
         """The transformer's swappable_blocks(), counted on meta from its header (no tensor read)."""

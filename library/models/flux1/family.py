@@ -36,6 +36,10 @@ class FluxFamily(DiffusionFamily):
                       (None, "tokenizer_2", "T5")),
         ]
 
+
+    def text_widths(self, config) -> dict[str, int]:
+        return {"t5xxl": config.context_in_dim, "clip_l": config.vec_in_dim}  # T5's states, CLIP's pooled output
+
     def load_vae(self, dtype=torch.float32):
         from library.models.flux1.vae import load_flux_vae
 

@@ -53,6 +53,11 @@ class Flux2Family(DiffusionFamily):
                       (None, "tokenizer", kind)),
         ]
 
+
+    def text_widths(self, config) -> dict[str, int]:
+        """txt_in takes three of the encoder's layers side by side (text_encoding_constants' hidden_layers)."""
+        return {"text_encoder": config.context_in_dim // len(self.text_encoding_constants()["hidden_layers"])}
+
     def load_vae(self, dtype=torch.float32):
         from library.models.flux2.vae import load_flux2_vae
 

@@ -111,6 +111,10 @@ class Krea2Family(DiffusionFamily):
                       (None, "tokenizer", "Qwen2")),  # as its loader looks for the tokenizer
         ]
 
+
+    def text_widths(self, config) -> dict[str, int]:
+        return {"text_encoder": config.text_hidden_dim}  # per tapped layer (num_text_layers of them)
+
     def load_vae(self, dtype=torch.float32):
         from library.models.qwen_image.vae import load_qwen_image_vae
 

@@ -89,6 +89,10 @@ class QwenImageFamily(DiffusionFamily):
             ModelFile("text_encoder", self.text_paths["text_encoder"], what, "text_encoder", markers, self.text_tokenizer),
         ]
 
+
+    def text_widths(self, config) -> dict[str, int]:
+        return {"text_encoder": config.joint_attention_dim}
+
     def load_vae(self, dtype=torch.float32):
         from library.models.qwen_image.vae import load_qwen_image_vae
 

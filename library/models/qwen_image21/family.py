@@ -195,6 +195,10 @@ class QwenImage21Family(DiffusionFamily):
                       (pipeline_tokenizer(self.text_paths["text_encoder"]), "processor", "Qwen2")),  # as its loader looks
         ]
 
+
+    def text_widths(self, config) -> dict[str, int]:
+        return {"text_encoder": config.context_in_dim}
+
     def load_vae(self, dtype=torch.float32):
         from library.models.qwen_image21.vae import load_qwen_image21_vae
 

@@ -114,6 +114,10 @@ class ZImageFamily(DiffusionFamily):
                       (None, "tokenizer", "Qwen2")),  # as its loader looks for the tokenizer
         ]
 
+
+    def text_widths(self, config) -> dict[str, int]:
+        return {"text_encoder": config.cap_feat_dim}
+
     def load_vae(self, dtype=torch.float32):
         from library.models.flux1.vae import load_flux_vae
 
