@@ -372,6 +372,9 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
                 f"{source}: module '{module}' down {tuple(down.shape)} / up {tuple(up.shape)} are not [r, in] / [out, r]"
             )
         rank = down.shape[0]
+        if rank == 0:  # alpha / rank would divide by zero; such a module adds nothing
+            raise CheckpointError(f"{source}: module '{module}' has rank 0 (down {tuple(down.shape)}, up "
+                                  f"{tuple(up.shape)}): no LoRA there; drop its tensors from the file")
         path = rename[module]
         if path in weights:  # two names of one module (two kohya prefixes, two layouts): one would be lost
             other = next(m for m in groups if m != module and rename[m] == path)

@@ -501,6 +501,25 @@ def test_kohya_save_load_round_trip_is_bytes_equal(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), net.state_dict().values()))
 
 
+def test_a_rank_0_module_is_one_line_naming_it_not_a_division_by_zero(tmp_path, capsys):
+    """A pruned file's empty down / up pair: convert_lora (and every reader) ended in a ZeroDivisionError
+    traceback (alpha / rank); lora_info said "ranks: 0"."""
+    from safetensors.torch import save_file
+
+    from tools import convert_lora
+
+    name = "lora_unet_double_blocks_0_img_attn_proj"
+    path = tmp_path / "r0.safetensors"
+    save_file({f"{name}.lora_down.weight": torch.zeros(0, 64), f"{name}.lora_up.weight": torch.zeros(64, 0),
+               f"{name}.alpha": torch.tensor(1.0)}, str(path))
+    assert convert_lora.main([str(path), str(tmp_path / "out.safetensors"), "--to", "diffusers",
+                              "--model_type", "flux"]) == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: {path}: module '{name}' has rank 0 (down (0, 64), up (64, 0)): no LoRA there; drop its tensors "
+        f"from the file"]
+    assert not (tmp_path / "out.safetensors").exists()
+
+
 def test_load_weights_rejects_foreign_or_misshapen_modules(tmp_path):
     net = LoRANetwork(StandIn(llm_names(1)), "llm", rank=2)
     wrong_in = {k: (torch.zeros(2, 9) if k.endswith("lora_down.weight") else v) for k, v in net.state_dict().items()}
