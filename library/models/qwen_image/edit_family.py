@@ -31,7 +31,7 @@ from library.models.qwen_image import edit
 from library.models.qwen_image.edit import (EDIT, EDIT_2509, SIZE_MULTIPLE, TRANSFORMER_FLAGS,
                                             VL_TOKEN_PIXELS, area_size, check_version, edit_sizes, resize_condition,
                                             version_from_flags)
-from library.models.qwen_image.family import QwenImageFamily, per_caption
+from library.models.qwen_image.family import QwenImageFamily, per_caption, refuse_layered
 from library.models.qwen_image.spec import SPEC
 from library.models.latents import pack_latents
 
@@ -65,6 +65,7 @@ class QwenImageEditFamily(QwenImageFamily):
         """model_version, checked against the transformer's config flags, else the flags' version
         (read once: the text encoder asks for every caption batch)."""
         path, config = self.transformer_config()
+        refuse_layered(f"{path}/config.json", config or {})  # a single file's flags are model_version's
         if config is None:
             if self._version is None:
                 raise ValueError(f"{path}: a single transformer file has no config.json; set model_version "

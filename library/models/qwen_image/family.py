@@ -12,6 +12,16 @@ from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, c
 from library.models.qwen_image.spec import SPEC
 
 
+def refuse_layered(where: str, flags: dict) -> None:
+    """A Qwen-Image-Layered transformer (its config's use_layer3d_rope / use_additional_t_cond; a single file's
+    addition_t_embedding) loads as Qwen-Image or an Edit model too, and failed only at the first step, after
+    caching, asking for additional_t_cond: a ValueError naming the model type it is."""
+    flag = next((f for f in ("use_additional_t_cond", "use_layer3d_rope") if flags.get(f)), None)
+    if flag:
+        raise ValueError(f"{where}: {flag} is true: a Qwen-Image-Layered transformer; set model_type = "
+                         f"\"qwen_image_layered\"")
+
+
 class QwenImageFamily(DiffusionFamily):
     """Qwen-Image: diffusers module names, Qwen2.5-VL (our LLM core) text with a padding mask,
     true classifier-free guidance with a negative prompt at inference."""
@@ -46,10 +56,14 @@ class QwenImageFamily(DiffusionFamily):
             tokenizer(te.QWEN_IMAGE_PROMPT_TEMPLATE.format(text), verbose=False).input_ids) - te.QWEN_IMAGE_DROP_TOKENS)
 
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
+        import dataclasses
+
         from library.models.qwen_image.model import load_qwen_image
 
-        return load_qwen_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                         read_weights=read_weights)
+        model = load_qwen_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
+                                read_weights=read_weights)
+        refuse_layered(self.model_path, dataclasses.asdict(model.config))
+        return model
 
     def transformer_config(self) -> tuple[str, dict | None]:
         """(transformer path, its config.json dict or None for a single file)."""
