@@ -45,8 +45,9 @@ class QwenImageFamily(DiffusionFamily):
                 "max_tokens": te.QWEN_IMAGE_MAX_TOKENS}
 
     def caption_token_limit(self, args):
-        """The pipeline keeps 1024 tokens after the template's 34 leading ones (caption + the
-        template's end)."""
+        """1024 tokens kept after the template's 34 leading ones (caption + the template's end), as
+        QwenImagePipeline.encode_prompt keeps; its __call__ cuts to max_sequence_length=512 by default,
+        ComfyUI keeps every token."""
         from library.data.check import TokenLimit
         from library.io import component_folder
         from library.models.qwen_image import text_encoder as te

@@ -21,7 +21,7 @@ QWEN_IMAGE_PROMPT_TEMPLATE = (
     "relationships of the objects and background:<|im_end|>\n<|im_start|>user\n{}<|im_end|>\n<|im_start|>assistant\n"
 )
 QWEN_IMAGE_DROP_TOKENS = 34  # the template's system part + "<|im_start|>user\n"
-QWEN_IMAGE_MAX_TOKENS = 1024  # the pipeline's tokenizer_max_length (prompt tokens after the drop)
+QWEN_IMAGE_MAX_TOKENS = 1024  # encode_prompt's tokenizer_max_length after the drop (__call__ default: 512)
 
 
 class QwenImageTextEncoder:
