@@ -166,7 +166,7 @@ class CheckpointReader:
             if i == 0:
                 self.metadata: dict[str, str] = dict(metadata)
             for k in sorted(entries):  # safe_open's order: sorted by name
-                if k in self._where:  # a folder of two checkpoints (dev + schnell, bf16 + fp8) is no set of shards
+                if k in self._where:  # a folder of two checkpoints (two releases, bf16 beside fp8) is no set of shards
                     raise CheckpointError(f"{path}: '{k}' is in both {os.path.basename(self.files[self._where[k]])} "
                                           f"and {os.path.basename(f)}: a folder's .safetensors files are read as one "
                                           f"checkpoint's shards; keep one checkpoint in the folder, or give the file")
