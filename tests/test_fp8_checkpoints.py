@@ -314,8 +314,9 @@ def test_training_on_a_plain_e5m2_file_refuses_an_fp8_base_before_caching_and_re
                     f"base; set base_precision = \"bf16\" (fp8_base = false), or give a bf16 checkpoint"), line
     assert cached == []
     # fp8_compute on it: told so first, not "set base_precision = bf16", which fp8_compute then refuses
-    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path",
-                                                            path, "--fp8_compute", "true", "--mixed_precision", "bf16")))
+    args = flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path, "--fp8_compute", "true",
+                     "--mixed_precision", "bf16")
+    line = one_error_line(capsys, train_lora.main(args))
     assert line == (f"error: {path}: fp8_compute = true runs an fp8 base's codes as fp8 GEMMs, but the checkpoint "
                     f"stores its base as fp8_e5m2 (used as it is), with no fp8 codes; remove fp8_compute, or give a "
                     f"bf16 or fp8 checkpoint"), line

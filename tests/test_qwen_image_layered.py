@@ -328,8 +328,8 @@ def test_single_file_and_merged_folder_load_as_layered(layered_set, trained, tmp
     assert ((got - ref).norm() / ref.norm()).item() < 1e-5
 
 
-def test_a_layered_transformer_given_as_qwen_image_or_an_edit_model_is_refused_naming_its_model_type(layered_set,
-                                                                                                        tmp_path, capsys):
+def test_a_layered_transformer_given_as_qwen_image_or_an_edit_model_is_refused_naming_its_type(layered_set, tmp_path,
+                                                                                                 capsys):
     """model_type qwen_image (or qwen_image_edit) on a Qwen-Image-Layered folder loaded, cached every latent and
     caption, and stopped at step 1 asking for additional_t_cond: now one line before caching, naming the type."""
     import train_lora
@@ -338,8 +338,9 @@ def test_a_layered_transformer_given_as_qwen_image_or_an_edit_model_is_refused_n
     from tests.test_reliability import one_error_line
 
     folder = layered_set["qwen_image_layered"]
-    args = ["--model_type", "qwen_image", "--pretrained_model_name_or_path", folder, "--ae", layered_set["qwen_image_vae"],
-            "--text_encoder", layered_set["qwen_image_text_encoder"], "--dataset_config", layered_set["dataset_config"],
+    args = ["--model_type", "qwen_image", "--pretrained_model_name_or_path", folder,
+            "--ae", layered_set["qwen_image_vae"], "--text_encoder", layered_set["qwen_image_text_encoder"],
+            "--dataset_config", layered_set["dataset_config"],
             "--output_dir", str(tmp_path / "out"), "--max_train_steps", "1", "--mixed_precision", "no",
             "--save_every_n_steps", "0"]
     line = one_error_line(capsys, train_lora.main(args))

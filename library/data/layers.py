@@ -42,7 +42,8 @@ def split_layers(paths: list[str]) -> tuple[list[str], dict[str, list[str]]]:
 
 def check_layers(path: str, layers: list[str] | None, first: tuple[str, int] | None,
                  size: tuple[int, int] | None = None) -> None:
-    """A composite has layers numbered without gaps, as many as the first composite of its dataset (first: (path, count)),
+    """A composite has layers numbered without gaps, as many as the first composite of its dataset
+    (first: (path, count)),
     each readable and of the composite's `size` (w, h) when given: every frame is fitted to the
     composite's bucket on its own, so a layer of another size would be cropped out of register."""
     stem = os.path.splitext(os.path.basename(path))[0]
@@ -75,5 +76,6 @@ def check_layer_numbers(path: str, layers: list[str]) -> None:
     first = 0 if 0 in numbered else 1
     missing = sorted(set(range(first, max(numbered) + 1)) - set(numbered))
     if missing:
-        raise ValueError(f"{path}: no layer '{stem}_{missing[0]}.<ext>' beside it, though it has "
-                         f"'{os.path.basename(numbered[max(numbered)])}' (layers are numbered from 0 or 1 without gaps)")
+        last = os.path.basename(numbered[max(numbered)])
+        raise ValueError(f"{path}: no layer '{stem}_{missing[0]}.<ext>' beside it, though it has '{last}' (layers are "
+                         f"numbered from 0 or 1 without gaps)")

@@ -185,7 +185,8 @@ class DiffusionFamily:
         from library.io import check_model_file, component_folder
         from library.models.text_encoders import tokenizer_folder
 
-        widths, files = self.text_widths(self.load_transformer(torch.float32, read_weights=False).config), self.model_files()
+        files = self.model_files()
+        widths = self.text_widths(self.load_transformer(torch.float32, read_weights=False).config)
         assert set(widths) <= {f.key for f in files}, f"text_widths names no model file: {sorted(widths)}"
         for f in files:
             path = component_folder(f.path, f.component)
