@@ -10,6 +10,7 @@ import csv
 import os
 
 import pytest
+import torch
 
 from library.models.flux1.checkpoint import save_flux_bfl
 from library.models.qwen_image.model import save_qwen_image_diffusers
@@ -69,6 +70,27 @@ def test_matrix_shape_and_the_position_bug_signature(tiny_set, two_images, tmp_p
     diagonal, off = cell[("fp8+posbug", "fp8+lora+posbug")], cell[("bf16", "fp8+lora+posbug")]
     assert diagonal["val_loss"] <= off["val_loss"]
     assert diagonal["effect_kept"] >= off["effect_kept"] - 1e-3
+
+
+def test_effect_kept_is_the_effect_projected_on_the_bf16_effect_noise_is_error_not_effect():
+    """effect_kept was |effect| / |bf16 effect|: rounding noise orthogonal to the LoRA's effect counted as
+    effect kept (a merge's noise read 1.005, a weak LoRA's 2.73). Now the projection: the bf16 effect plus
+    noise keeps 1, half of it 0.5, the noise alone 0; the noise shows in effect_error."""
+    g = torch.Generator().manual_seed(0)
+    data = [(None, torch.zeros(1, 16, 8, 8))]
+    base = [torch.randn(1, 16, 32, generator=g)]
+    ref = [torch.randn(1, 16, 32, generator=g)]
+    noise = torch.randn(1, 16, 32, generator=g)
+    noise -= (noise * ref[0]).sum() / ref[0].pow(2).sum() * ref[0]  # orthogonal to the bf16 effect
+
+    def cell(effect):
+        return precision_matrix.cell_metrics([base[0] + effect], base, [base[0] + ref[0]], base, data, (8, 8))
+
+    noisy = cell(ref[0] + noise)
+    assert noisy["effect_kept"] == pytest.approx(1.0, abs=1e-6)
+    assert noisy["effect_error"] == pytest.approx(float(noise.norm() / ref[0].norm()), rel=1e-6)
+    assert cell(0.5 * ref[0])["effect_kept"] == pytest.approx(0.5, abs=1e-6)
+    assert cell(noise)["effect_kept"] == pytest.approx(0.0, abs=1e-6)
 
 
 def test_the_posbug_row_bugs_the_transformer_alone_not_the_caption_cache(tiny_set, tmp_path, monkeypatch):

@@ -27,8 +27,10 @@ Each cell, on the same images with fixed noise at fixed sigmas (comparable betwe
 - val_loss: the flow-matching loss (mean over images and sigmas);
 - border_centre / region_ratio: where the prediction's error against the same LoRA on bf16 sits
   (library.models.precision_doctor.map_ratios: ~1 = flat weight-quantization error; high = position damage);
-- effect_kept: |pred with LoRA - pred without| on the deploy base / the same on bf16 (1 = all of the
-  LoRA's effect survives), and effect_error: |effect - bf16 effect| / |bf16 effect|;
+- effect_kept: the LoRA's effect on the deploy base (pred with LoRA - pred without) projected on its
+  effect on bf16, <effect, bf16 effect> / |bf16 effect|^2 (1 = all of it survives; rounding noise
+  orthogonal to it counts in effect_error, not here: a norm ratio took noise for effect), and
+  effect_error: |effect - bf16 effect| / |bf16 effect|;
 - concept_rate, when the dataset is a concept (the concept.json of tools/make_tiny_dataset.py --concept
   beside the dataset TOML, or --concept): the share of the trigger prompts that render the concept's
   colour and shape on that base with the LoRA (tools/concept_demo.render_and_score), NaN otherwise.
@@ -340,6 +342,10 @@ def _norm(tensors) -> float:
     return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors))
 
 
+def _dot(tensors, others) -> float:
+    return sum(float((t.double() * o.double()).sum()) for t, o in zip(tensors, others))
+
+
 def cell_metrics(preds, base_preds, ref_preds, ref_base_preds, data, grid) -> dict:
     effect = [p - b for p, b in zip(preds, base_preds)]
     ref_effect = [p - b for p, b in zip(ref_preds, ref_base_preds)]
@@ -352,7 +358,7 @@ def cell_metrics(preds, base_preds, ref_preds, ref_base_preds, data, grid) -> di
     ratios = precision.map_ratios(error_map) if float(error_map.max()) > 0 else {"border_centre_ratio": 1.0, "region_ratio": 1.0}
     return {
         "border_centre": ratios["border_centre_ratio"], "region_ratio": ratios["region_ratio"],
-        "effect_kept": _norm(effect) / ref_size if ref_size else float("nan"),
+        "effect_kept": _dot(effect, ref_effect) / ref_size**2 if ref_size else float("nan"),
         "effect_error": _norm([e - r for e, r in zip(effect, ref_effect)]) / ref_size if ref_size else float("nan"),
         "map": error_map,
     }
@@ -423,7 +429,7 @@ def markdown(rows: list[dict], title: str, base_rates: dict[str, float]) -> str:
     metrics = [("val_loss", "flow-matching loss at fixed sigmas and noise", "{:.4g}")]
     if any(not math.isnan(r["concept_rate"]) for r in rows):
         metrics.append(("concept_rate", "trigger prompts rendered as the concept (shape detector)", "{:.0%}"))
-    metrics += [("effect_kept", "share of the LoRA's effect (vs bf16) that survives", "{:.4g}"),
+    metrics += [("effect_kept", "share of the LoRA's effect (vs bf16) that survives, projected on it", "{:.4g}"),
                 ("border_centre", "border/centre error ratio vs the same LoRA on bf16", "{:.4g}"),
                 ("region_ratio", "max/min error of 4x4 regions vs the same LoRA on bf16", "{:.4g}")]
     for metric, what, form in metrics:
