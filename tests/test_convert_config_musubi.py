@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from library.data.dataset_config import load_dataset_config
 from library.training.config import load_config
-from library.training.peers import musubi_tuner
+from library.training.peers import musubi_models, musubi_tuner
 from library.training.peers.musubi_dataset import bucket_sides
 from library.training.peers.rules import DROPPED, NOT_CARRIED, RENAMED, argv_to_dict
 from tools import convert_config
@@ -217,8 +217,10 @@ def test_a_config_that_does_not_say_the_model_asks_for_model_type(tmp_path, caps
     config.write_text('dit = "dit.safetensors"\nvae = "vae.safetensors"\nnetwork_dim = 16\n')
     assert convert_config.main([str(config)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"error: {config}: musubi-tuner's config does not say the model (its training script does): give "
-                   f"--model_type (one of {', '.join(musubi_tuner.MODEL_TYPES)})"]
+    modules = ", ".join(musubi_models.lora_modules())
+    assert err == [f"error: {config}: musubi-tuner's config does not say the model (its training script does): add "
+                   f"its network_module to it ({modules}), or give --model_type (one of "
+                   f"{', '.join(musubi_tuner.MODEL_TYPES)})"]
     assert not (tmp_path / "musubi_converted.toml").exists()
     assert convert_config.main([str(config), "--model_type", "zimage"]) == 0
 

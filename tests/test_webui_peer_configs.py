@@ -92,12 +92,17 @@ def test_a_peer_config_outside_the_roots_or_reading_a_file_outside_them_is_refus
 
 
 def test_a_musubi_config_that_does_not_say_its_model_gets_the_converters_line_and_nothing_is_written(ui, tmp_path):
+    """The line asked for --model_type alone, which the page has no way to give: it names network_module too,
+    the key that, added to the TOML, loads it."""
     (tmp_path / "data" / "musubi.toml").write_text('dit = "dit.safetensors"\nvae = "vae.safetensors"\n')
     with pytest.raises(ValueError) as refused:
         ui.load_config("data/musubi.toml")
-    assert str(refused.value).startswith("data/musubi.toml: musubi-tuner's config does not say the model (its "
-                                         "training script does): give --model_type (one of "), refused.value
+    assert str(refused.value).startswith("data/musubi.toml: musubi-tuner's config does not say the model (its training "
+                                         "script does): add its network_module to it (networks.lora_"), refused.value
     assert os.listdir(tmp_path / "data") == ["musubi.toml"]
+    (tmp_path / "data" / "musubi.toml").write_text('dit = "dit.safetensors"\nvae = "vae.safetensors"\n'
+                                                   'network_module = "networks.lora_zimage"\n')
+    assert ui.load_config("data/musubi.toml")
 
 
 def test_a_dataset_toml_loads_as_it_is(ui, tmp_path):

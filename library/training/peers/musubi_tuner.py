@@ -81,8 +81,9 @@ def choose_model(flat: dict, source: str, script: str | None, model_type: str | 
                              f"{', '.join(model_types)})")
         said.append(("--model_type", model_type))
     if not said:
-        raise ValueError(f"{source}: musubi-tuner's config does not say the model (its training script does): give "
-                         f"--model_type (one of {', '.join(model_types)})")
+        raise ValueError(f"{source}: musubi-tuner's config does not say the model (its training script does): add "
+                         f"its network_module to it ({', '.join(lora_modules)}), or give --model_type (one of "
+                         f"{', '.join(model_types)})")  # the web UI's Load has no --model_type: the key is its way
     for who, told in said[1:]:
         if models.family(told) != models.family(said[0][1]):
             raise ValueError(f"{source}: {said[0][0]} trains {said[0][1]}, {who} {told}: they disagree")
