@@ -189,6 +189,23 @@ def test_a_repeated_lora_flag_applies_every_lora():
                                       "--lora", "b.safetensors:0.5", "c.safetensors"])
     assert args.lora == ["a.safetensors:0.9", "b.safetensors:0.5", "c.safetensors"]
     assert build_parser().parse_args(need).lora == []
+    with pytest.raises(SystemExit) as refused:  # `--lora $UNSET` rendered the bare base without a word
+        build_parser().parse_args([*need, "--lora"])
+    assert refused.value.code == 2
+
+
+@pytest.mark.parametrize("given", ["clip_l", "flux_diffusers"])
+def test_a_wrong_ae_is_one_line_before_any_model_loads(tiny_set, tmp_path, capsys, monkeypatch, given):
+    """A text encoder's or the transformer's folder given as --ae was found after the text encoders ran and the
+    transformer loaded (minutes full size), as a TypeError traceback, exit 1: checked by its header first now,
+    as train_lora.py checks every model file."""
+    from library.models.flux1.family import FluxFamily
+
+    monkeypatch.setattr(FluxFamily, "load_text_encoder", lambda *a, **k: pytest.fail("a model loaded"))
+    capsys.readouterr()
+    line = one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", "--ae", tiny_set[given])))
+    assert line.startswith(f"error: {tiny_set[given]}: ae is not a FLUX.1 VAE (16 latent channels): no key ends in "), line
+    assert files_under(tmp_path / "out") == []
 
 
 @pytest.mark.parametrize("precision", ["nf4", "fp8_scaled"])

@@ -89,7 +89,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vae_tiling", action="store_true", help="decode in tiles (the decode's peak memory 3-8x lower "
                    "at 1024 px; the image differs near the seams)")
     # extend: `--lora A --lora B` applies both (nargs="*" alone kept B only, without a word)
-    p.add_argument("--lora", nargs="*", action="extend", default=[],
+    p.add_argument("--lora", nargs="+", action="extend", default=[],  # `--lora $EMPTY` rendered the bare base
                    help="LoRA files, each FILE or FILE:RATIO (--lora A B, or --lora A --lora B)")
     p.add_argument("--out", default="generated", help="output folder")
     p.add_argument("--device", default=None, help="default: cuda when available, else cpu")
@@ -290,6 +290,7 @@ def generate(args) -> list[str]:
         if note := family.lora_release_note(header):
             print(f"note: {spec.path} {note}")
     check_model_options(args, family)
+    family.check_model_files()  # every file by its header (a VAE, encoders of the transformer's width), as training does
     check_stored_base(args, family)  # before any model loads
     check_lora_modules(family, loras, args.base_precision)
     prompts = collect_prompts(args, family)
