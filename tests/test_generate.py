@@ -4,6 +4,7 @@ numbered after the ones already in the folder; a PNG records the size it was ren
 import os
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image
@@ -111,6 +112,29 @@ def test_generate_bad_input_is_one_error_line_exit_2_and_no_image(tiny_set, tmp_
     for fragment in fragments:
         assert fragment in line, (fragment, line)
     assert files_under(tmp_path / "out") == []
+
+
+def test_the_png_records_the_model_settings_that_change_the_pixels(tiny_set, tmp_path):
+    """The PNG text left out settings that change the pixels (the T5 length, the text encoders' precision, the
+    release rendered, the model type) and named a diffusers component folder "transformer": it could not render
+    the image again. Rendered again from what it records, the image is the same."""
+    folder = tmp_path / "FLUX.1-tiny"
+    shutil.copytree(tiny_set["flux_diffusers"], folder / "transformer")
+    out = tmp_path / "out"
+    assert generate.main(generate_args(tiny_set, out, "--model", str(folder / "transformer"), "--seed", "3",
+                                       "--text_encoder_precision", "fp32", "--t5xxl_max_token_length", "48")) == 0
+    with Image.open(out / "000_3.png") as png:
+        text, first = dict(png.text), np.asarray(png)
+    assert {k: text[k] for k in ("model", "model_type", "model_version", "text_encoder_precision",
+                                 "t5xxl_max_token_length", "clip_l", "t5xxl")} == {
+        "model": os.path.join("FLUX.1-tiny", "transformer"), "model_type": "flux", "model_version": "flux1-dev",
+        "text_encoder_precision": "fp32", "t5xxl_max_token_length": "48",
+        "clip_l": os.path.basename(tiny_set["clip_l"]), "t5xxl": os.path.basename(tiny_set["t5xxl"])}, text
+    assert generate.main(generate_args(tiny_set, out, "--model", str(folder / "transformer"), "--seed", "3",
+                                       "--text_encoder_precision", text["text_encoder_precision"],
+                                       "--t5xxl_max_token_length", text["t5xxl_max_token_length"])) == 0
+    with Image.open(out / "001_3.png") as png:
+        assert np.array_equal(np.asarray(png), first)
 
 
 def test_generate_numbers_after_existing_images_and_records_the_rendered_size(tiny_set, tmp_path, capsys):

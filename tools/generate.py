@@ -356,7 +356,7 @@ def generate(args) -> list[str]:
         info = {
             "prompt": prompt.prompt, "negative": "" if "negative" in unread else prompt.negative,
             "size": f"{width}x{height}", "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance,
-            "flow_shift": shift, "model": os.path.basename(args.model),
+            "flow_shift": shift, **model_settings(args, family, model),
             "base_precision": base_name, "dtype": args.dtype,
             "loras": ",".join(f"{os.path.basename(spec.path)}:{spec.ratio}" for spec in loras),
             "control_images": ",".join(os.path.basename(p) for p in prompt.control_images),
@@ -367,6 +367,22 @@ def generate(args) -> list[str]:
         written.append(path)
         print(f"wrote {path}" + (f" and its {len(frames)} RGBA frames (_layer0 = the composite)" if frames else ""))
     return written
+
+
+def model_settings(args, family, model) -> dict[str, str]:
+    """What an image's PNG text records of the model beside the prompt's settings, enough to render it again:
+    the model (a component folder with its pipeline folder's name: "FLUX.1-dev/transformer", not "transformer"),
+    its type and the release rendered, the text encoders' precision and every family key given (files by name,
+    values as given: t5xxl_max_token_length, layers, reference_resolution, ... change the pixels)."""
+    path = os.path.normpath(args.model)
+    name = os.path.join(*path.split(os.sep)[-2:]) if os.path.isdir(path) and os.sep in path else os.path.basename(path)
+    settings = {"model": name, "model_type": args.model_type, "model_version": family.model_version(model),
+                "text_encoder_precision": args.text_encoder_precision}
+    for key in FAMILY_KEYS:
+        value = getattr(args, key)
+        if value is not None and value != FAMILY_KEYS[key].default:
+            settings[key] = os.path.basename(value) if isinstance(value, str) and os.path.exists(value) else str(value)
+    return settings
 
 
 def main(argv=None) -> int:
