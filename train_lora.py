@@ -75,6 +75,10 @@ class StopTraining(Exception):
         self.code, self.agreed = code, agreed
 
 
+class SamplesFailed(RuntimeError):
+    """A render failed under FSDP (Trainer.render_failed): the other processes cannot go on without this one."""
+
+
 class Interrupts:
     """Ctrl-C / SIGTERM set a flag; the loop saves and exits at the next optimizer step. A second one
     leaves at once, except while `saving` (the stop's save, the run ends right after it): a launcher's
@@ -510,9 +514,7 @@ class Trainer:
         except KeyboardInterrupt:  # the second Ctrl-C: the image in progress is dropped
             pass
         except (RuntimeError, OSError, ValueError) as e:  # as render_samples: torch.OutOfMemoryError is a RuntimeError
-            failure = " ".join(f"{type(e).__name__}: {e}".split())
-            self.accelerator.print(f"warning: the final samples failed and are skipped; the LoRA is final: {failure}",
-                                   file=sys.stderr)
+            self.render_failed("the final samples", "the LoRA is final", e)
         tracking.log_sample_images(self.accelerator, paths, self.step)
         if requested := self.render_stop():
             self.accelerator.print(f"{requested} during the final samples: {written}; the LoRA is final")
@@ -546,19 +548,31 @@ class Trainer:
         """Samples to output_dir (the task's files) and to the trackers beside loss and lr. A render
         that fails (out of memory, a full disk, a reference image gone) is one warning line and the
         run goes on without those samples: a preview must not cost the steps since the last save."""
-        failure = None
+        failed = None
         try:
             with self.sampling():
                 paths = self.task.render_samples(self.args.output_dir, tag, lambda: self.render_stop() is not None)
         except (RuntimeError, OSError, ValueError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            failure = " ".join(f"{type(e).__name__}: {e}".split())
-        if failure:  # (the failed render's tensors went with its exception)
-            self.accelerator.print(f"warning: samples {tag} at step {self.step} failed and are skipped, training goes "
-                                   f"on: {failure}", file=sys.stderr)
+            failed = e
+        if failed is not None:  # (the failed render's tensors went with its exception)
+            self.render_failed(f"samples {tag} at step {self.step}", "training goes on", failed)
             if self.accelerator.device.type == "cuda":
                 torch.cuda.empty_cache()
             return
         tracking.log_sample_images(self.accelerator, paths or [], self.step)
+
+    def render_failed(self, what: str, then: str, error: Exception) -> None:
+        """A render that failed on this process (out of memory on its GPU, a full disk): one warning line from
+        this process, whichever it is (the main process's print alone said nothing of process 1's), and the run
+        goes on without those images (`then`). Under FSDP every process's sampling forward all-gathers the
+        sharded base, and the others wait in it for this one: no process can go on, so the run stops, each
+        process with the line (the others' is the broken all-gather's) and exit status 1."""
+        failure = " ".join(f"{type(error).__name__}: {error}".split())
+        process = f" in process {self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
+        if fsdp.uses_fsdp(self.accelerator):
+            raise SamplesFailed(f"{what} failed{process} under FSDP, whose other processes wait for it in the "
+                                f"sampling forward: the run stops (its last save is the one to resume from): {failure}")
+        print(f"warning: {what} failed{process} and are skipped, {then}: {failure}", file=sys.stderr, flush=True)
 
     def render_stop(self) -> str | None:
         """The signal that ends a render before its next prompt. Under FSDP every process's forward
@@ -752,6 +766,9 @@ def main(argv=None) -> int:
             raise
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except SamplesFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # Ctrl-C before the loop (loading, caching) or a second one inside it
         print("interrupted: stopped before the next save (cache files are written whole; a rerun reuses them)",
               file=sys.stderr)

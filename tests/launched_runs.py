@@ -20,6 +20,8 @@ import time
 
 sys.path.insert(0, os.getcwd())  # the launcher runs in the repository root
 from library.models.family import DiffusionFamily  # noqa: E402
+from library.models.flux1.family import FluxFamily  # noqa: E402
+from library.training.diffusion_task import DiffusionTask  # noqa: E402
 import train_lora  # noqa: E402
 from accelerate.state import PartialState  # noqa: E402
 
@@ -87,8 +89,37 @@ def sigterm_to_main_and_a_slow_save():
         yield
 
 
+@contextlib.contextmanager
+def out_of_memory_in_process_1_loading_its_first_render():
+    """Process 1's first render runs out of memory loading the VAE (its GPU fuller than the others'): before the
+    render's names were broadcast, process 0 waited in that broadcast and process 1 in the next step's all-reduce."""
+    import torch
+
+    rendering, failed = [], []
+
+    def render(real):
+        def rendering_samples(*a, **k):
+            rendering.append(1)
+            try:
+                return real(*a, **k)
+            finally:
+                rendering.clear()
+        return rendering_samples
+
+    def vae(real):
+        def load_vae(*a, **k):
+            if rendering and RANK == "1" and not failed:
+                failed.append(1)
+                raise torch.OutOfMemoryError("CUDA out of memory (a test's)")
+            return real(*a, **k)
+        return load_vae
+
+    with patched(DiffusionTask, "render_samples", render), patched(FluxFamily, "load_vae", vae):
+        yield
+
+
 FAULTS = {f.__name__: f for f in (nan_loss_in_process_1, sigterm_to_process_1, sigterm_to_process_1_in_a_render,
-                                  sigterm_to_main_and_a_slow_save)}
+                                  sigterm_to_main_and_a_slow_save, out_of_memory_in_process_1_loading_its_first_render)}
 
 
 def run(fault: str | None, argv: list[str], last: bool) -> int:

@@ -129,6 +129,31 @@ def test_a_sigterm_to_one_fsdp_process_during_samples_stops_both_at_the_same_pro
     assert [p.name.split("_")[4] for p in out.glob("*_step000001_*.png")] == ["00"]  # both stopped before prompt 2
 
 
+def test_a_render_failing_in_one_fsdp_process_stops_the_run_with_its_line_not_a_hang(monkeypatch, capsys):
+    """Under FSDP the others wait for a failed process in the sampling forward's all-gather: its warning ("training
+    goes on") left them there, a hang with no line (its print was the main process's alone). It stops the run now,
+    one error line from each process, exit 1; under DDP it stays a warning, from whichever process failed."""
+    import train_lora
+
+    trainer = train_lora.Trainer.__new__(train_lora.Trainer)
+    trainer.accelerator = SimpleNamespace(process_index=1, num_processes=2)
+    monkeypatch.setattr(fsdp, "uses_fsdp", lambda accelerator: True)
+    with pytest.raises(train_lora.SamplesFailed) as stopped:
+        trainer.render_failed("samples step000001 at step 1", "training goes on", torch.OutOfMemoryError("CUDA oom"))
+    assert str(stopped.value) == ("samples step000001 at step 1 failed in process 1 under FSDP, whose other processes "
+                                  "wait for it in the sampling forward: the run stops (its last save is the one to "
+                                  "resume from): OutOfMemoryError: CUDA oom")
+    monkeypatch.setattr(train_lora, "train", lambda args: (_ for _ in ()).throw(stopped.value))
+    monkeypatch.setattr(train_lora, "load_config", lambda argv: SimpleNamespace())
+    capsys.readouterr()
+    assert train_lora.main([]) == 1
+    assert capsys.readouterr().err == f"error: {stopped.value}\n"
+    monkeypatch.setattr(fsdp, "uses_fsdp", lambda accelerator: False)
+    trainer.render_failed("samples step000001 at step 1", "training goes on", torch.OutOfMemoryError("CUDA oom"))
+    assert capsys.readouterr().err == ("warning: samples step000001 at step 1 failed in process 1 and are skipped, "
+                                       "training goes on: OutOfMemoryError: CUDA oom\n")
+
+
 def test_fp8_codes_become_frozen_parameters_with_the_same_values(tiny_set):
     model = quantize_module(FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32), "fp8_scaled", arch_spec("flux").fp8)
     before = {k: v.clone() for k, v in model.state_dict().items()}

@@ -147,6 +147,9 @@ def ddp_runs(tiny_set, tmp_path_factory):
     runs = [(None, flux("doubled_batch", *DDP_EQUALITY)), (None, qwen_args(tiny_set, folder / "qwen", *QWEN_EQUALITY, *ds1)),
             ("nan_loss_in_process_1", flux("nan", "--max_train_steps", "3", "--save_every_n_steps", "1")),
             ("sigterm_to_process_1", flux("sigterm", "--max_train_steps", "4")),
+            ("out_of_memory_in_process_1_loading_its_first_render",
+             flux("render_oom", "--max_train_steps", "2", "--sample_every_n_steps", "1",
+                  "--sample_prompts", tiny_set["sample_prompts"])),
             ("sigterm_to_main_and_a_slow_save", flux("slow_save", "--max_train_steps", "4"))]
     return folder, launch(["torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()], runs, folder)
 
@@ -670,6 +673,19 @@ def test_a_nan_loss_in_another_process_stops_every_process_with_the_line_and_the
     assert "error: another process's loss is not finite at step 2" in log and returned(out) == [3, 3], (
         log or launched.stderr)[-2000:]
     assert (out / "tiny_flux_lora-step000001.safetensors").exists()
+
+
+def test_a_render_failing_in_another_process_is_its_warning_line_and_every_process_trains_on(ddp_runs):
+    """Process 1 out of memory loading its first render's VAE: process 0 waited in the render's broadcast of its
+    names, process 1 in the next step's all-reduce, a deadlock until the launcher's timeout; and its warning line
+    was never printed (the main process's alone were). Now the names come first: process 1 says why its samples
+    are skipped, both train on to the end and save."""
+    out, launched = ddp_runs[0] / "render_oom", ddp_runs[1]
+    log = launched_log(out)
+    assert returned(out) == [0, 0], (log or launched.stderr)[-2000:]
+    assert ("warning: samples step000001 at step 1 failed in process 1 and are skipped, training goes on: "
+            "OutOfMemoryError: CUDA out of memory (a test's)") in log, log[-2000:]
+    assert (out / "tiny_flux_lora.safetensors").exists() and list(out.glob("*_step000001_*.png"))
 
 
 def test_a_sigterm_to_one_process_stops_every_process_at_that_step_with_the_save(ddp_runs):

@@ -722,6 +722,8 @@ class DiffusionTask:
         from library.data.images import save_side_by_side
         from library.models.vae import decoding_in_tiles
 
+        # Names first: a process that fails loading below must not leave the others in this broadcast
+        stamp, seeds = self._render_names()
         bases = [(self.trained_precision(), self.base)]  # the layout loaded
         if memory_plan.renders_bf16_reference(self.family, self.args):
             # The same LoRA on a bf16 copy of the base (its base_loras merged), streamed from disk for this render only.
@@ -733,7 +735,6 @@ class DiffusionTask:
         vae = self.family.load_vae(torch.float32)
         vae.vae.to(self.device)
         written = []
-        stamp, seeds = self._render_names()
         for i, (prompt, (text, negative)) in enumerate(zip(self.prompts, self.prompt_texts)):
             if stop is not None and stop():
                 break
