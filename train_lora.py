@@ -273,20 +273,44 @@ class Saver:
         with self.reading():  # on every process: each switches its own copy of the weights
             return self._write_lora(name, path, step, epoch, final, prune)
 
+    def _agreed(self, write, default=None):
+        """write() on the main process (the one that saves; its answer there, else `default`), its failure every
+        process's: a full disk raised there alone, the others died in the next all-reduce with a gloo traceback
+        under its line. Its error (OSError, ValueError: the lines main() says) is sent to the others, which
+        raise it too."""
+        result, failure = default, None
+        try:
+            if self.accelerator.is_main_process:
+                result = write()
+        except (OSError, ValueError) as e:
+            failure = e
+        if self.accelerator.num_processes > 1:
+            from accelerate.utils import broadcast_object_list
+
+            said = broadcast_object_list([None if failure is None else (isinstance(failure, OSError), str(failure))])[0]
+            if said is not None and failure is None:
+                failure = OSError(said[1]) if said[0] else ValueError(said[1])
+        if failure is not None:
+            raise failure
+        return result
+
     def _write_lora(self, name: str, path: str, step: int, epoch: int, final: bool, prune: bool) -> str:
-        if self.accelerator.is_main_process:
-            metadata = lora_metadata(self.args, self.task, step, epoch, self.max_steps, self.epochs, self.started)
-            # A task may write a folder (PEFT adapter, pretrained model) and/or the file: it says which.
-            dtype = PRECISION_DTYPES[{"float": "fp32"}.get(self.args.save_precision, self.args.save_precision)]
-            written = self.task.save(path, metadata, dtype) or [path]  # the raw weights, always
-            path = written[0]
-            if self.ema is not None:
-                ema_path = os.path.join(self.args.output_dir, name + "_ema.safetensors")
-                with self.ema.swapped_in():  # the same writer, so the same format and keys
-                    written += self.task.save(ema_path, {**metadata, **ema_metadata(self.args)}, dtype) or [ema_path]
-            self._remove_earlier_emas(name)
-            if not final and prune:
-                self._prune(step)
+        return self._agreed(lambda: self._write_main(name, path, step, epoch, final, prune), default=path)
+
+    def _write_main(self, name: str, path: str, step: int, epoch: int, final: bool, prune: bool) -> str:
+        """The main process's part of a LoRA save: its file(s), its EMA's, the pruning; the path written."""
+        metadata = lora_metadata(self.args, self.task, step, epoch, self.max_steps, self.epochs, self.started)
+        # A task may write a folder (PEFT adapter, pretrained model) and/or the file: it says which.
+        dtype = PRECISION_DTYPES[{"float": "fp32"}.get(self.args.save_precision, self.args.save_precision)]
+        written = self.task.save(path, metadata, dtype) or [path]  # the raw weights, always
+        path = written[0]
+        if self.ema is not None:
+            ema_path = os.path.join(self.args.output_dir, name + "_ema.safetensors")
+            with self.ema.swapped_in():  # the same writer, so the same format and keys
+                written += self.task.save(ema_path, {**metadata, **ema_metadata(self.args)}, dtype) or [ema_path]
+        self._remove_earlier_emas(name)
+        if not final and prune:
+            self._prune(step)
         return path
 
     def _remove_earlier_emas(self, name: str):
@@ -298,9 +322,11 @@ class Saver:
 
     def state(self, optimizer, scheduler, progress: dict) -> str:
         folder = os.path.join(self.args.output_dir, f"{self.args.output_name}-state")
-        if self.accelerator.is_main_process:
+        def write():
             ema = self.ema.state_tensors() if self.ema is not None else None
             save_state(folder, self.task.trainable_tensors(), optimizer, scheduler, progress, self.args, ema)
+
+        self._agreed(write)
         return folder
 
     def intermediate_saves(self) -> dict[int, list[str]]:

@@ -118,8 +118,15 @@ def out_of_memory_in_process_1_loading_its_first_render():
         yield
 
 
+def full_disk_at_the_main_process_first_save():  # only the main process writes: only it meets the full disk
+    def full(real, a, k):
+        raise OSError(f"{a[1]}: cannot be written, no space left on device (nothing was written)")
+    return at_call(DiffusionTask, "save", 1, full)
+
+
 FAULTS = {f.__name__: f for f in (nan_loss_in_process_1, sigterm_to_process_1, sigterm_to_process_1_in_a_render,
-                                  sigterm_to_main_and_a_slow_save, out_of_memory_in_process_1_loading_its_first_render)}
+                                  sigterm_to_main_and_a_slow_save, out_of_memory_in_process_1_loading_its_first_render,
+                                  full_disk_at_the_main_process_first_save)}
 
 
 def run(fault: str | None, argv: list[str], last: bool) -> int:

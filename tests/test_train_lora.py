@@ -147,6 +147,8 @@ def ddp_runs(tiny_set, tmp_path_factory):
     runs = [(None, flux("doubled_batch", *DDP_EQUALITY)), (None, qwen_args(tiny_set, folder / "qwen", *QWEN_EQUALITY, *ds1)),
             ("nan_loss_in_process_1", flux("nan", "--max_train_steps", "3", "--save_every_n_steps", "1")),
             ("sigterm_to_process_1", flux("sigterm", "--max_train_steps", "4")),
+            ("full_disk_at_the_main_process_first_save", flux("full_disk", "--max_train_steps", "3",
+                                                              "--save_every_n_steps", "1")),
             ("out_of_memory_in_process_1_loading_its_first_render",
              flux("render_oom", "--max_train_steps", "2", "--sample_every_n_steps", "1",
                   "--sample_prompts", tiny_set["sample_prompts"])),
@@ -673,6 +675,18 @@ def test_a_nan_loss_in_another_process_stops_every_process_with_the_line_and_the
     assert "error: another process's loss is not finite at step 2" in log and returned(out) == [3, 3], (
         log or launched.stderr)[-2000:]
     assert (out / "tiny_flux_lora-step000001.safetensors").exists()
+
+
+def test_a_full_disk_at_the_main_process_save_is_every_process_line_not_a_traceback(ddp_runs):
+    """Only the main process saves, so only it met the full disk: its line, then process 1's ~40-line gloo
+    traceback ("Connection closed by peer") from the next all-reduce and torchrun's summary, exit 1. The save's
+    error is every process's now: each says the line and exits 2, as one process does."""
+    out, launched = ddp_runs[0] / "full_disk", ddp_runs[1]
+    log = launched_log(out)
+    line = (f"error: {out / 'tiny_flux_lora-step000001.safetensors'}: cannot be written, no space left on device "
+            f"(nothing was written)")
+    assert returned(out) == [2, 2] and log.count(line) == 2, (log or launched.stderr)[-2000:]
+    assert "Traceback" not in log and not (out / "tiny_flux_lora-step000001.safetensors").exists()
 
 
 def test_a_render_failing_in_another_process_is_its_warning_line_and_every_process_trains_on(ddp_runs):
