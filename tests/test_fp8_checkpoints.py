@@ -290,6 +290,16 @@ def tiny_e5m2_flux(tiny_set, tmp_path) -> str:
     return write_comfy(sd, tmp_path / "flux1-e5m2.safetensors", "flux", config=model.config)
 
 
+def assert_fp8_compute_refused(tiny_set, tmp_path, capsys, path: str, layout: str) -> None:
+    """fp8_compute = true on a base stored without fp8 codes (`layout`): one line naming fp8_compute."""
+    args = flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path, "--fp8_compute", "true",
+                     "--mixed_precision", "bf16")
+    line = one_error_line(capsys, train_lora.main(args))
+    assert line == (f"error: {path}: fp8_compute = true runs an fp8 base's codes as fp8 GEMMs, but the checkpoint "
+                    f"stores its base as {layout} (used as it is), with no fp8 codes; remove fp8_compute, or give a "
+                    f"bf16 or fp8 checkpoint"), line
+
+
 def test_training_on_a_plain_e5m2_file_refuses_an_fp8_base_before_caching_and_records_e5m2(tiny_set, tmp_path,
                                                                                             capsys, monkeypatch):
     """An fp8 base asked of a plain e5m2 file failed while the transformer loaded, after caching, naming a
@@ -314,12 +324,7 @@ def test_training_on_a_plain_e5m2_file_refuses_an_fp8_base_before_caching_and_re
                     f"base; set base_precision = \"bf16\" (fp8_base = false), or give a bf16 checkpoint"), line
     assert cached == []
     # fp8_compute on it: told so first, not "set base_precision = bf16", which fp8_compute then refuses
-    args = flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path, "--fp8_compute", "true",
-                     "--mixed_precision", "bf16")
-    line = one_error_line(capsys, train_lora.main(args))
-    assert line == (f"error: {path}: fp8_compute = true runs an fp8 base's codes as fp8 GEMMs, but the checkpoint "
-                    f"stores its base as fp8_e5m2 (used as it is), with no fp8 codes; remove fp8_compute, or give a "
-                    f"bf16 or fp8 checkpoint"), line
+    assert_fp8_compute_refused(tiny_set, tmp_path, capsys, path, "fp8_e5m2")
     out, prompts = tmp_path / "out", tmp_path / "prompts.txt"
     prompts.write_text("a red square --w 32 --h 32 --s 2\n")
     assert train_lora.main(flux_args(tiny_set, out, "--pretrained_model_name_or_path", path, "--fp8_base", "false",

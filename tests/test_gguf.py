@@ -234,13 +234,9 @@ def test_fp8_compute_on_a_gguf_base_is_refused_for_itself_not_sent_round_the_pre
                                                                                                 tmp_path, capsys):
     """fp8_compute = true on a GGUF base was told "set fp8_base = false", which fp8_compute's own check then
     refused ("needs an fp8 base"): a loop. The first line now names fp8_compute, which has no fp8 codes to run."""
-    path, _ = flux_gguf
-    args = flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path, "--fp8_compute", "true",
-                     "--mixed_precision", "bf16")
-    line = one_error_line(capsys, train_lora.main(args))
-    assert line == (f"error: {path}: fp8_compute = true runs an fp8 base's codes as fp8 GEMMs, but the checkpoint "
-                    f"stores its base as gguf_q8_0+q4_k (used as it is), with no fp8 codes; remove fp8_compute, or "
-                    f"give a bf16 or fp8 checkpoint"), line
+    from tests.test_fp8_checkpoints import assert_fp8_compute_refused
+
+    assert_fp8_compute_refused(tiny_set, tmp_path, capsys, flux_gguf[0], "gguf_q8_0+q4_k")
 
 
 @pytest.mark.parametrize("mlps", [("Q2_K", "Q3_K"), ("IQ4_XS", "IQ4_NL")])
