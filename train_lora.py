@@ -540,7 +540,7 @@ class Trainer:
         except KeyboardInterrupt:  # the second Ctrl-C: the image in progress is dropped
             pass
         except (RuntimeError, OSError, ValueError) as e:  # as render_samples: torch.OutOfMemoryError is a RuntimeError
-            self.render_failed("the final samples", "the LoRA is final", e)
+            self.render_failed("the final samples", "; the LoRA is final", e)
         tracking.log_sample_images(self.accelerator, paths, self.step)
         if requested := self.render_stop():
             self.accelerator.print(f"{requested} during the final samples: {written}; the LoRA is final")
@@ -581,7 +581,7 @@ class Trainer:
         except (RuntimeError, OSError, ValueError) as e:  # torch.OutOfMemoryError is a RuntimeError
             failed = e
         if failed is not None:  # (the failed render's tensors went with its exception)
-            self.render_failed(f"samples {tag} at step {self.step}", "training goes on", failed)
+            self.render_failed(f"samples {tag} at step {self.step}", ", training goes on", failed)
             if self.accelerator.device.type == "cuda":
                 torch.cuda.empty_cache()
             return
@@ -590,15 +590,15 @@ class Trainer:
     def render_failed(self, what: str, then: str, error: Exception) -> None:
         """A render that failed on this process (out of memory on its GPU, a full disk): one warning line from
         this process, whichever it is (the main process's print alone said nothing of process 1's), and the run
-        goes on without those images (`then`). Under FSDP every process's sampling forward all-gathers the
-        sharded base, and the others wait in it for this one: no process can go on, so the run stops, each
-        process with the line (the others' is the broken all-gather's) and exit status 1."""
+        goes on without those images (`then`: what goes on, with its separator). Under FSDP every process's
+        sampling forward all-gathers the sharded base, and the others wait in it for this one: no process can go
+        on, so the run stops, each process with the line (the others' is the broken all-gather's), exit 1."""
         failure = " ".join(f"{type(error).__name__}: {error}".split())
         process = f" in process {self.accelerator.process_index}" if self.accelerator.num_processes > 1 else ""
         if fsdp.uses_fsdp(self.accelerator):
             raise SamplesFailed(f"{what} failed{process} under FSDP, whose other processes wait for it in the "
                                 f"sampling forward: the run stops (its last save is the one to resume from): {failure}")
-        print(f"warning: {what} failed{process} and are skipped, {then}: {failure}", file=sys.stderr, flush=True)
+        print(f"warning: {what} failed{process} and are skipped{then}: {failure}", file=sys.stderr, flush=True)
 
     def render_stop(self) -> str | None:
         """The signal that ends a render before its next prompt. Under FSDP every process's forward

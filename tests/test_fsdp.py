@@ -139,7 +139,7 @@ def test_a_render_failing_in_one_fsdp_process_stops_the_run_with_its_line_not_a_
     trainer.accelerator = SimpleNamespace(process_index=1, num_processes=2)
     monkeypatch.setattr(fsdp, "uses_fsdp", lambda accelerator: True)
     with pytest.raises(train_lora.SamplesFailed) as stopped:
-        trainer.render_failed("samples step000001 at step 1", "training goes on", torch.OutOfMemoryError("CUDA oom"))
+        trainer.render_failed("samples step000001 at step 1", ", training goes on", torch.OutOfMemoryError("CUDA oom"))
     assert str(stopped.value) == ("samples step000001 at step 1 failed in process 1 under FSDP, whose other processes "
                                   "wait for it in the sampling forward: the run stops (its last save is the one to "
                                   "resume from): OutOfMemoryError: CUDA oom")
@@ -149,7 +149,7 @@ def test_a_render_failing_in_one_fsdp_process_stops_the_run_with_its_line_not_a_
     assert train_lora.main([]) == 1
     assert capsys.readouterr().err == f"error: {stopped.value}\n"
     monkeypatch.setattr(fsdp, "uses_fsdp", lambda accelerator: False)
-    trainer.render_failed("samples step000001 at step 1", "training goes on", torch.OutOfMemoryError("CUDA oom"))
+    trainer.render_failed("samples step000001 at step 1", ", training goes on", torch.OutOfMemoryError("CUDA oom"))
     assert capsys.readouterr().err == ("warning: samples step000001 at step 1 failed in process 1 and are skipped, "
                                        "training goes on: OutOfMemoryError: CUDA oom\n")
 

@@ -139,6 +139,8 @@ def ddp_runs(tiny_set, tmp_path_factory):
 
     folder = tmp_path_factory.mktemp("ddp")
     write_ddp_datasets(tiny_set, folder)
+    one_prompt = folder / "one_prompt.txt"
+    one_prompt.write_text("a red square --w 64 --h 64 --s 1 --d 1\n")
     ds1 = ["--dataset_config", str(folder / "ds1.toml")]
 
     def flux(name, *extra):
@@ -151,7 +153,7 @@ def ddp_runs(tiny_set, tmp_path_factory):
                                                               "--save_every_n_steps", "1")),
             ("out_of_memory_in_process_1_loading_its_first_render",
              flux("render_oom", "--max_train_steps", "2", "--sample_every_n_steps", "1",
-                  "--sample_prompts", tiny_set["sample_prompts"])),
+                  "--sample_prompts", str(one_prompt))),
             ("sigterm_to_main_and_a_slow_save", flux("slow_save", "--max_train_steps", "4"))]
     return folder, launch(["torch.distributed.run", "--nproc_per_node", "2", "--master_port", free_port()], runs, folder)
 
@@ -282,7 +284,8 @@ def test_save_precision_float_is_sd_scripts_name_for_fp32(tiny_set, tmp_path):
 
     saved = []
     args = load_config(flux_args(tiny_set, tmp_path / "run", "--save_precision", "float"))
-    train_lora.Saver(args, Task(), SimpleNamespace(is_main_process=True), 0.0, 1, 1).lora(1, 1, final=True)
+    train_lora.Saver(args, Task(), SimpleNamespace(is_main_process=True, num_processes=1), 0.0, 1, 1).lora(
+        1, 1, final=True)
     assert saved == [torch.float32]
 
 

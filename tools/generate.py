@@ -371,7 +371,7 @@ def generate(args) -> list[str]:
 
 def model_settings(args, family, model) -> dict[str, str]:
     """What an image's PNG text records of the model beside the prompt's settings, enough to render it again:
-    the model (a component folder with its pipeline folder's name: "FLUX.1-dev/transformer", not "transformer"),
+    the model (a component folder with its pipeline folder's name: "<pipeline>/transformer", not "transformer"),
     its type and the release rendered, the text encoders' precision and every family key given (files by name,
     values as given: t5xxl_max_token_length, layers, reference_resolution, ... change the pixels)."""
     path = os.path.normpath(args.model)
