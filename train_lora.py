@@ -574,14 +574,14 @@ class Trainer:
         """Samples to output_dir (the task's files) and to the trackers beside loss and lr. A render
         that fails (out of memory, a full disk, a reference image gone) is one warning line and the
         run goes on without those samples: a preview must not cost the steps since the last save."""
-        failed = None
+        failed = False
         try:
             with self.sampling():
                 paths = self.task.render_samples(self.args.output_dir, tag, lambda: self.render_stop() is not None)
         except (RuntimeError, OSError, ValueError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            failed = e
-        if failed is not None:  # (the failed render's tensors went with its exception)
-            self.render_failed(f"samples {tag} at step {self.step}", ", training goes on", failed)
+            self.render_failed(f"samples {tag} at step {self.step}", ", training goes on", e)
+            failed = True
+        if failed:  # (the failed render's tensors went with its exception: none held past the except)
             if self.accelerator.device.type == "cuda":
                 torch.cuda.empty_cache()
             return

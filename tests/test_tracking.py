@@ -204,6 +204,36 @@ def test_a_failed_sample_render_is_a_warning_and_training_goes_on(tiny_set, tmp_
         "tiny_flux_lora.safetensors", sample_png(out, "tiny_flux_lora", "final").name, "tiny_flux_lora_lr.png"]
 
 
+def test_a_failed_renders_tensors_are_freed_before_the_cuda_cache_is_emptied(monkeypatch, capsys):
+    """The render's exception (its traceback holds the failed render's frames and their tensors) must be gone
+    when torch.cuda.empty_cache() runs, or the cache keeps what the out-of-memory render allocated."""
+    import contextlib
+    import weakref
+    from types import SimpleNamespace
+
+    held = []
+
+    class Activations:  # stands in for the render's tensors, alive while its frame is
+        pass
+
+    def render_samples(out_dir, tag, stop=None):
+        activations = Activations()
+        held.append(weakref.ref(activations))
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    trainer = train_lora.Trainer.__new__(train_lora.Trainer)
+    trainer.accelerator = SimpleNamespace(device=SimpleNamespace(type="cuda"), num_processes=1, process_index=0)
+    trainer.task, trainer.args, trainer.step = SimpleNamespace(render_samples=render_samples), SimpleNamespace(
+        output_dir="unused"), 1
+    monkeypatch.setattr(train_lora.Trainer, "sampling", lambda self: contextlib.nullcontext())
+    monkeypatch.setattr(train_lora.fsdp, "uses_fsdp", lambda accelerator: False)
+    alive_at_empty = []
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: alive_at_empty.append(held[0]() is not None))
+    trainer.render_samples("step000001")
+    assert alive_at_empty == [False]
+    assert "warning: samples step000001 at step 1 failed and are skipped, training goes on" in capsys.readouterr().err
+
+
 def test_a_failed_final_render_is_a_warning_and_the_finished_run_exits_0(tiny_set, tmp_path, monkeypatch, capsys):
     """The final samples come after the final LoRA: a render failing there (out of memory, a sample wider than
     the model's RoPE table) ended a finished run with an error line and exit 2 (1 for out of memory), the
