@@ -36,7 +36,6 @@ class ChromaFamily(DiffusionFamily):
                       (t5_paths(self.text_paths["t5xxl"])[1], "tokenizer_2", "T5")),  # as load_chroma_t5 looks
         ]
 
-
     def text_widths(self, config) -> dict[str, int]:
         return {"t5xxl": config.context_in_dim}
 

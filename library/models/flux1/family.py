@@ -36,7 +36,6 @@ class FluxFamily(DiffusionFamily):
                       (None, "tokenizer_2", "T5")),
         ]
 
-
     def text_widths(self, config) -> dict[str, int]:
         return {"t5xxl": config.context_in_dim, "clip_l": config.vec_in_dim}  # T5's states, CLIP's pooled output
 

@@ -53,7 +53,6 @@ class Flux2Family(DiffusionFamily):
                       (None, "tokenizer", kind)),
         ]
 
-
     def text_widths(self, config) -> dict[str, int]:
         """txt_in takes three of the encoder's layers side by side (text_encoding_constants' hidden_layers)."""
         return {"text_encoder": config.context_in_dim // len(self.text_encoding_constants()["hidden_layers"])}

@@ -111,7 +111,6 @@ class Krea2Family(DiffusionFamily):
                       (None, "tokenizer", "Qwen2")),  # as its loader looks for the tokenizer
         ]
 
-
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.text_hidden_dim}  # per tapped layer (num_text_layers of them)
 

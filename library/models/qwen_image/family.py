@@ -104,7 +104,6 @@ class QwenImageFamily(DiffusionFamily):
             ModelFile("text_encoder", self.text_paths["text_encoder"], what, "text_encoder", markers, self.text_tokenizer),
         ]
 
-
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.joint_attention_dim}
 

@@ -195,7 +195,6 @@ class QwenImage21Family(DiffusionFamily):
                       (pipeline_tokenizer(self.text_paths["text_encoder"]), "processor", "Qwen2")),  # as its loader looks
         ]
 
-
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.context_in_dim}
 

@@ -114,7 +114,6 @@ class ZImageFamily(DiffusionFamily):
                       (None, "tokenizer", "Qwen2")),  # as its loader looks for the tokenizer
         ]
 
-
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.cap_feat_dim}
 
