@@ -29,8 +29,8 @@ demo: $(STAMP)
 # files, the longest first (tests/conftest.py): 793-814 s on 2 cores in stop 87's four clean-clone CI runs after
 # its trims (2871-2879 tests, ~1490 worker-seconds; 825-908 s and ~1560-1720 worker-seconds in stop 86's four),
 # 803-830 s in stop 88's three (2908 tests, 22 of them skipped): under the 15-minute target with 70-95 s to spare;
-# 921-931 s in stop 89's two (2922 tests): over it, on a slower day (tests it did not touch 10-45% slower than
-# in stop 88; its own additions ~25 s): the next stop trims.
+# 850-931 s in stop 89's four (2922-2923 tests): two over it, on a slower machine (tests it did not touch ran 10-45%
+# slower than in stop 88; its own additions ~25 s), the last two 850 and 860 s: the next stop trims.
 # The longest are multi-process (web UI, DDP / FSDP launches) and the full-size planner's tests (~90
 # worker-seconds).
 # PYTHONDONTWRITEBYTECODE (set on the CI machines) is cleared for the suite: each worker collecting the ~200 test
