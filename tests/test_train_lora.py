@@ -725,8 +725,8 @@ def test_a_stop_waits_for_the_main_processs_slow_save_and_a_second_signal_does_n
     log = launched_log(out)
     assert "SIGTERM: saved" in log and (out / "tiny_flux_lora-state").is_dir(), (log or launched.stderr)[-2000:]
     written = float(re.search(r"state written at ([\d.]+)", log).group(1))
-    left = float(re.search(r"rank 1 returned 130 at ([\d.]+)", log).group(1))
-    assert left >= written, log[-2000:]  # process 1 waited for the save
+    left = re.search(r"rank 1 returned 130 at ([\d.]+)", log)  # (once missing in a CI run: the log says why)
+    assert left and float(left.group(1)) >= written, (log[-3000:], launched.stderr[-2000:])  # process 1 waited
     assert re.search(r"exitcode\s+: 130", launched.stderr) and launched.returncode == 1, launched.stderr[-2000:]
 
 
