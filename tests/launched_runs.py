@@ -22,6 +22,7 @@ sys.path.insert(0, os.getcwd())  # the launcher runs in the repository root
 from library.models.family import DiffusionFamily  # noqa: E402
 from library.models.flux1.family import FluxFamily  # noqa: E402
 from library.training.diffusion_task import DiffusionTask  # noqa: E402
+from library.training import saves  # noqa: E402
 import train_lora  # noqa: E402
 from accelerate.state import PartialState  # noqa: E402
 
@@ -85,7 +86,7 @@ def sigterm_to_main_and_a_slow_save():
             real(*a, **k)
             print(f"state written at {time.time()}", file=sys.stderr, flush=True)
         return slow_save
-    with at_call(DiffusionFamily, "training_loss", 2, sigterm("0")), patched(train_lora, "save_state", slow):
+    with at_call(DiffusionFamily, "training_loss", 2, sigterm("0")), patched(saves, "save_state", slow):
         yield
 
 

@@ -100,7 +100,7 @@ def header_of_run(task_facts: dict, **args) -> dict:
     """The LoRA header train_lora.py writes for a run with these settings and its task's facts."""
     from types import SimpleNamespace
 
-    from train_lora import lora_metadata
+    from library.training.saves import lora_metadata
 
     args = SimpleNamespace(**{"network_module": "networks.lora", "network_dim": 4, "network_alpha": 2.0, "network_args": [], "network_dropout": None, "config_file": None, "model_type": "flux",
                               "pretrained_model_name_or_path": "base.safetensors", "mixed_precision": "bf16",

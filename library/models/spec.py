@@ -110,7 +110,7 @@ class LoRAFiles:
 
 
 # ----------------------------------------------------------------------------------------------
-# ModelSpec: the trained LoRA's modelspec.* header keys (train_lora.py lora_metadata)
+# ModelSpec: the trained LoRA's modelspec.* header keys (training/saves.py lora_metadata)
 
 
 @dataclass(frozen=True)

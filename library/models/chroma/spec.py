@@ -108,7 +108,7 @@ CONFIG_KEYS = (
 )
 
 
-# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata): sd-scripts' (ARCH_FLUX_1_CHROMA, IMPL_CHROMA)
+# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata): sd-scripts' (ARCH_FLUX_1_CHROMA, IMPL_CHROMA)
 MODELSPEC = {"chroma": S.ModelSpecNames("chroma", "https://huggingface.co/lodestones/Chroma")}
 
 

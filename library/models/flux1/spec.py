@@ -141,7 +141,7 @@ CONFIG_KEYS = (
 )
 
 
-# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata), by release (the family's model_version)
+# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata), by release (the family's model_version)
 # sd-scripts' sai_model_spec (flux_train_network get_sai_model_spec: "dev" / "schnell", else ARCH_FLUX_1_UNKNOWN)
 # for FLUX.1 dev / schnell / another flux1-*; musubi-tuner's ARCH_FLUX_KONTEXT ("Flux.1-dev", the only trainer of
 # Kontext LoRAs that writes one) for Kontext [dev]. Implementation: both peers' IMPL_FLUX.

@@ -115,7 +115,7 @@ CONFIG_KEYS = (
 )
 
 
-# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata), by release (the family's model_version):
+# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata), by release (the family's model_version):
 # musubi-tuner's (ARCH_FLUX_2_DEV / _KLEIN_4B / _KLEIN_9B, IMPL_FLUX_2); a klein of another width (flux2-klein,
 # no peer names one) ours in their style.
 _BFL = "https://github.com/black-forest-labs/flux2"

@@ -97,7 +97,7 @@ CONFIG_KEYS = (
 )
 
 
-# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata): musubi-tuner's (ARCH_IDEOGRAM4, IMPL_IDEOGRAM4)
+# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata): musubi-tuner's (ARCH_IDEOGRAM4, IMPL_IDEOGRAM4)
 MODELSPEC = {"ideogram4": S.ModelSpecNames("Ideogram-4", "https://huggingface.co/Comfy-Org/Ideogram-4")}
 
 

@@ -122,7 +122,7 @@ CONFIG_KEYS = (
 )
 
 
-# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata), by release (the families' model_version):
+# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata), by release (the families' model_version):
 # musubi-tuner's (ARCH_KREA2, IMPL_KREA2) for Raw and Turbo; the edit variant (no peer trains it) ours in that
 # style, as musubi-tuner names Qwen-Image's edit model.
 _KREA = "https://github.com/krea-ai/krea-2"

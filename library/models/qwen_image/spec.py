@@ -104,7 +104,7 @@ CONFIG_KEYS = (
 )
 
 
-# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata), by release (the families' model_version):
+# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata), by release (the families' model_version):
 # musubi-tuner's (ARCH_QWEN_IMAGE, _EDIT, _EDIT_PLUS for 2509, _EDIT_2511, _LAYERED, with their IMPL_ URLs).
 _QWEN = "https://github.com/QwenLM/Qwen-Image"
 MODELSPEC = {

@@ -98,7 +98,7 @@ CONFIG_KEYS = (
 )
 
 
-# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata): no peer trains it, so ours in musubi-tuner's style
+# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata): no peer trains it, so ours in musubi-tuner's style
 # for the Qwen-Image line (the release's name); the implementation is the release's weights page (as sd-scripts
 # names Chroma's).
 MODELSPEC = {"qwen-image-2.1": S.ModelSpecNames("Qwen-Image-2.1", "https://huggingface.co/Qwen/Qwen-Image-2.1")}

@@ -131,7 +131,7 @@ CONFIG_KEYS = (
 )
 
 
-# -- ModelSpec names of its LoRAs (train_lora.py lora_metadata), by release (the families' model_version):
+# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata), by release (the families' model_version):
 # musubi-tuner's (ARCH_Z_IMAGE, IMPL_Z_IMAGE) for Turbo and Base, which it names alike; Omni (no peer trains it,
 # and it runs with other inputs) ours in that style.
 _ZIMAGE = "https://github.com/Tongyi-MAI/Z-Image"
