@@ -7,7 +7,7 @@ import os
 import socket
 
 from library.ui.jobs import JobStore
-from tools.webui import build_parser, main
+from tools.webui import build_parser, main, start_up_problem
 
 
 def test_bad_start_up_options_get_one_line_naming_the_option(tmp_path, capsys):
@@ -32,6 +32,19 @@ def test_bad_start_up_options_get_one_line_naming_the_option(tmp_path, capsys):
             assert capsys.readouterr().err == expected + "\n"
     assert not (tmp_path / "jobs").exists()
 
+
+
+def test_one_gpu_named_two_ways_is_given_twice(tmp_path):
+    """Old: both taken, a worker each: plain cuda (CUDA_VISIBLE_DEVICES left alone) trained on GPU 0 beside
+    cuda:0's job. (start_up_problem itself: main would serve.)"""
+    def problem(*devices):
+        args = build_parser().parse_args([arg for d in devices for arg in ("--device", d)] + ["--port", "1"])
+        return start_up_problem(args, str(tmp_path / "jobs"), [])
+
+    assert problem("cuda", "cuda:00") == ("--device cuda:00: given twice (as cuda: both are cuda:0) (each device "
+                                          "runs one job at a time: name it once)")
+    assert problem("cuda:1", "cuda:01").startswith("--device cuda:01: given twice (as cuda:1: both are cuda:1)")
+    assert problem("cpu", "cuda", "cuda:1") is None or "given twice" not in problem("cpu", "cuda", "cuda:1")
 
 
 def test_a_jobs_folder_whose_queue_cannot_be_opened_gets_one_line(tmp_path, capsys):

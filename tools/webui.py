@@ -53,11 +53,15 @@ def start_up_problem(args, jobs_dir: str, roots: list[str]) -> str | None:
                 f"anyone who reaches it can start processes and read files under the roots")
     if not 1 <= args.port <= 65535:
         return f"--port {args.port}: a port is 1 to 65535"
-    for i, device in enumerate(args.device or []):  # a worker per entry: one named twice ran two jobs on it at once
+    named = {}  # a worker per entry: one named twice ran two jobs on it at once (cuda is cuda:0, cuda:00 too)
+    for device in args.device or []:
         if not re.fullmatch(r"cpu|cuda(:\d+)?", device):
             return f"--device {device}: expected cpu, cuda or cuda:N (N the GPU's index)"
-        if device in args.device[:i]:
-            return f"--device {device}: given twice (each device runs one job at a time: name it once)"
+        same = "cpu" if device == "cpu" else f"cuda:{int(device.partition(':')[2] or 0)}"
+        if same in named:
+            also = "" if named[same] == device else f" (as {named[same]}: both are {same})"
+            return f"--device {device}: given twice{also} (each device runs one job at a time: name it once)"
+        named[same] = device
     if os.path.exists(jobs_dir) and not os.path.isdir(jobs_dir):
         return f"--jobs_dir {jobs_dir}: not a folder (the queue's database and the jobs' folders go there)"
     for root in roots:
