@@ -484,6 +484,28 @@ def test_a_cpu_workers_job_sees_no_gpu(tmp_path, monkeypatch):
     assert seen == {"cpu": "CUDA_VISIBLE_DEVICES=[]", "cuda:1": "CUDA_VISIBLE_DEVICES=[1]"}
 
 
+def test_the_default_devices_job_gets_its_peak_vram(tmp_path, monkeypatch):
+    """Old: sampled only on a cuda device named with --device; webui.py's default ("default": the trainer's
+    own choice, cuda:0 on a GPU machine) never showed a peak VRAM. A cpu job has none to sample."""
+    from library.ui import runner as runner_module
+
+    monkeypatch.setattr(runner_module, "gpu_memory", lambda pid: 2 * 2**30)  # nvidia-smi's answer for the job
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\nsleep 0.3\n")
+    fake.chmod(0o755)
+    store = JobStore(str(tmp_path / "jobs"))
+    jobs = {device: store.create(device, {"output_name": "lora"}, 1, queue=True, device=device)
+            for device in ("cpu", "default")}
+    runner = Runner(store, str(tmp_path), devices=tuple(jobs), python=str(fake), poll=0.05)
+    runner.start()
+    try:
+        for job in jobs.values():
+            wait_for(lambda job=job: store.get(job.id).state == "done", 10, f"the {job.device} job")
+    finally:
+        runner.close()
+    assert {device: store.get(job.id).peak_vram for device, job in jobs.items()} == {"cpu": 0, "default": 2 * 2**30}
+
+
 def test_a_trainer_that_does_not_stop_is_ended_by_a_second_stop(tmp_path):
     """Old: a trainer that did not act on Stop's SIGINT (hung, or a step of minutes) left its job stopping for
     good: a second Stop was refused ("job 1 is stopping: cannot stop"), so was Delete, and the device's queue

@@ -204,7 +204,8 @@ class Runner:
             current = self.store.get(job.id)
             values = {"last_step": run_files.last_step(job.csv_path),
                       "peak_rss": max(current.peak_rss, run_files.peak_rss(job.pid))}
-            if job.device and job.device.startswith("cuda") and time.time() - vram_checked > 2:
+            # Any device but cpu: "default" is the trainer's own choice, cuda:0 on a GPU machine (0 without nvidia-smi).
+            if job.device != "cpu" and time.time() - vram_checked > 2:
                 values["peak_vram"] = max(current.peak_vram, gpu_memory(job.pid))
                 vram_checked = time.time()
             # Written only when changed: each write is a SQLite commit (an fsync) beside the trainer.
