@@ -122,6 +122,16 @@ def test_two_tabs_queuing_at_once_keep_the_queue_consistent(server, tiny_set):
              180, "every job to end")
 
 
+def test_every_job_picker_learns_of_jobs_made_after_the_page_was_built(client):
+    """Old: the LoRA tools' generate picker kept the jobs of the UI's start (a page reload too: its
+    choices are the built page's); the others are refreshed by their timers or their tab's actions."""
+    config = client.config
+    pickers = {c["id"]: c["props"]["label"] for c in config["components"] if c.get("type") == "dropdown"
+               and c["props"].get("label") in ("job", "job A", "job B", "job (its model files)")}
+    refreshed = {pickers[o] for d in config["dependencies"] for o in d["outputs"] if o in pickers}
+    assert len(pickers) == 4 and refreshed == set(pickers.values()), (pickers, refreshed)
+
+
 def test_pages_read_only_under_their_roots(client):
     *_, note = client.predict("/etc/passwd", api_name="/load_config")
     assert note["visible"] and "outside the folders this UI may open" in note["value"]

@@ -495,6 +495,8 @@ def tools_tab(ui: WebUI) -> None:
                                  ["output"], [model, merge_lora, ratio, merged, precision], [out], api_name="merge_lora")
     with gr.Accordion("generate a test image with a job's models", open=False):
         job = gr.Dropdown(ui.job_choices(), value=None, label="job (its model files)", allow_custom_value=True)
+        # Its choices as the page was built: the jobs made since appear when it is opened.
+        job.focus(lambda: gr.update(choices=ui.job_choices()), None, job, api_name=False)
         gen_lora = file_picker(ui, loras, "LoRA (empty: none)")
         weight = gr.Slider(-2, 2, 1.0, step=0.05, label="LoRA weight")
         prompt = gr.Textbox(label="prompt")
