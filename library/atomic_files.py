@@ -30,8 +30,13 @@ def make_parent_folder(path: str) -> str:
 
 
 def umask_mode(mode: int) -> int:
-    """`mode` (0o666 for a file, 0o777 for a folder) as the process umask leaves it."""
-    umask = os.umask(0)
+    """`mode` (0o666 for a file, 0o777 for a folder) as the process umask leaves it. The umask is read from
+    /proc (Linux): os.umask can only read it by setting it, and a file another thread made meanwhile (the
+    web UI's handlers and runners) came out 0o666 / 0o777."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        with open("/proc/self/status") as f:
+            return mode & ~int(next(line for line in f if line.startswith("Umask:")).split()[1], 8)
+    umask = os.umask(0)  # no /proc (macOS): set and put back
     os.umask(umask)
     return mode & ~umask
 

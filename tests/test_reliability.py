@@ -757,6 +757,21 @@ def test_processes_started_without_a_process_group_are_refused(tiny_set, tmp_pat
     assert files_under(out) == []
 
 
+def test_the_umask_is_read_without_being_set(monkeypatch):
+    """Old: os.umask(0) then back: a file another thread (the web UI's runner, a handler) made in between came
+    out 0o666 / a folder 0o777. Read from /proc/self/status now (set and put back only without /proc)."""
+    from library.atomic_files import umask_mode
+
+    umask = os.umask(0o027)
+    try:
+        set_to = []
+        monkeypatch.setattr(os, "umask", lambda mask: set_to.append(mask) or 0o027)
+        assert (umask_mode(0o666), umask_mode(0o777), set_to) == (0o640, 0o750, [])
+    finally:
+        monkeypatch.undo()
+        os.umask(umask)
+
+
 def test_every_output_is_written_with_the_umask_mode(tiny_set, tmp_path):
     """umask 027 (group reads, others nothing): neither mkstemp's 0600 nor a hard-coded 0644."""
     cfg = copy_dataset(tiny_set, tmp_path / "data")  # caches of its own, written by this run
