@@ -330,6 +330,16 @@ def _peft_alphas(metadata: dict[str, str], prefix: str, adapter_config: dict | N
     return alpha, dict(config.get("alpha_pattern") or {}), bool(config.get("use_rslora"))
 
 
+def _component_heads(metadata: dict[str, str]) -> list[str]:
+    """The components a pipeline-level save's adapter-config header names ("transformer.", "text_encoder.": its
+    keys "transformer.lora_alpha", ...), each with its own alphas; [] for a model-level save's."""
+    try:
+        config = json.loads(metadata.get(ADAPTER_METADATA_KEY) or "{}")
+    except ValueError:
+        return []
+    return sorted({k.split(".")[0] + "." for k in config if "." in k}, key=len, reverse=True)
+
+
 def _pattern_alpha(path: str, default, patterns: dict):
     for pattern, alpha in patterns.items():  # PEFT's own rule (peft.utils.other.get_pattern_key)
         if re.match(rf"(.*\.)?({pattern})$", path):
@@ -360,7 +370,10 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
             rename = {m: m[len(prefix) :] for m in groups}
     except CheckpointError as e:
         raise naming(source, e) from None
-    default_alpha, alpha_pattern, rslora = _peft_alphas(metadata, prefix, adapter_config) if fmt == "peft" else (None, {}, False)
+    # PEFT alphas by component: a pipeline save of the transformer and a text encoder has each's own (no common
+    # prefix: the transformer's were read as LoraConfig's default, 8)
+    heads = _component_heads(metadata) if fmt == "peft" and adapter_config is None else []
+    alphas = {}  # component head -> (default alpha, alpha_pattern, rslora)
     weights = {}
     for module, parts in groups.items():
         if "down" not in parts or "up" not in parts:
@@ -382,8 +395,10 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
                                   f"LoRA per module (tools/combine_loras.py adds two LoRAs)")
         if "alpha" in parts:  # 0 means alpha = rank (scale 1), as sd-scripts' LoRAModule reads it
             alpha = stored_alpha(parts["alpha"], source, module) or float(rank)
-        elif fmt == "peft" and default_alpha is not None:
-            alpha = float(_pattern_alpha(path, default_alpha, alpha_pattern))
+        elif fmt == "peft" and (peft := _module_alphas(module, path, prefix, heads, alphas, metadata,
+                                                     adapter_config))[0] is not None:
+            default_alpha, alpha_pattern, rslora, pattern_path = peft
+            alpha = float(_pattern_alpha(pattern_path, default_alpha, alpha_pattern))
             alpha = alpha * rank**0.5 if rslora else alpha  # rsLoRA scale alpha/sqrt(r) as alpha'/r
         else:
             alpha = float(rank)  # no alpha stored: the PEFT convention, scale 1
@@ -395,6 +410,16 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
             magnitude = magnitude.reshape(-1)
         weights[path] = LoRAWeights(down, up, alpha, magnitude)
     return weights, fmt
+
+
+def _module_alphas(module: str, path: str, prefix: str, heads: list[str], alphas: dict, metadata: dict,
+                   adapter_config: dict | None):
+    """(default alpha, alpha_pattern, rslora, the path its patterns match) of a PEFT module: those of its
+    component (heads) where the header names components, else the file's (prefix)."""
+    head = next((h for h in heads if module.startswith(h)), prefix)
+    if head not in alphas:
+        alphas[head] = _peft_alphas(metadata, head, adapter_config)
+    return *alphas[head], (module[len(head):] if head != prefix else path)
 
 
 def stored_alpha(stored: torch.Tensor, source: str, module: str) -> float:

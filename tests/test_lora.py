@@ -628,6 +628,20 @@ def test_peft_alpha_from_diffusers_adapter_metadata():
     assert lf.parse_lora(tensors)[0]["a"].alpha == 4  # no metadata: alpha = rank
 
 
+def test_a_pipeline_saves_transformer_and_text_encoder_alphas_are_each_its_own():
+    """diffusers' pipeline save_lora_weights with a text encoder's LoRA: keys under transformer. and text_encoder.,
+    each component's config under its name. Old: no common prefix, so no header key was found: every module read
+    PEFT's default 8 (resize_lora and combine_loras wrote half the delta, lora_info said alpha 8)."""
+    r = 4
+    tensors = {f"{m}.lora_{ab}.weight": torch.randn(*((r, 8) if ab == "A" else (6, r)))
+               for m in ("transformer.a.to_q", "transformer.b", "text_encoder.q_proj") for ab in "AB"}
+    config = {"transformer.r": r, "transformer.lora_alpha": 16, "transformer.alpha_pattern": {"to_q": 2},
+              "text_encoder.r": r, "text_encoder.lora_alpha": 32, "text_encoder.use_rslora": True}
+    weights, fmt = lf.parse_lora(tensors, {lf.ADAPTER_METADATA_KEY: json.dumps(config)})
+    alphas = {m: w.alpha for m, w in weights.items()}
+    assert fmt == "peft" and alphas == {"transformer.a.to_q": 2, "transformer.b": 16, "text_encoder.q_proj": 32 * r**0.5}
+
+
 def test_a_stored_alpha_of_zero_reads_as_the_rank(tmp_path):
     """sd-scripts' LoRAModule (networks/lora.py, lora_flux.py) reads alpha 0 as alpha = rank (scale 1);
     ComfyUI (weight_adapter/lora.py) takes it literally (scale 0). We follow sd-scripts: the old reader
