@@ -571,7 +571,8 @@ def _rebuilt(algo, params, name: str, base: nn.Module, target: nn.Module):
         # dora_wd and algo=full copy the weight to the CPU as they build: on meta (generate.py's check) it stays meta
         with _cpu_copies_of_meta_stay_meta(target):
             return make_module(algo, params, name, base)
-    except (RuntimeError, TypeError, ValueError) as e:
+    except (RuntimeError, TypeError, ValueError, AttributeError, KeyError) as e:  # AttributeError: a low-rank
+        # lokr_w2 its shapes make it build full-matrix (another trainer's file)
         on = f" on a weight of shape {tuple(base.weight.shape)}" if isinstance(base, nn.Linear) else ""
         raise CheckpointError(f"LyCORIS module '{name}' ({algo.__name__}): LyCORIS' loader cannot rebuild it{on} "
                               f"({' '.join(str(e).split())}): a file for another model, or one it misreads (LoKr with "

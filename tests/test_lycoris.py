@@ -232,10 +232,11 @@ def test_rs_lora_on_lokr_that_its_shapes_force_into_full_matrix_is_refused_namin
     LycorisNetwork(tiny_flux(), "flux", 2, network_args={"algo": "lokr", "rs_lora": True, "factor": 2})
 
 
-@pytest.mark.parametrize("kind", ["unbalanced_lokr", "lokr_dora_on_input", "ia3"])
+@pytest.mark.parametrize("kind", ["unbalanced_lokr", "lokr_dora_on_input", "ia3", "lokr_low_rank_w2_rebuilt_full"])
 def test_a_lycoris_file_lycoris_loader_misreads_is_one_error_naming_the_file_and_module(kind, tmp_path):
     """generate (network_from_file) and merge_lora (LycorisDelta) stopped with a raw RuntimeError / TypeError from
-    LyCORIS' make_module_from_state_dict, which re-infers LoKr's factors and DoRA's axis from the shapes."""
+    LyCORIS' make_module_from_state_dict, which re-infers LoKr's factors and DoRA's axis from the shapes; an
+    AttributeError where it builds a low-rank w2 (another trainer's, rank 6 of 12 x 4) as full-matrix."""
     from lycoris.modules import IA3Module, LokrModule
     from safetensors.torch import save_file
 
@@ -247,9 +248,11 @@ def test_a_lycoris_file_lycoris_loader_misreads_is_one_error_naming_the_file_and
     qkv, name = model.double_blocks[0].img_attn.qkv, "lora_unet_double_blocks_0_img_attn_qkv"
     module = {"unbalanced_lokr": lambda: LokrModule(name, qkv, 1.0, 4, 2.0, factor=4, unbalanced_factorization=True),
               "lokr_dora_on_input": lambda: LokrModule(name, qkv, 1.0, 4, 2.0, factor=4, weight_decompose=True, wd_on_out=False),
-              "ia3": lambda: IA3Module(name, qkv)}[kind]()
+              "ia3": lambda: IA3Module(name, qkv), "lokr_low_rank_w2_rebuilt_full": lambda: None}[kind]()
     path = str(tmp_path / f"{kind}.safetensors")
-    save_file({f"{name}.{k}": v.detach().contiguous() for k, v in module.state_dict().items()}, path)
+    tensors = {"lokr_w1": torch.randn(4, 4), "lokr_w2_a": torch.randn(12, 6), "lokr_w2_b": torch.randn(6, 4),
+               "alpha": torch.tensor(6.0)} if kind == "lokr_low_rank_w2_rebuilt_full" else module.state_dict()
+    save_file({f"{name}.{k}": v.detach().contiguous() for k, v in tensors.items()}, path)
     said = rf"^{path}: LyCORIS module '{name}' \(\w+\): LyCORIS' loader cannot rebuild it on a weight of shape \(48, 16\)"
     with pytest.raises(CheckpointError, match=said):
         network_from_file(model, "flux", path)
