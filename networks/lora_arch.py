@@ -273,3 +273,25 @@ def module_of_key(key: str) -> str:
     if key.startswith(LYCORIS_COMFY_PREFIX):  # a LyCORIS key in ai-toolkit's names: `diffusion_model.<path>.<part>`
         return key.rpartition(".")[0]
     return key.split(".")[0]  # a LyCORIS key: `lora_unet_<module>.<part>`
+
+
+# ----------------------------------------------------------------------------------------------
+# A base checkpoint's architecture, by the same markers (a model's weight names are its LoRA's module names)
+
+
+def other_arch_hint(path: str, arch: str) -> str:
+    """"; its keys are a <arch> transformer's: set model_type = ..." where the checkpoint at `path` (a file
+    or folder refused as `arch`'s transformer) is another registered architecture's, else "" (the loader's
+    own line says what is missing, never which model the file is)."""
+    from library.io import CheckpointReader
+    from library.models.registry import FAMILIES, spec_of
+
+    try:
+        modules = [key.rsplit(".", 1)[0] for key in CheckpointReader(path).keys()]
+    except (CheckpointError, OSError, ValueError):
+        return ""
+    found, _ = arch_of(modules)
+    if found in ("unknown", arch) or found not in FAMILIES:
+        return ""
+    types = [t for t in FAMILIES if spec_of(t).arch == found]
+    return f"; its keys are a {found} transformer's: set model_type = " + " or ".join(f'"{t}"' for t in types)

@@ -201,6 +201,19 @@ def flux2_transformer_for_flux(ts, tmp):
              "not FLUX.1"])
 
 
+def krea2_transformer_for_flux(ts, tmp):
+    """Old: the loader's line alone (what key is missing), never which model the file is."""
+    return (["--pretrained_model_name_or_path", ts["krea2"]],
+            ["krea2-tiny.safetensors: not a FLUX.1 transformer (no double_blocks./img_in. or transformer_blocks. "
+             "keys); its keys are a krea2 transformer's: set model_type = \"krea2\" or \"krea2_edit\""])
+
+
+def qwen_image21_transformer_for_flux(ts, tmp):
+    return (["--pretrained_model_name_or_path", ts["qwen_image21_comfy"]],
+            ["cannot infer the FLUX config, key 'single_blocks.0.norm.query_norm.scale' is missing; its keys are a "
+             "qwen_image21 transformer's: set model_type = \"qwen_image21\""])
+
+
 def clip_l_missing(ts, tmp):
     return (["--clip_l", str(tmp / "clip_l")],
             [f"{tmp / 'clip_l'}: no such file or folder (clip_l: expected a CLIP-L text encoder)"])
@@ -257,6 +270,8 @@ def t5_of_another_width(ts, tmp):
 MODEL_FILE_CASES = {
     "vae_as_transformer": vae_as_transformer,
     "flux2_transformer_for_flux": flux2_transformer_for_flux,
+    "krea2_transformer_for_flux": krea2_transformer_for_flux,
+    "qwen_image21_transformer_for_flux": qwen_image21_transformer_for_flux,
     "clip_l_missing": clip_l_missing,
     "t5_as_clip_l": t5_as_clip_l,
     "flux2_vae_as_ae": flux2_vae_as_ae,
