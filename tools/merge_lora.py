@@ -110,7 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--save_precision", type=save_precision_name, choices=[*PRECISION_NAMES, *FP8_PRECISIONS, *GGUF_PRECISIONS],
                         default=None, help="default: keep each tensor's dtype (float: fp32, as sd-scripts says)")
     parser.add_argument("--fp8_layout", choices=list(FP8_LAYOUTS), default=None,
-                        help="with --save_precision fp8: comfy (ComfyUI scaled fp8; default for single files), plain, block64")
+                        help="with --save_precision fp8: comfy (ComfyUI scaled fp8; default for single files), plain, "
+                             "block64; an fp8 base's own layout by default (a block64 base stays block64: only our "
+                             "loaders read it, --fp8_layout comfy for ComfyUI)")
     parser.add_argument("--stochastic_rounding", action=argparse.BooleanOptionalAction, default=None,
                         help="fp8 outputs: unbiased stochastic rounding (default: on into an fp8 base, as ComfyUI "
                              "patches one; off for a high-precision base quantized to fp8)")
