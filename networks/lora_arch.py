@@ -279,13 +279,16 @@ def module_of_key(key: str) -> str:
 # A base checkpoint's architecture, by the same markers (a model's weight names are its LoRA's module names)
 
 
-def other_arch_hint(path: str, arch: str) -> str:
-    """"; its keys are a <arch> transformer's: set model_type = ..." where the checkpoint at `path` (a file
-    or folder refused as `arch`'s transformer) is another registered architecture's, else "" (the loader's
-    own line says what is missing, never which model the file is)."""
+def other_arch_hint(said: str, path: str, arch: str) -> str:
+    """"; its keys are a <arch> transformer's: set model_type = ..." where the line a check `said` refuses the
+    checkpoint at `path` (a file or folder given as `arch`'s transformer) and it is another registered
+    architecture's, else "" (the loaders' lines say what is missing, never which model the file is; a line that
+    names a model_type already says)."""
     from library.io import CheckpointReader
     from library.models.registry import FAMILIES, spec_of
 
+    if not said.startswith(f"{path}:") or "model_type" in said:
+        return ""
     try:
         modules = [key.rsplit(".", 1)[0] for key in CheckpointReader(path).keys()]
     except (CheckpointError, OSError, ValueError):

@@ -232,6 +232,13 @@ def test_a_wrong_ae_is_one_line_before_any_model_loads(tiny_set, tmp_path, capsy
     assert files_under(tmp_path / "out") == []
 
 
+def test_another_familys_transformer_is_named_with_its_model_type(tiny_set, tmp_path, capsys):
+    """Old: the loader's line alone (a missing key), as train_lora.py's check said it."""
+    capsys.readouterr()
+    line = one_error_line(capsys, generate.main(generate_args(tiny_set, tmp_path / "out", "--model", tiny_set["zimage"])))
+    assert line.endswith("; its keys are a zimage transformer's: set model_type = \"zimage\" or \"zimage_omni\""), line
+
+
 @pytest.mark.parametrize("precision", ["nf4", "fp8_scaled"])
 def test_an_explicit_base_precision_on_a_gguf_is_refused_before_any_model_loads(tiny_set, tmp_path, capsys,
                                                                                  monkeypatch, precision):

@@ -141,9 +141,7 @@ def check_before_caching(args, family) -> tuple[str | None, str | None]:
     try:
         family.check_model_files()  # a wrong file stops the run now, not after caching
     except CheckpointError as e:  # another family's transformer: which one, where its keys tell
-        said, path = str(e), args.pretrained_model_name_or_path
-        hint = other_arch_hint(path, family.arch) if said.startswith(f"{path}:") and "model_type" not in said else ""
-        raise CheckpointError(f"{said}{hint}") from None
+        raise CheckpointError(f"{e}{other_arch_hint(str(e), args.pretrained_model_name_or_path, family.arch)}") from None
     check_blocks_to_swap(args, family)
     check_unread_keys(args, family)
     check_network_settings(args, family.arch)
