@@ -81,8 +81,9 @@ import torch  # noqa: E402
 from library.training.config import KEEPING_KEYS  # noqa: E402
 from library.data.image_folders import LargestStep, largest_step  # noqa: E402
 from library.training.memory_plan import (  # noqa: E402
-    CUDA_CONTEXT_BYTES, KEEPING_MARGIN, GiB, caching_phase, references_and_tokens, reusing_meta_models, sampling_phase,
-    step_plan, text_tokens_for, usable_bytes, vae_pass_peak)
+    CUDA_CONTEXT_BYTES, KEEPING_MARGIN, GiB, bf16_reference_by_swap, caching_phase, meta_model_and_network,
+    network_tensors, references_and_tokens, renders_bf16_reference, reusing_meta_models, sampling_phase, step_plan,
+    tensor_bytes, text_tokens_for, usable_bytes, vae_pass_peak)
 
 
 class PresetFamily:
@@ -203,14 +204,18 @@ def fewest_swaps(plan, vram_gib: float, sample_extra: SampleExtra | None = None)
 
 class SampleExtra(NamedTuple):
     """What a sample holds above the resident training state (its forward, the VAE with its decode): decoded
-    whole (None: vae_tiling = true) and in tiles (None: vae_tiling = false)."""
+    whole (None: vae_tiling = true) and in tiles (None: vae_tiling = false); with sample_bf16_reference = true,
+    the bf16 reference copy of the base at each blocks_to_swap (swapped as the base is)."""
     whole: int | None
     tiled: int | None
+    reference: tuple[int, ...] | None = None
 
 
 def sampling_extra(family, args, width: int, height: int, references: int) -> SampleExtra:
-    """A sample of width x height above the resident training state, without the bf16 reference copy
-    (train_lora.py turns that off where it does not fit), decoded whole and in tiles as vae_tiling allows."""
+    """A sample of width x height above the resident training state, decoded whole and in tiles as vae_tiling
+    allows; the bf16 reference copy only where the config sets sample_bf16_reference = true (unset, train_lora.py
+    turns it off where it does not fit; true, it renders it anyway: rows without it called a setting fitting
+    whose first sample ran out of memory)."""
     def extra(tiling: bool) -> int:
         trial = copy.copy(args)
         trial.blocks_to_swap, trial.sample_bf16_reference, trial.vae_tiling = 0, False, tiling
@@ -218,8 +223,12 @@ def sampling_extra(family, args, width: int, height: int, references: int) -> Sa
                                references)
         return phase.peak - phase.parts["resident (base, lora, optimizer)"]
 
+    reference = None
+    if getattr(args, "sample_bf16_reference", None) is True and renders_bf16_reference(family, args):
+        _, network = meta_model_and_network(family, args)
+        reference = tuple(bf16_reference_by_swap(family, args, tensor_bytes(network_tensors(network))))
     tiling = getattr(args, "vae_tiling", None)
-    return SampleExtra(None if tiling else extra(False), None if tiling is False else extra(True))
+    return SampleExtra(None if tiling else extra(False), None if tiling is False else extra(True), reference)
 
 
 def sampling_extras(family, args, planned: dict, sample_size: tuple[int, int] | None,
@@ -236,7 +245,7 @@ def sampling_peak(plan, blocks_to_swap: int, extra: SampleExtra, room: float) ->
     """A sample's peak at this swap (the training state resident as the plan's, sampling_phase's own sum, + extra)
     and whether it decodes in tiles: where the whole decode is over `room` and vae_tiling allows tiles, as
     train_lora.py's settle_sampling turns them on."""
-    resident = sum(plan.resident(blocks_to_swap).values())
+    resident = sum(plan.resident(blocks_to_swap).values()) + (extra.reference[blocks_to_swap] if extra.reference else 0)
     tiles = extra.whole is None or (extra.tiled is not None and extra.tiled < extra.whole and resident + extra.whole > room)
     return resident + (extra.tiled if tiles else extra.whole), tiles
 

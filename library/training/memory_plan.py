@@ -256,9 +256,21 @@ def _build_model_and_network(family, args):
     return model, network
 
 
+def optimizer_state_bytes(optimizer_type: str, kwargs: dict) -> float:
+    """Bytes of optimizer state per trainable parameter: the table's, and the buffers its args add (amsgrad's
+    max_exp_avg_sq, RMSprop's momentum and centered averages: planned 1.5-3x short before)."""
+    name = optimizer_type.lower().rsplit(".", 1)[-1]
+    extra = 4 * bool(kwargs.get("amsgrad")) if name in ("adam", "adamw") else 0
+    if name == "rmsprop":
+        extra = 4 * bool(kwargs.get("momentum")) + 4 * bool(kwargs.get("centered"))
+    return OPTIMIZER_STATE_BYTES.get(name, 8) + extra
+
+
 def _optimizer_bytes(network: nn.Module, args) -> int:
+    from library.training.config import optimizer_kwargs
+
     trainable = sum(p.numel() for p in network.parameters() if p.requires_grad)
-    return int(trainable * OPTIMIZER_STATE_BYTES.get(args.optimizer_type.lower().rsplit(".", 1)[-1], 8))
+    return int(trainable * optimizer_state_bytes(args.optimizer_type, optimizer_kwargs(args)))
 
 
 def _ema_bytes(network: nn.Module, args) -> int:
@@ -447,11 +459,17 @@ def renders_bf16_reference(family, args) -> bool:
 def _bf16_reference_bytes(family, args, lora: int) -> int:
     """The copy of the base render_samples loads for each render (bf16, i.e. the compute dtype),
     swapped as the base is, with its LoRA."""
+    return bf16_reference_by_swap(family, args, lora)[args.blocks_to_swap]
+
+
+def bf16_reference_by_swap(family, args, lora: int) -> list[int]:
+    """_bf16_reference_bytes at each blocks_to_swap from 0 to the model's blocks (one meta build)."""
     from library.training.config import compute_dtype
 
     model = family.load_transformer(compute_dtype(args), "bf16", read_weights=False)
     blocks = [module_bytes(b) for b in model.swappable_blocks()]
-    return sum(resident_parts(module_bytes(model), blocks, lora, 0, args.blocks_to_swap, args.block_swap_prefetch).values())
+    return [sum(resident_parts(module_bytes(model), blocks, lora, 0, n, args.block_swap_prefetch).values())
+            for n in range(len(blocks) + 1)]
 
 
 def sampling_phase(family, args, width: int, height: int, text_tokens: int, references: int | None = None) -> Phase:
