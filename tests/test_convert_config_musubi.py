@@ -72,6 +72,20 @@ def test_bucket_grid_is_musubi_tunes_bucket_selector():
     assert bucket_sides(1024) == (512, 2048)
 
 
+def test_the_bucket_line_says_how_ours_differs_from_their_grid():
+    """Old: "musubi-tuner's bucket grid", while ours held 48 buckets of 95 theirs has not (at their default
+    960x544): an image may train at another aspect ratio there. Every one of theirs is among ours."""
+    from library.data.dataset_config import make_buckets
+    from library.training.peers.musubi_dataset import grid_note, peer_buckets
+
+    theirs = peer_buckets([960, 544])
+    assert len(theirs) == 47 and {(544, 960), (960, 544), (720, 720)} <= theirs and theirs <= set(
+        make_buckets((960, 544), 352, 1472, 16))
+    assert grid_note("musubi-tuner", [960, 544], 352, 1472) == (
+        "every bucket of musubi-tuner's grid (47) and 48 more (ours has a height for every width on the grid): an "
+        "image may train at a nearer aspect ratio than there")
+
+
 def test_a_converted_config_trains_two_steps(documented, tmp_path):
     import train_lora
 

@@ -6,7 +6,8 @@
 becomes our [general] and, per image dataset, a [[datasets]] (resolution, batch_size, buckets, cache_dir) with
 one [[datasets.subsets]] (image_dir, num_repeats, caption_extension, control_directory, multiple_target).
 Its buckets (16 px steps, sides from half the resolution's side, BucketSelector) are written as ours'
-min_bucket_reso / max_bucket_reso / bucket_reso_steps. A JSONL or video dataset is not carried, with why."""
+min_bucket_reso / max_bucket_reso / bucket_reso_steps, which hold every one of them and more (the line says how
+many). A JSONL or video dataset is not carried, with why."""
 
 from __future__ import annotations
 
@@ -154,7 +155,33 @@ def _buckets(t: Translation, where: str, pick: dict, ds: dict) -> None:
         low, high = bucket_sides(resolution)
         ds.update(min_bucket_reso=low, max_bucket_reso=high, bucket_reso_steps=BUCKET_STEP)
         t.lines.append(Line(f"{where} buckets", f"{low}..{high} px, step {BUCKET_STEP}", RENAMED,
-                            "min_bucket_reso, max_bucket_reso, bucket_reso_steps", f"{t.peer}'s bucket grid"))
+                            "min_bucket_reso, max_bucket_reso, bucket_reso_steps", grid_note(t.peer, resolution, low,
+                                                                                              high)))
+
+
+def peer_buckets(resolution: Any) -> set[tuple[int, int]]:
+    """BucketSelector's buckets (musubi-tuner's dataset/bucket.py): widths from half the area's side to the side
+    in 16 px steps, each with the height the area leaves on the grid, and both orientations."""
+    area = _area(resolution, "resolution")
+    side = int(math.sqrt(area))
+    low = side // 2 - side // 2 % BUCKET_STEP
+    pairs = [(w, area // w - area // w % BUCKET_STEP) for w in range(low, side + BUCKET_STEP, BUCKET_STEP)]
+    return {*pairs, *((h, w) for w, h in pairs)}
+
+
+def grid_note(peer: str, resolution: Any, low: int, high: int) -> str:
+    """What the three keys give against the peer's grid: every one of its buckets, and ours' sd-scripts-style
+    grid has more (a height for every width on the grid), so an image may train at another one (the line said
+    "musubi-tuner's bucket grid": 48 buckets of 95 at its default 960x544 were ours alone)."""
+    from library.data.dataset_config import make_buckets
+
+    area = _area(resolution, "resolution")
+    size = tuple(resolution) if isinstance(resolution, list) else (resolution, resolution)
+    ours, theirs = set(make_buckets(size, low, high, BUCKET_STEP)), peer_buckets(resolution)
+    assert theirs <= ours, (theirs - ours, area)  # (a grid of ours would have lost one of theirs)
+    more = len(ours - theirs)
+    return (f"{peer}'s bucket grid" if not more else f"every bucket of {peer}'s grid ({len(theirs)}) and {more} more "
+            f"(ours has a height for every width on the grid): an image may train at a nearer aspect ratio than there")
 
 
 def bucket_sides(resolution: Any) -> tuple[int, int]:
