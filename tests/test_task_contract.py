@@ -18,9 +18,18 @@ from networks.lora import LoRANetwork
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
+TRAINER_FILES = ("train_lora.py", "library/training/saves.py")  # the loop, and its saves
+
+
 def trainer_task_uses() -> set[str]:
-    """Names train_lora.py reads from a task: `task.x` and `self.task.x`."""
-    tree = ast.parse(open(os.path.join(ROOT, "train_lora.py"), encoding="utf-8").read())
+    """Names the trainer (TRAINER_FILES) reads from a task: `task.x` and `self.task.x`."""
+    uses = set()
+    for name in TRAINER_FILES:
+        uses |= _task_uses(ast.parse(open(os.path.join(ROOT, name), encoding="utf-8").read()))
+    return uses
+
+
+def _task_uses(tree) -> set[str]:
     uses = set()
     for node in ast.walk(tree):
         if isinstance(node, ast.Attribute):
@@ -70,8 +79,8 @@ def contract_breaches(protocol, cls) -> list[str]:
 
 def test_the_trainer_uses_exactly_the_task_protocol():
     uses, declared = trainer_task_uses(), set(members(Task))
-    assert uses - declared == set(), f"train_lora.py uses task members the Task protocol lacks: {sorted(uses - declared)}"
-    assert declared - uses == set(), f"Task protocol members train_lora.py never uses: {sorted(declared - uses)}"
+    assert uses - declared == set(), f"the trainer uses task members the Task protocol lacks: {sorted(uses - declared)}"
+    assert declared - uses == set(), f"Task protocol members the trainer never uses: {sorted(declared - uses)}"
 
 
 @pytest.mark.parametrize("task", [DiffusionTask, LLMTask])
