@@ -297,6 +297,27 @@ def test_runtime_lora_on_an_fp8_layer_adds_the_exact_delta():
     assert torch.equal(merged.float(), quantize_weight(linear.weight, "fp8")[0].float())  # merged: not a code moved
 
 
+def test_the_lora_effect_is_measured_against_fp32s_where_it_ran():
+    """Old: against the bf16 effect, whose rounding noise sits in the denominator: a runtime LoRA on fp8, which
+    keeps all of it, read kept ~|t|^2 / (|t|^2 + |noise|^2) (0.91 for a LoRA at 3x the floor). Synthetic runs: the
+    true effect t, each bf16-compute run its own noise of t's size."""
+    g = torch.Generator().manual_seed(0)
+    base, t = torch.randn(4, 64, 16, generator=g), 0.05 * torch.randn(4, 64, 16, generator=g)
+
+    def noisy(x):
+        return x + 0.05 * torch.randn(x.shape, generator=g)
+
+    runs = {"fp32": base, "fp32+lora": base + t, "bf16": noisy(base), "bf16+lora": noisy(base + t),
+            "fp8": noisy(base), "fp8+lora": noisy(base + t)}
+    runs = {name: precision.ModeRun([pred]) for name, pred in runs.items()}
+    effects = precision.lora_effects(runs)
+    assert abs(effects["fp8+lora"]["kept"] - 1) < 0.1 and effects["reference"] == "fp32+lora", effects
+    assert abs(effects["bf16+lora"]["kept"] - 1) < 0.1
+    del runs["fp32+lora"]  # --skip_fp32: the bf16 reference, biased low alike (its note says so)
+    biased = precision.lora_effects(runs)
+    assert biased["reference"] == "bf16+lora" and biased["fp8+lora"]["kept"] < 0.7, biased
+
+
 # ----------------------------------------------------------------------------------------------
 # (e) the CLI end to end
 
@@ -342,7 +363,7 @@ def test_cli_writes_report_json_and_heatmaps_for_a_tiny_flux_file(tmp_path, caps
     assert data["lora_survival"]["summary"]["fp8 into_fp8_nearest"]["median_kept"] < 0.5
     assert (out / "report.txt").read_text() in printed
     pngs = sorted(p.name for p in out.iterdir() if p.suffix == ".png")
-    assert len(pngs) == len(data["maps"]) == (10 if fp8_gemms else 8) and "heatmap_fp8_merge_sr.png" in pngs
+    assert len(pngs) == len(data["maps"]) == (11 if fp8_gemms else 9) and "heatmap_fp8_merge_sr.png" in pngs
     assert all((out / p).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in pngs)
     assert not [p for p in os.listdir(out) if p.endswith(".tmp")]
 
@@ -403,6 +424,22 @@ def test_cli_out_where_no_folder_can_be_is_one_line_before_the_model_loads(tmp_p
     monkeypatch.setattr(doctor, "disk_variant", lambda *a, **k: pytest.fail("the model loaded before --out was checked"))
     rc = doctor.main(["--model_type", "flux", "--model", str(tmp_path / "flux.safetensors"), "--out", str(tmp_path / out)])
     assert rc == 2 and capsys.readouterr().err.strip() == "error: " + message.format(tmp=tmp_path)
+
+
+def test_a_loras_text_encoder_modules_are_left_out_with_a_warning(tmp_path):
+    """Old: dropped without a word, so the report's LoRA numbers measured part of the file as if all of it."""
+    from safetensors.torch import load_file, save_file
+
+    model = tiny_flux()
+    _tiny_lora(model, "flux", str(tmp_path / "lora.safetensors"), up_std=2e-3)
+    tensors = load_file(str(tmp_path / "lora.safetensors"))
+    te = "lora_te1_text_model_encoder_layers_0_self_attn_q_proj"
+    tensors.update({f"{te}.lora_down.weight": torch.randn(4, 32), f"{te}.lora_up.weight": torch.randn(32, 4),
+                    f"{te}.alpha": torch.tensor(4.0)})
+    save_file(tensors, str(tmp_path / "with_te.safetensors"))
+    with pytest.warns(UserWarning, match=r"with_te.safetensors: left out 1 text-encoder modules \(CLIP-L lora_te1_ x1\)"):
+        lora = doctor.read_lora_for(model, "flux", str(tmp_path / "with_te.safetensors"))
+    assert len(lora) == len(doctor.read_lora_for(model, "flux", str(tmp_path / "lora.safetensors")))
 
 
 @pytest.mark.parametrize("mode", ["fp8", "fp8_scaled"])

@@ -44,7 +44,7 @@ from library.models.registry import FAMILIES, arch_spec  # noqa: E402
 # target-only inputs, whose reference tokens go through the same layers (and, where they only add a
 # first-axis position, positions exact in every dtype), so the same fp8 damage shows.
 BASE_MODES = ("fp32", "bf16", "fp8", "fp8_scaled", "fp8_compute")
-LORA_MODES = ("bf16+lora", "fp8+lora", "fp8_scaled+lora", "fp8_compute+lora", "fp8+merge_rtn", "fp8+merge_sr",
+LORA_MODES = ("bf16+lora", "fp32+lora", "fp8+lora", "fp8_scaled+lora", "fp8_compute+lora", "fp8+merge_rtn", "fp8+merge_sr",
               "fp8+merge_into_fp8")
 COMPUTED = {"fp8_compute": "fp8_scaled"}  # a mode run as fp8 GEMMs -> how its weights are stored
 VAE_PATCH = 16  # pixels per packed token: 8x VAE downsampling x 2x2 patches
@@ -88,7 +88,7 @@ from tools.devices import device_from_flag  # noqa: E402
 from networks.lora import LoRAModule  # noqa: E402
 from networks.lora_args import diffusers_module_map  # noqa: E402
 from networks.lora_files import LoRAWeights  # noqa: E402
-from networks.lora_reader import check_lora_arch, read_for_model  # noqa: E402
+from networks.lora_reader import check_lora_arch, leave_out_text_encoders, read_for_model  # noqa: E402
 from tools.cli import parse_lora_spec  # noqa: E402
 
 
@@ -129,9 +129,11 @@ def make_inputs(arch: str, config, width: int, height: int, seed: int = 0, text_
 def read_lora_for(model: nn.Module, arch: str, path: str, ratio: float = 1.0) -> dict[str, LoRAWeights]:
     """{module path of `model`: LoRAWeights (float32, ratio folded into alpha)} from any layout
     networks/lora_reader.py reads (the reader every LoRA-applying tool shares). A DoRA file is refused:
-    the runtime and merged columns here add plain low-rank deltas."""
+    the runtime and merged columns here add plain low-rank deltas. Text-encoder modules are left out with a
+    warning (they were dropped without a word: the numbers measured part of the file)."""
     linears = {n: m for n, m in model.named_modules() if isinstance(m, (nn.Linear, FP8Linear))}
     read = read_for_model(path, arch, linears, lambda: diffusers_module_map(arch, model.config), strict=True)
+    leave_out_text_encoders(path, read.text_encoders, bool(read.weights), arch, stacklevel=2)  # the numbers: the rest
     out = {}
     for p, w in read.weights.items():
         if p not in linears:
@@ -334,15 +336,17 @@ def report_text(result: dict, worst: int = 8) -> str:
 
 def lora_report(result: dict) -> list[str]:
     effect = result["lora_effect"]
+    ref = effect.get("reference", "bf16+lora").split("+")[0]
     lines = ["", "== LoRA ==", f"LoRA effect in bf16: {effect['bf16+lora']['effect_size']:.4f} of the prediction's norm",
              "share of the LoRA's effect on the prediction each mode keeps "
-             "(1 = all; error = ||effect - bf16 effect|| / ||bf16 effect||):"]
-    rows = [["mode", "kept", "error"]] + [[m, f"{e['kept']:.3f}", f"{e['error']:.3f}"] for m, e in effect.items() if "kept" in e]
+             f"(1 = all; error = ||effect - {ref} effect|| / ||{ref} effect||):"]
+    rows = [["mode", "kept", "error"]] + [[m, f"{e['kept']:.3f}", f"{e['error']:.3f}"] for m, e in effect.items()
+                                          if isinstance(e, dict) and "kept" in e]
     lines.append(_table(rows))
-    floor = result["modes"].get("fp32", {}).get("output_error")
-    if floor is not None and effect["bf16+lora"]["effect_size"] < 3 * floor:
-        lines.append(f"note: the LoRA's effect is under 3x the bf16 floor ({floor:.4f}, fp32 vs bf16): bf16 rounding of "
-                     "activations blurs it, so these shares are noisy; the per-module numbers below are not affected")
+    if ref == "bf16":  # (--skip_fp32) the reference's own rounding lowers every share alike
+        lines.append("note: measured against the bf16 effect (--skip_fp32): its activation rounding lowers every share "
+                     "alike, ~|effect|^2 / (|effect|^2 + |noise|^2); compare the modes with each other; the per-module "
+                     "numbers below are not affected")
     if "lora_survival" in result:
         lines.append("per module: kept = <effective delta, delta> / ||delta||^2 (runtime application: 1 exactly)")
         rows = [["fp8 mode / way", "median kept", "min kept", "median error", "median |eff|/|delta|"]]
@@ -430,7 +434,7 @@ def run_doctor(model_path: str, arch: str, lora_spec: str | None = None, resolut
 
 def report_modes(device: str, skip_fp32: bool = False, with_lora: bool = False) -> list[str]:
     """The modes run_doctor diagnoses: the fp8_compute ones only where `device` has fp8 GEMMs with per-row scales."""
-    modes = [m for m in BASE_MODES if not (skip_fp32 and m == "fp32")] + (list(LORA_MODES) if with_lora else [])
+    modes = [m for m in BASE_MODES + (LORA_MODES if with_lora else ()) if not (skip_fp32 and m.startswith("fp32"))]
     return [m for m in modes if m.split("+")[0] not in COMPUTED or fp8_gemm_available(device)]
 
 
