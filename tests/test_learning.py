@@ -96,9 +96,11 @@ def test_lora_teaches_the_concept(concept_set, each_base_rendered_once, tmp_path
     assert result["unrelated_kept"] >= kept * result["unrelated_right_before"], result
 
 
-@pytest.mark.parametrize("model_type", BASES)
+@pytest.mark.parametrize("model_type", BASES[:1])
 def test_flipped_flow_target_does_not_teach_it(concept_set, each_base_rendered_once, tmp_path, monkeypatch, model_type):
-    """The check above fails on a broken objective: target = x0 - noise instead of noise - x0."""
+    """The check above fails on a broken objective: target = x0 - noise instead of noise - x0. On the first base
+    alone: every family's loss takes flow_matching.flow_target, and the check is the same detector at each
+    family's threshold (Qwen-Image's, 120 steps: 23 s of the suite for no other line of code)."""
     real = flow_matching.flow_target
     monkeypatch.setattr(flow_matching, "flow_target", lambda x0, noise: -real(x0, noise))
     assert torch.equal(flow_matching.flow_target(torch.zeros(1), torch.ones(1)), -torch.ones(1))
