@@ -166,16 +166,16 @@ def test_a_generation_prompt_that_opens_think_is_refused_naming_where_it_parts_f
 
 @pytest.mark.parametrize("line, message", [
     ('{"text": "ok"', "not JSON (Expecting ',' delimiter: line 1 column 14 (char 13)); expected one object a line"),
-    ('["a list"]', "a JSON list; expected an object"),
+    ('["a list"]', "the line is an array; expected an object"),
     ('{"prompt": "q", "completion": "a"}', "expected a \"text\" or a \"messages\" key (one of them), "),
-    ('{"text": 3}', "\"text\" is a int; expected a string"),
+    ('{"text": 3}', "\"text\" is a number; expected a string"),
     ('{"messages": [{"role": "bot", "content": "hi"}]}', "messages[0] role 'bot': expected one of system, user, assistant, tool"),
     ('{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
-     "messages[0] (user) content is a list; expected a string"),
+     "messages[0] (user) content is an array; expected a string"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}',
      "messages[1] is an assistant message with empty content"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null}]}',
-     "messages[1] (assistant) content is a NoneType; expected a string"),
+     "messages[1] (assistant) content is null; expected a string"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, "tool_calls": []}]}',
      "messages[1] (assistant) tool_calls is []; expected a list of at least one call object"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null, "tool_calls": '
@@ -185,7 +185,7 @@ def test_a_generation_prompt_that_opens_think_is_refused_naming_where_it_parts_f
     ('{"messages": [{"role": "user", "content": "q"}]}', "no assistant message, so nothing to train on"),
     ('{"messages": [{"role": "assistant", "content": "Hi!"}, {"role": "user", "content": "q"}]}',
      "messages[0] is an assistant message; with the loss on assistant tokens only a conversation starts with"),
-    ("null", "a JSON NoneType; expected an object"),  # it was skipped as a blank line
+    ("null", "the line is null; expected an object"),  # it was skipped as a blank line
     ('{"text": "x", "meta": ' + "[" * 3000 + "]" * 3000 + "}", "JSON nested too deep to read"),  # a RecursionError traceback
     ('{"text": "an emoji cut \\ud83d here"}', "holds a lone UTF-16 surrogate (\\ud83d: half of a character"),
     ('{"messages": [{"role": "user", "content": "q \\uDE00"}, {"role": "assistant", "content": "a"}]}',

@@ -48,15 +48,24 @@ def jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
             yield where, record
 
 
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
+              type(None): "null"}
+
+
+def json_kind(value) -> str:
+    """What a parsed JSON value is, in JSON's words ("null", "an array"; Python's said "NoneType", "a int")."""
+    return JSON_KINDS.get(type(value), f"a {type(value).__name__}")
+
+
 def record_problem(record) -> str | None:
     """What is wrong with one parsed record, or None."""
     if not isinstance(record, dict):
-        return f"a JSON {type(record).__name__}; expected an object, {FORMS}"
+        return f"the line is {json_kind(record)}; expected an object, {FORMS}"
     if ("text" in record) == ("messages" in record):
         keys = ", ".join(map(repr, record)) or "none"
         return f"expected a \"text\" or a \"messages\" key (one of them), {FORMS}; found keys {keys}"
     if "text" in record:
-        return None if isinstance(record["text"], str) else f"\"text\" is a {type(record['text']).__name__}; expected a string"
+        return None if isinstance(record["text"], str) else f"\"text\" is {json_kind(record['text'])}; expected a string"
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         return "\"messages\" must be a list of at least one {\"role\": ..., \"content\": \"...\"} object"
@@ -70,7 +79,7 @@ def record_problem(record) -> str | None:
         if calls and (problem := arguments_problem(calls)):
             return f"messages[{i}] (assistant) {problem}"
         if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
-            return f"messages[{i}] ({m['role']}) content is a {type(m.get('content')).__name__}; expected a string"
+            return f"messages[{i}] ({m['role']}) content is {json_kind(m.get('content'))}; expected a string"
         if m["role"] == "assistant" and not calls and not m["content"].strip():
             return (f"messages[{i}] is an assistant message with empty content and no tool_calls; expected the "
                     f"reply to train on")
