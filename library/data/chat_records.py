@@ -48,8 +48,8 @@ def jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
             yield where, record
 
 
-JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number", float: "a number",
-              type(None): "null"}
+JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
+              float: "a number", type(None): "null"}
 
 
 def json_kind(value) -> str:
@@ -65,7 +65,8 @@ def record_problem(record) -> str | None:
         keys = ", ".join(map(repr, record)) or "none"
         return f"expected a \"text\" or a \"messages\" key (one of them), {FORMS}; found keys {keys}"
     if "text" in record:
-        return None if isinstance(record["text"], str) else f"\"text\" is {json_kind(record['text'])}; expected a string"
+        text = record["text"]
+        return None if isinstance(text, str) else f"\"text\" is {json_kind(text)}; expected a string"
     messages = record["messages"]
     if not isinstance(messages, list) or not messages:
         return "\"messages\" must be a list of at least one {\"role\": ..., \"content\": \"...\"} object"
