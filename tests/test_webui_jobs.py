@@ -462,24 +462,29 @@ def test_a_job_whose_row_goes_away_while_it_runs_does_not_stop_the_devices_queue
         runner.close()
 
 
-def test_a_cpu_workers_job_sees_no_gpu(tmp_path, monkeypatch):
-    """Old: the cpu worker launched the trainer with CUDA_VISIBLE_DEVICES as the UI had it (unset: every
-    GPU); train_lora.py's Accelerator takes CUDA where it sees it, so a "cpu" job ran on cuda:0 beside
-    the cuda:0 worker's job. Now it is launched with none visible; a cuda:N worker's job sees GPU N."""
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+def jobs_run_by(tmp_path, script: str, devices: tuple[str, ...]):
+    """A job per device, each run to its end by a stand-in trainer (`script`, sh) -> (store, {device: job})."""
     fake = tmp_path / "python"
-    fake.write_text('#!/bin/sh\necho "CUDA_VISIBLE_DEVICES=[${CUDA_VISIBLE_DEVICES-unset}]"\n')
+    fake.write_text(f"#!/bin/sh\n{script}\n")
     fake.chmod(0o755)
     store = JobStore(str(tmp_path / "jobs"))
-    jobs = {device: store.create(device, {"output_name": "lora"}, 1, queue=True, device=device)
-            for device in ("cpu", "cuda:1")}
-    runner = Runner(store, str(tmp_path), devices=tuple(jobs), python=str(fake), poll=0.05)
+    jobs = {device: store.create(device, {"output_name": "lora"}, 1, queue=True, device=device) for device in devices}
+    runner = Runner(store, str(tmp_path), devices=devices, python=str(fake), poll=0.05)
     runner.start()
     try:
         for job in jobs.values():
             wait_for(lambda job=job: store.get(job.id).state == "done", 10, f"the {job.device} job")
     finally:
         runner.close()
+    return store, jobs
+
+
+def test_a_cpu_workers_job_sees_no_gpu(tmp_path, monkeypatch):
+    """Old: the cpu worker launched the trainer with CUDA_VISIBLE_DEVICES as the UI had it (unset: every
+    GPU); train_lora.py's Accelerator takes CUDA where it sees it, so a "cpu" job ran on cuda:0 beside
+    the cuda:0 worker's job. Now it is launched with none visible; a cuda:N worker's job sees GPU N."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1")
+    store, jobs = jobs_run_by(tmp_path, 'echo "CUDA_VISIBLE_DEVICES=[${CUDA_VISIBLE_DEVICES-unset}]"', ("cpu", "cuda:1"))
     seen = {device: open(job.log_path).read().splitlines()[-1] for device, job in jobs.items()}
     assert seen == {"cpu": "CUDA_VISIBLE_DEVICES=[]", "cuda:1": "CUDA_VISIBLE_DEVICES=[1]"}
 
@@ -490,19 +495,7 @@ def test_the_default_devices_job_gets_its_peak_vram(tmp_path, monkeypatch):
     from library.ui import runner as runner_module
 
     monkeypatch.setattr(runner_module, "gpu_memory", lambda pid: 2 * 2**30)  # nvidia-smi's answer for the job
-    fake = tmp_path / "python"
-    fake.write_text("#!/bin/sh\nsleep 0.3\n")
-    fake.chmod(0o755)
-    store = JobStore(str(tmp_path / "jobs"))
-    jobs = {device: store.create(device, {"output_name": "lora"}, 1, queue=True, device=device)
-            for device in ("cpu", "default")}
-    runner = Runner(store, str(tmp_path), devices=tuple(jobs), python=str(fake), poll=0.05)
-    runner.start()
-    try:
-        for job in jobs.values():
-            wait_for(lambda job=job: store.get(job.id).state == "done", 10, f"the {job.device} job")
-    finally:
-        runner.close()
+    store, jobs = jobs_run_by(tmp_path, "sleep 0.3", ("cpu", "default"))
     assert {device: store.get(job.id).peak_vram for device, job in jobs.items()} == {"cpu": 0, "default": 2 * 2**30}
 
 
