@@ -113,6 +113,12 @@ def test_plan_memory_on_the_tiny_config_prints_every_phase_and_what_fits(tiny_se
     assert len(rows) >= 8 and {line.split()[0] for line in rows} == {"bf16", "fp8_scaled", "nf4", "int8"}
     for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):  # low-bit under 16 GiB, each base
         assert [line.split()[0] for line in rows if f"{key} = true (+" in line] == ["bf16", "fp8_scaled", "nf4", "int8"]
+    # a keeping key the config sets false gets no row (old: offered as if unset)
+    off = write_config(tmp_path / "off.toml", **{**toml.load(config), "checkpoint_saves_projections": False})
+    assert plan_memory.main(["--config_file", off, "--vram", "12", "--base_precision", "int8"]) == 0
+    rows_off = capsys.readouterr().out
+    assert "checkpoint_saves_projections = true (+" not in rows_off
+    assert "checkpoint_saves_attention = true (+" in rows_off
     assert [line for line in only.splitlines() if "gradient_checkpointing=" in line] == [
         line for line in rows if line.split()[0] == "int8"]
     assert only.split("\nOn a ")[0] == out.split("\nOn a ")[0]  # the run's own phases, as its config sets them

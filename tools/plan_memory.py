@@ -486,8 +486,8 @@ def kept_tensor_rows(family, args, step: LargestStep, vram_gib: float, planned: 
     trains)."""
     rows = []
     for key, gain in KEEPING_KEYS.items():
-        if getattr(args, key):
-            continue  # the rows above already plan it
+        if getattr(args, key) is not None:
+            continue  # true: the rows above plan it; false: the config's own choice (a row offered it all the same)
         for base in [base for base, ckpt in planned if ckpt]:
             trial = setting_args(family, args, base, True)
             setattr(trial, key, True)
