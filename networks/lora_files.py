@@ -373,7 +373,8 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
     # PEFT alphas by component: a pipeline save of the transformer and a text encoder has each's own (no common
     # prefix: the transformer's were read as LoraConfig's default, 8)
     heads = _component_heads(metadata) if fmt == "peft" and adapter_config is None else []
-    alphas = {}  # component head -> (default alpha, alpha_pattern, rslora)
+    # component head (the file's common prefix where the header names none) -> (default alpha, alpha_pattern, rslora)
+    alphas = {h: _peft_alphas(metadata, h, adapter_config) for h in [*heads, prefix]} if fmt == "peft" else {}
     weights = {}
     for module, parts in groups.items():
         if "down" not in parts or "up" not in parts:
@@ -395,10 +396,9 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
                                   f"LoRA per module (tools/combine_loras.py adds two LoRAs)")
         if "alpha" in parts:  # 0 means alpha = rank (scale 1), as sd-scripts' LoRAModule reads it
             alpha = stored_alpha(parts["alpha"], source, module) or float(rank)
-        elif fmt == "peft" and (peft := _module_alphas(module, path, prefix, heads, alphas, metadata,
-                                                     adapter_config))[0] is not None:
-            default_alpha, alpha_pattern, rslora, pattern_path = peft
-            alpha = float(_pattern_alpha(pattern_path, default_alpha, alpha_pattern))
+        elif fmt == "peft" and alphas[head := next((h for h in heads if module.startswith(h)), prefix)][0] is not None:
+            default_alpha, alpha_pattern, rslora = alphas[head]  # its patterns match the path inside its component
+            alpha = float(_pattern_alpha(module[len(head):], default_alpha, alpha_pattern))
             alpha = alpha * rank**0.5 if rslora else alpha  # rsLoRA scale alpha/sqrt(r) as alpha'/r
         else:
             alpha = float(rank)  # no alpha stored: the PEFT convention, scale 1
@@ -410,16 +410,6 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
             magnitude = magnitude.reshape(-1)
         weights[path] = LoRAWeights(down, up, alpha, magnitude)
     return weights, fmt
-
-
-def _module_alphas(module: str, path: str, prefix: str, heads: list[str], alphas: dict, metadata: dict,
-                   adapter_config: dict | None):
-    """(default alpha, alpha_pattern, rslora, the path its patterns match) of a PEFT module: those of its
-    component (heads) where the header names components, else the file's (prefix)."""
-    head = next((h for h in heads if module.startswith(h)), prefix)
-    if head not in alphas:
-        alphas[head] = _peft_alphas(metadata, head, adapter_config)
-    return *alphas[head], (module[len(head):] if head != prefix else path)
 
 
 def stored_alpha(stored: torch.Tensor, source: str, module: str) -> float:
