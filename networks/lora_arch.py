@@ -279,6 +279,15 @@ def module_of_key(key: str) -> str:
 # A base checkpoint's architecture, by the same markers (a model's weight names are its LoRA's module names)
 
 
+def check_model_files(family, path: str) -> None:
+    """family.check_model_files() (train_lora.py's check before caching, generate's before loading), its refusal
+    of the transformer at `path` naming the family whose keys the file has (other_arch_hint)."""
+    try:
+        family.check_model_files()
+    except CheckpointError as e:
+        raise CheckpointError(f"{e}{other_arch_hint(str(e), path, family.arch)}") from None
+
+
 def other_arch_hint(said: str, path: str, arch: str) -> str:
     """"; its keys are a <arch> transformer's: set model_type = ..." where the line a check `said` refuses the
     checkpoint at `path` (a file or folder given as `arch`'s transformer) and it is another registered

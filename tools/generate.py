@@ -104,7 +104,7 @@ import torch  # noqa: E402
 
 from library.models.family import family_class, stack_text, warn_unread_prompt_options  # noqa: E402
 from library.io import CheckpointError  # noqa: E402
-from networks.lora_arch import other_arch_hint  # noqa: E402
+from networks.lora_arch import check_model_files  # noqa: E402
 from library.models.vae import decoding_in_tiles  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts  # noqa: E402
 from library.data.prompts import (SamplePrompt, check_flow_shift, check_guidance, check_seed, decode_references,  # noqa: E402
@@ -291,10 +291,7 @@ def generate(args) -> list[str]:
         if note := family.lora_release_note(header):
             print(f"note: {spec.path} {note}")
     check_model_options(args, family)
-    try:  # every file by its header (a VAE, encoders of the transformer's width), as training does
-        family.check_model_files()
-    except CheckpointError as e:  # another family's transformer: which one, where its keys tell
-        raise CheckpointError(f"{e}{other_arch_hint(str(e), args.model, family.arch)}") from None
+    check_model_files(family, args.model)  # every file by its header (a VAE, encoders of its width), as training does
     check_stored_base(args, family)  # before any model loads
     check_lora_modules(family, loras, args.base_precision)
     prompts = collect_prompts(args, family)

@@ -38,9 +38,8 @@ from library.training.lora_inputs import (check_lora_inputs, check_network_fits,
                                           load_network_weights)
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
-from library.io import CheckpointError
 from networks.factory import build_network
-from networks.lora_arch import other_arch_hint
+from networks.lora_arch import check_model_files
 
 
 
@@ -138,10 +137,7 @@ def check_before_caching(args, family) -> tuple[str | None, str | None]:
     built on the meta device (seconds): DiffusionTask, the web UI's config check (library/ui/config_check.py) and tools/plan_memory.py run this one
     function, so a config one refuses the others refuse with the same line. (stored, widened): the base's
     pre-quantized layout and its plain e5m2 one (None, None: a high-precision file)."""
-    try:
-        family.check_model_files()  # a wrong file stops the run now, not after caching
-    except CheckpointError as e:  # another family's transformer: which one, where its keys tell
-        raise CheckpointError(f"{e}{other_arch_hint(str(e), args.pretrained_model_name_or_path, family.arch)}") from None
+    check_model_files(family, args.pretrained_model_name_or_path)  # a wrong file stops the run now, not after caching
     check_blocks_to_swap(args, family)
     check_unread_keys(args, family)
     check_network_settings(args, family.arch)
