@@ -44,8 +44,8 @@ from library.models.registry import FAMILIES, arch_spec  # noqa: E402
 # target-only inputs, whose reference tokens go through the same layers (and, where they only add a
 # first-axis position, positions exact in every dtype), so the same fp8 damage shows.
 BASE_MODES = ("fp32", "bf16", "fp8", "fp8_scaled", "fp8_compute")
-LORA_MODES = ("bf16+lora", "fp32+lora", "fp8+lora", "fp8_scaled+lora", "fp8_compute+lora", "fp8+merge_rtn", "fp8+merge_sr",
-              "fp8+merge_into_fp8")
+LORA_MODES = ("bf16+lora", "fp32+lora", "fp8+lora", "fp8_scaled+lora", "fp8_compute+lora", "fp8+merge_rtn",
+              "fp8+merge_sr", "fp8+merge_into_fp8")
 COMPUTED = {"fp8_compute": "fp8_scaled"}  # a mode run as fp8 GEMMs -> how its weights are stored
 VAE_PATCH = 16  # pixels per packed token: 8x VAE downsampling x 2x2 patches
 

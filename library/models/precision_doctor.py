@@ -470,15 +470,13 @@ def lora_effects(runs: dict[str, ModeRun]) -> dict:
     pred(same base without LoRA), compared to the reference effect (see _kept): fp32's where fp32+lora ran, else
     bf16's. (Against bf16's alone, its activation rounding sat in the denominator: every share came out
     ~|effect|^2 / (|effect|^2 + |noise|^2), runtime fp8 + LoRA "kept 0.91" of a LoRA at 3x the floor, 1.00 vs fp32.)"""
-    def effect(name: str) -> torch.Tensor:
-        return torch.cat([a - b for a, b in zip(runs[name].preds, runs[base_of(name)].preds)])
-
-    reference = "fp32+lora" if "fp32+lora" in runs and "fp32" in runs else "bf16+lora"
-    ref, bf16 = effect(reference), effect("bf16+lora")
+    effects = {name: torch.cat([a - b for a, b in zip(run.preds, runs[base_of(name)].preds)])
+               for name, run in runs.items() if "+" in name and base_of(name) in runs}
+    reference = "fp32+lora" if "fp32+lora" in effects else "bf16+lora"
     base_norm = torch.cat(runs["bf16"].preds).double().norm().item()
-    out = {"bf16+lora": {"effect_size": bf16.double().norm().item() / base_norm if base_norm else 0.0},
+    out = {"bf16+lora": {"effect_size": effects["bf16+lora"].double().norm().item() / base_norm if base_norm else 0.0},
            "reference": reference}
-    for name in runs:
-        if "+" in name and name != reference and base_of(name) in runs:
-            out[name] = {**out.get(name, {}), **_kept(effect(name), ref)}
+    for name, effect in effects.items():
+        if name != reference:
+            out[name] = {**out.get(name, {}), **_kept(effect, effects[reference])}
     return out
