@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from library.training.config import SCHEMA
+from library.training.config_schema import SCHEMA
 from library.training.diffusion_task import DiffusionTask, compile_by_default
 
 

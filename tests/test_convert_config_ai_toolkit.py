@@ -10,7 +10,8 @@ import yaml
 from library.data.dataset_config import load_dataset_config, parse_dataset_config
 from library.data.prompts import read_prompt_file
 from library.models.registry import FAMILIES, arch_specs
-from library.training.config import SCHEMA, load_config
+from library.training.config import load_config
+from library.training.config_schema import SCHEMA
 from library.training.peers.ai_toolkit import translate
 from library.training.peers.rules import DROPPED, NOT_CARRIED, RENAMED, UNKNOWN
 from tools.convert_config import main

@@ -155,19 +155,19 @@ def test_inference_sigmas_of_an_architecture_without_a_schedule_is_one_line():
 
 
 def test_every_family_config_key_is_in_the_schema_and_shared_keys_join(monkeypatch):
-    from library.training import config
+    from library.training import config_schema
 
     for spec in arch_specs().values():
         for key in spec.config_keys:
-            assert key.key in config.SCHEMA and spec.title in config.SCHEMA[key.key].help
+            assert key.key in config_schema.SCHEMA and spec.title in config_schema.SCHEMA[key.key].help
     a = dataclasses.replace(arch_specs()["llm"], arch="a", title="A", config_keys=(ConfigKey("text_encoder", str, "one"),))
     b = dataclasses.replace(a, arch="b", title="B", config_keys=(ConfigKey("text_encoder", str, "two"),))
-    monkeypatch.setattr(config, "arch_specs", lambda: {"a": a, "b": b})
-    assert config.family_keys()["text_encoder"].help == "A: one; B: two"
+    monkeypatch.setattr(config_schema, "arch_specs", lambda: {"a": a, "b": b})
+    assert config_schema.family_keys()["text_encoder"].help == "A: one; B: two"
     c = dataclasses.replace(a, arch="c", config_keys=(ConfigKey("text_encoder", int, "three"),))
-    monkeypatch.setattr(config, "arch_specs", lambda: {"a": a, "c": c})
+    monkeypatch.setattr(config_schema, "arch_specs", lambda: {"a": a, "c": c})
     with pytest.raises(TypeError, match="'text_encoder': c declares it with another type"):
-        config.family_keys()
+        config_schema.family_keys()
 
 
 @pytest.mark.parametrize("arch", DIFFUSION_ARCHS)

@@ -312,7 +312,7 @@ def test_latent_caching_encodes_vae_batch_size_images_at_a_time(monkeypatch):
     import torch
 
     from library.training import diffusion_task
-    from library.training.config import SCHEMA
+    from library.training.config_schema import SCHEMA
 
     assert SCHEMA["vae_batch_size"].default == 4  # sd-scripts' name; cache_latents' batch so far
     seen = {}

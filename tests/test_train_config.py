@@ -521,7 +521,7 @@ def test_a_resumed_eval_log_keeps_its_start_row(tmp_path):
 def test_every_key_is_named_in_the_configuration_docs():
     """README said docs/configuration.md holds every key; 14 of the schema's were named nowhere (their defaults
     only in --help)."""
-    from library.training.config import SCHEMA
+    from library.training.config_schema import SCHEMA
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     docs = ""

@@ -174,7 +174,7 @@ def owner(peer: str) -> str:
 def render_config(t: Translation, dataset_file: str | None) -> str:
     """Our config as TOML: its keys in the schema's order, then the keys not carried as comments."""
     from library.text_files import toml_dumps
-    from library.training.config import SCHEMA
+    from library.training.config_schema import SCHEMA
 
     keys = dict(t.config)
     if dataset_file is not None:

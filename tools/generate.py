@@ -28,7 +28,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.models.registry import BASE_PRECISIONS, FAMILIES, arch_specs  # noqa: E402
-from library.training.config import FAMILY_KEYS, PRECISION_NAMES  # noqa: E402
+from library.training.config_schema import FAMILY_KEYS, PRECISION_NAMES  # noqa: E402
 from library.training.config_keys import family_key_bounds, unread_family_keys  # noqa: E402
 from tools.cli import check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
 

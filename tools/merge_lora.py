@@ -92,7 +92,7 @@ from typing import Iterator
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.training.config import PRECISION_NAMES  # noqa: E402
+from library.training.config_schema import PRECISION_NAMES  # noqa: E402
 from library.errors import printed_warnings  # noqa: E402
 from tools.cli import Parser, check_command_line, save_precision_name, exit_without_collecting  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402

@@ -78,7 +78,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
-from library.training.config import KEEPING_KEYS  # noqa: E402
+from library.training.config_schema import KEEPING_KEYS  # noqa: E402
 from library.data.image_folders import LargestStep, largest_step  # noqa: E402
 from library.training.memory_plan import (  # noqa: E402
     CUDA_CONTEXT_BYTES, KEEPING_MARGIN, GiB, bf16_reference_by_swap, caching_phase, meta_model_and_network,
@@ -135,7 +135,7 @@ class PresetFamily:
 
 
 def default_args(model_type: str) -> argparse.Namespace:
-    from library.training.config import SCHEMA
+    from library.training.config_schema import SCHEMA
 
     args = argparse.Namespace(**{k: spec.default for k, spec in SCHEMA.items()})
     args.config_file, args.model_type = None, model_type

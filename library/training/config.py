@@ -1,9 +1,8 @@
 """Training arguments: one schema, read from a TOML file and overridden from the command line.
 
-Names follow kohya sd-scripts / musubi-tuner where one exists. Every key is declared once below
-with its type, default and a one-line description; unknown keys, wrong types and impossible
-combinations are errors that name the key and the file. Booleans in TOML are TOML booleans; on
-the command line they are `--flag` / `--flag true|false`.
+Every key is declared once in config_schema.py with its type, default and a one-line description;
+unknown keys, wrong types and impossible combinations are errors that name the key and the file.
+Booleans in TOML are TOML booleans; on the command line they are `--flag` / `--flag true|false`.
 
 This module is the command line's parser, so it imports nothing heavy (no torch): train_lora.py
 parses its arguments with it before loading torch, and --help or a bad flag answer at once.
@@ -15,219 +14,17 @@ import argparse
 import ast
 import math
 import os
-from dataclasses import dataclass
 from typing import Any
 
 import toml
 
 from library.errors import ConfigError, blame
-from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, SAMPLING_METHODS, arch_specs
+from library.models.registry import FAMILIES, arch_specs
 from library.text_files import read_utf8, toml_loads
+from library.training.config_schema import FAMILY_KEYS, KEEPING_KEYS, PRECISION_NAMES, SCHEMA
 from library.training.output_names import check_name_length
 from library.training.preservation import validate_preservation
 from library.training.run_length import check_ema_start, check_warmup
-
-PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (PRECISION_DTYPES below)
-
-
-@dataclass(frozen=True)
-class Arg:
-    type: type  # str, int, float, bool, list (of str)
-    default: Any
-    help: str
-    choices: tuple | None = None
-
-
-A = Arg
-
-
-def family_keys() -> dict[str, Arg]:
-    """Every family's own config keys (its spec's config_keys, in registration order). A key that
-    several families read (one file role, e.g. their one text encoder) must have one type; the
-    helps are joined, each after its family's title."""
-    keys: dict[str, Arg] = {}
-    for spec in arch_specs().values():
-        for k in spec.config_keys:
-            help = f"{spec.title}: {k.help}"
-            if k.key in keys:
-                if keys[k.key].type is not k.type or keys[k.key].default != k.default:
-                    raise TypeError(f"config key {k.key!r}: {spec.arch} declares it with another type or default")
-                help = f"{keys[k.key].help}; {help}"
-            keys[k.key] = Arg(k.type, k.default, help)
-    return keys
-
-
-FAMILY_KEYS = family_keys()
-SCHEMA: dict[str, Arg] = {
-    # what to train
-    "model_type": A(str, None, "model family", (*FAMILIES, "llm")),
-    "pretrained_model_name_or_path": A(str, None, "base checkpoint: BFL/diffusers file or folder, HF LLM folder"),
-    "ae": A(str, None, "VAE: the family's single file (e.g. ae.safetensors) or a diffusers vae folder"),
-    **FAMILY_KEYS,  # each family's text encoder files and options (its spec's config_keys)
-    "dataset_config": A(str, None, "dataset TOML (kohya schema)"),
-    # output
-    "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
-    "output_name": A(str, "lora", "file stem of the saved LoRA"),
-    "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors (float: sd-scripts' fp32)", (*PRECISION_NAMES, "float")),
-    "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, diffusion families: kohya), kohya (one .safetensors), "
-                                  "peft (llm: PEFT adapter folder <output_name>/), peft+kohya (both)",
-                     ("auto", "kohya", "peft", "peft+kohya")),
-    "save_every_n_steps": A(int, 0, "save the LoRA every N optimizer steps (0 = off)"),
-    "save_every_n_epochs": A(int, 0, "save the LoRA every N epochs (0 = off)"),
-    "save_last_n_saves": A(int, 0, "keep only the newest N intermediate saves (0 = keep all)"),
-    "save_state": A(bool, False, "also save optimizer/scheduler/RNG state with each save"),
-    "save_state_on_train_end": A(bool, False, "save the state with the final LoRA only (sd-scripts' key; "
-                                              "save_state saves it with every save)"),
-    "resume": A(str, None, "state folder to resume from"),
-    # network
-    "network_module": A(str, "networks.lora", "network type: networks.lora (LoRA, DoRA) or lycoris.kohya (LoKr, LoHa, ... via lycoris-lora)"),
-    "network_dim": A(int, 16, "LoRA rank"),
-    "network_alpha": A(float, 16.0, "LoRA alpha; scale = alpha / rank (0 means alpha = rank)"),
-    "network_args": A(list, [], "extra network options as 'key=value' strings"),
-    "network_weights": A(str, None, "initial LoRA weights: a .safetensors LoRA, or (llm) a PEFT adapter folder"),
-    "dim_from_weights": A(bool, False, "the network takes network_weights' modules, ranks and alphas (sd-scripts' key; "
-                                       "networks.lora): no others, network_dim / network_alpha unused"),
-    "base_loras": A(list, [], "LoRAs merged into the frozen base before training, 'path[:ratio]' (e.g. a distilled "
-                             "model's de-distillation adapter): not trained, not saved, recorded in the LoRA's metadata"),
-    "network_dropout": A(float, 0.0, "dropout on the LoRA down projection"),
-    "scale_weight_norms": A(float, None, "after each optimizer step, scale each LoRA module so ||(alpha/rank) up @ down|| "
-                                         "<= this (sd-scripts' max-norm regularization; 1 is its suggested start)"),
-    "pretrain": A(bool, False, "llm only: train the whole model instead of a LoRA"),
-    "scaled_residual_init": A(bool, True, "llm pretraining from a config.json: o_proj / down_proj start at std "
-                                          "0.02 / sqrt(2 * num_layers) as in GPT-2 (false: 0.02 like the other matrices)"),
-    # optimisation
-    "optimizer_type": A(str, "AdamW", "AdamW, AdamW8bit, Prodigy, Adafactor, SGDNesterov, DAdaptAdam, any torch.optim or "
-                                      "bitsandbytes optimizer, AdamWScheduleFree / RAdamScheduleFree / SGDScheduleFree "
-                                      "(schedulefree's), or module.Class"),
-    "optimizer_args": A(list, [], "optimizer options as 'key=value' strings (values are Python literals)"),
-    "learning_rate": A(float, 1e-4, "base learning rate (for Prodigy: 1.0, the step is d * lr)"),
-    "lr_scheduler": A(str, "constant", "diffusers scheduler", ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")),
-    "lr_warmup_steps": A(float, 0, "warmup: steps if >= 1, a fraction of max_train_steps if < 1"),
-    "lr_scheduler_num_cycles": A(int, 1, "cycles for cosine_with_restarts"),
-    "lr_scheduler_power": A(float, 1.0, "power for polynomial"),
-    "max_train_steps": A(int, 1600, "optimizer steps"),
-    "max_train_epochs": A(int, None, "if set, overrides max_train_steps"),
-    "gradient_accumulation_steps": A(int, 1, "micro-batches per optimizer step"),
-    "max_grad_norm": A(float, 1.0, "gradient clipping (0 = off)"),
-    "weight_decay_1d": A(bool, False, "also apply weight decay to 1-D parameters (biases, norms)"),
-    # precision and speed
-    "mixed_precision": A(str, "bf16", "compute dtype", ("no", "fp16", "bf16")),
-    "base_precision": A(str, None, "how the frozen base's Linears are stored: bf16 (the compute dtype), fp8, fp8_scaled, "
-                                   "nf4 / nf4_dq (4-bit NormalFloat, dq: double-quantized statistics), int8 (row-wise); "
-                                   "unset: from fp8_base / fp8_scaled", BASE_PRECISIONS),
-    "fp8_base": A(bool, False, "store base Linear weights in float8_e4m3fn (base_precision says it too)"),
-    "fp8_scaled": A(bool, True, "with fp8_base: per-block absmax scales (False = plain cast, as sd-scripts); "
-                                "a pre-quantized scaled file (ours, ComfyUI's per-tensor scaled) needs True"),
-    "fp8_compute": A(bool, False, "run the fp8 base's Linears as fp8 GEMMs (torch._scaled_mm, per-row scales; "
-                                  "GPUs of compute capability >= 8.9, or the CPU); needs an fp8 base and bf16"),
-    "gradient_checkpointing": A(bool, False, "per-block activation checkpointing"),
-    "checkpoint_saves_projections": A(bool, None, "with gradient_checkpointing: keep each block's last projection "
-                                                   "into the residual from the forward where a trained gate needs "
-                                                   "it (modulation among the LoRA targets) instead of recomputing "
-                                                   "it: step FLOPs x0.88-0.90 there for one [tokens, width] activation "
-                                                   "per stream and block (the planner counts it); eager or torch_compile. "
-                                                   "Unset: on a CUDA card, on where the planned step fits with it"),
-    "checkpoint_saves_attention": A(bool, None, "with gradient_checkpointing: keep each attention kernel's output "
-                                                 "(and its log-sum-exp) from the forward, so the recompute runs no "
-                                                 "attention: one [tokens, width] activation per attention call and "
-                                                 "block (the planner counts it); eager or torch_compile. Unset: on a "
-                                                 "CUDA card, on where the planned step fits with it"),
-    "blocks_to_swap": A(int, 0, "keep the last N transformer blocks' frozen weights in CPU memory, copied in per use "
-                                "(each block counts one, unlike sd-scripts' count for double-stream models: docs/configuration.md)"),
-    "block_swap_prefetch": A(int, 1, "swapped blocks copied ahead of their use (each one more block of device memory; "
-                                     "deeper hides large blocks' copies behind more compute)"),
-    "allow_tf32": A(bool, True, "TF32 matmuls on CUDA"),
-    "torch_compile": A(bool, None, "torch.compile each transformer block; unset: on where it was measured faster (a CUDA "
-                               "card with Triton, a model of 1 B parameters or more, networks.lora without DoRA, a bf16 / "
-                               "fp8 / fp8_scaled base, one process), else off"),
-    "seed": A(int, 42, "random seed"),
-    "max_data_loader_n_workers": A(int, 0, "DataLoader workers"),
-    "persistent_data_loader_workers": A(bool, False, "keep the DataLoader workers alive from epoch to epoch instead "
-                                                     "of starting them anew (with max_data_loader_n_workers > 0)"),
-    # caching: latents and caption embeddings are always computed once before training (the VAE
-    # and text encoders are then freed); these keep them on disk, reused while unchanged.
-    "cache_latents_to_disk": A(bool, False, "keep latent caches as safetensors beside the images"),
-    "cache_text_encoder_outputs_to_disk": A(bool, False, "keep text caches on disk"),
-    "keep_cache": A(bool, False, "keep the cache files of this model no entry uses (an old setting's, a removed "
-                                 "image's) instead of deleting them after caching (musubi-tuner's --keep_cache)"),
-    "text_encoder_precision": A(str, "bf16", "caption encoders' weights (fp8: T5-XXL / Qwen2.5-VL / Qwen3 Linears in e4m3, CLIP-L bf16)",
-                                ("fp32", "fp16", "bf16", "fp8", "fp8_scaled")),
-    "text_encoder_batch_size": A(int, 8, "captions per encoder batch while caching"),
-    "vae_batch_size": A(int, 4, "images per VAE encode while caching latents (float32: the caching phase's peak "
-                                "grows with it; tools/plan_memory.py)"),
-    # flow matching
-    "prior_loss_weight": A(float, 1.0, "loss weight of regularization images (dataset subsets with is_reg = true)"),
-    "timestep_sampling": A(str, None, "sigma sampling; default per model", SAMPLING_METHODS),
-    "discrete_flow_shift": A(float, 3.0, "k for timestep_sampling = shift"),
-    "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
-    "weighting_scheme": A(str, "none", "loss weighting", ("none", "sigma_sqrt", "cosmap")),
-    "loss_type": A(str, "l2", "loss", ("l2", "huber")),
-    "huber_c": A(float, 0.1, "huber threshold"),
-    "guidance_scale": A(float, 1.0, "guidance fed to a guidance-distilled model's embedding during training"),
-    # output preservation (ai-toolkit's; library/training/preservation.py): a second prompt's prediction held to the base's
-    "diff_output_preservation": A(bool, False, "hold the prediction for each caption with trigger_word replaced by "
-                                               "diff_output_preservation_class to the base's (the class keeps its look)"),
-    "trigger_word": A(str, None, "the word the captions use for the trained concept (read by diff_output_preservation)"),
-    "diff_output_preservation_class": A(str, None, "what replaces trigger_word in the second prompt, e.g. \"woman\""),
-    "diff_output_preservation_multiplier": A(float, 1.0, "weight of the diff_output_preservation term"),
-    "blank_prompt_preservation": A(bool, False, "hold the prediction for the empty prompt to the base's"),
-    "blank_prompt_preservation_multiplier": A(float, 1.0, "weight of the blank_prompt_preservation term"),
-    # samples and logging
-    "sample_prompts": A(str, None, "prompt file (sd-scripts syntax: prompt --w --h --s --d --g --n)"),
-    "sample_every_n_steps": A(int, 0, "render samples every N steps (0 = off)"),
-    "sample_every_n_epochs": A(int, 0, "render samples every N epochs (0 = off)"),
-    "sample_at_first": A(bool, False, "render samples before training"),
-    "sample_bf16_reference": A(bool, None, "on an fp8 / nf4 / int8 base: also render each sample on a bf16 base, side by side "
-                                           "(unset: on, unless the memory plan says that copy does not fit the card; never "
-                                           "on a pre-quantized checkpoint, which has no bf16 base)"),
-    "vae_tiling": A(bool, None, "decode samples in tiles (diffusers' tiled decode, as ComfyUI's tiled VAE decode; the "
-                                "decode's peak memory 3-8x lower at 1024 px; unset: on where the memory plan says a "
-                                "sample decoded whole does not fit the card)"),
-    "logging_dir": A(str, None, "TensorBoard log folder, a timestamped subfolder per run (CSV is always written)"),
-    # validation (diffusion; the held-out images are chosen in the dataset TOML)
-    "validate_every_n_steps": A(int, 0, "val_loss on the held-out images every N steps; always at the end (0 = end only)"),
-    # EMA of the trained weights (library/training/ema.py), saved beside the LoRA as <name>_ema.safetensors
-    "ema_decay": A(float, 0.0, "EMA decay per optimizer step, e.g. 0.999 (0 = off)"),
-    "ema_warmup": A(bool, False, "diffusers' EMAModel warmup: decay min(ema_decay, 1 - (1 + t / ema_inv_gamma) ** "
-                                 "-ema_power) at the t-th EMA update (0 at t = 0: the first update copies)"),
-    "ema_inv_gamma": A(float, 1.0, "ema_warmup: diffusers' inv_gamma (the warmup's time scale, in steps)"),
-    "ema_power": A(float, 2 / 3, "ema_warmup: diffusers' power (2/3: 0.999 after ~31600 updates, 3/4: after ~10000)"),
-    "ema_start_step": A(int, 0, "the EMA equals the raw weights up to this optimizer step, averages after it"),
-    "ema_device": A(str, "same", "where the float32 EMA lives: beside the weights, or in CPU memory", ("same", "cpu")),
-    "sample_with_ema": A(bool, False, "render samples with the EMA weights (swapped in, then back)"),
-    "log_prefix": A(str, None, "each run's TensorBoard folder in logging_dir is log_prefix + its start time "
-                               "(YYYYmmddHHMMSS, as sd-scripts; default: '<output_name>_'; a resume continues its "
-                               "state's); the wandb project (default: output_name)"),
-    "log_with": A(str, None, "trackers: tensorboard (default with logging_dir), wandb, all", ("tensorboard", "wandb", "all")),
-    # llm data
-    "train_data": A(list, [], "llm: .txt files (a document each) and .jsonl files (a {\"text\": ...} or {\"messages\": [...]} "
-                              "record a line), or folders whose .txt / .jsonl files (any case, subfolders too) are read"),
-    "train_on_all_tokens": A(bool, False, "llm: .jsonl \"messages\" records: the loss on every token of the conversation "
-                                          "(system, user, the template's), not only the assistant messages'"),
-    "attend_across_documents": A(bool, False, "llm: false (default): in a window that packs several documents / "
-                                              "conversations, each attends only to itself, its positions restart "
-                                              "at 0 and the target after its end (the next one's first token) is "
-                                              "not trained; true: the window is one sequence (as before the key)"),
-    "max_length": A(int, 256, "llm: tokens per window"),
-    "stride": A(int, None, "llm: window stride, <= max_length (unset: max_length, windows that neither overlap nor skip text)"),
-    "val_fraction": A(float, 0.1, "llm: share of tokens held out (0: evals give the sample alone, no val loss)"),
-    "eval_every_n_steps": A(int, 50, "llm: val loss / perplexity / sample interval"),
-    "sample_prompt": A(str, "The", "llm: prompt for the sample at each eval"),
-    "sample_chat_template": A(bool, None, "llm: sample_prompt as one user turn of the tokenizer's chat template with "
-                                          "its generation prompt, the sample its reply alone (unset: on when train_data "
-                                          "holds \"messages\" records; false: the prompt as raw text, continued)"),
-    "sample_max_new_tokens": A(int, 40, "llm: sample length"),
-    "temperature": A(float, 0.8, "llm: sampling temperature (0 = greedy)"),
-    "top_k": A(int, 40, "llm: top-k sampling"),
-    "batch_size": A(int, 8, "llm: windows per micro-batch"),
-}
-
-# The gradient-checkpointing keys that keep tensors from the forward for less recompute (each needs
-# gradient_checkpointing), in the order train_lora.py plans the unset ones against the card
-# (memory_plan.settle_keeping_keys: attention keeps tensors in every family, projections only where a
-# gate trains), each with what it buys (tools/plan_memory.py says it).
-KEEPING_KEYS = {"checkpoint_saves_attention": "no attention in the recompute",
-                "checkpoint_saves_projections": "less recompute"}
 
 
 def __getattr__(name: str):

@@ -81,8 +81,8 @@ def _shown(key: str, value: Any) -> str:
 
 
 def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where: str, schema: dict) -> None:
-    """Keys set where another key's value makes them do nothing, or pass over data (schema: config.SCHEMA, for the
-    defaults)."""
+    """Keys set where another key's value makes them do nothing, or pass over data (schema:
+    config_schema.SCHEMA, for the defaults)."""
     if args.model_type == "llm" and not args.sample_prompt:  # an empty prompt has no token to sample from
         raise ConfigError(f"{blame(origins, where, 'sample_prompt')}: key 'sample_prompt' must not be empty "
                           f"(the LLM's sample at each eval continues it)")
@@ -111,7 +111,7 @@ def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where:
 
 
 def unread_family_keys(model_type: str) -> dict[str, str]:
-    """The families' keys (config.FAMILY_KEYS) that a diffusion model_type never reads -> the model_types
+    """The families' keys (config_schema.FAMILY_KEYS) that a diffusion model_type never reads -> the model_types
     that do, for an error line (tools/generate.py refuses them as flags too)."""
     own = {k.key for k in spec_of(model_type).config_keys if not k.model_types or model_type in k.model_types}
     return {k: _readers(k) for k in family_key_names() if k not in own}
@@ -130,5 +130,5 @@ def _readers(key: str) -> str:
 
 
 def family_key_names() -> list[str]:
-    """Every family's own config keys (config.FAMILY_KEYS' names), in registration order."""
+    """Every family's own config keys (config_schema.FAMILY_KEYS' names), in registration order."""
     return list(dict.fromkeys(k.key for spec in arch_specs().values() for k in spec.config_keys))

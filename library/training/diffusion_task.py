@@ -31,8 +31,9 @@ from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import Preservation, get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan, preservation
-from library.training.config import (KEEPING_KEYS, SCHEMA, ConfigError, base_precision, check_fp8_compute_layout,
-                                     check_stored_precision, compute_dtype, lora_network_args, network_modules_from)
+from library.training.config import (ConfigError, base_precision, check_fp8_compute_layout, check_stored_precision,
+                                     compute_dtype, lora_network_args, network_modules_from)
+from library.training.config_schema import KEEPING_KEYS, SCHEMA
 from library.training.run_length import check_planned_steps, plan_steps
 from library.training.lora_inputs import (check_lora_inputs, check_network_fits, check_network_settings,
                                           load_network_weights)

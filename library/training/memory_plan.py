@@ -37,7 +37,7 @@ from library.data.image_folders import LargestStep
 from library.models.core import checkpointing
 from library.models.family import Preservation
 from library.models.registry import spec_of
-from library.training.config import KEEPING_KEYS
+from library.training.config_schema import KEEPING_KEYS
 from library.training.meta_cache import META_KERNELS
 from library.training.preservation import multiplier as preservation_multiplier, network_off, preserving
 

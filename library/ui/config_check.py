@@ -49,7 +49,7 @@ def error_key(message: str) -> str | None:
     """The config key an error line names (ConfigError says "key 'x'"; others start with the key), or None.
     A key the config may not have ("network_args: unknown key 'conv_dim'") gives way to the one the line starts
     with."""
-    from library.training.config import SCHEMA
+    from library.training.config_schema import SCHEMA
 
     match = KEY_IN_ERROR.search(message)
     named = match and (match.group(1) or match.group(2))

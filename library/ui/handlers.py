@@ -18,7 +18,8 @@ from library.data.image_names import is_image_name
 from library.data.prompts import parse_prompt_line
 from library.models.registry import BASE_PRECISIONS, FAMILIES  # noqa: F401 (BASE_PRECISIONS: the form's choices)
 from library.text_files import read_utf8, set_toml_keys, toml_dumps, toml_loads
-from library.training.config import KEEPING_KEYS, SCHEMA, _flatten
+from library.training.config import _flatten
+from library.training.config_schema import KEEPING_KEYS, SCHEMA
 from library.ui import commands, peer_configs, run_files
 from library.ui import runner as actions
 from library.ui.config_check import ConfigChecker, dataset_folders
@@ -632,7 +633,7 @@ class WebUI:
                     "--height", whole_number(v["width"], "size (px)"), "--steps", whole_number(v["steps"], "steps"),
                     "--base_precision", base_precision_of(config), "--out", out,
                     *rendering_as_trained(config, job.device)]
-            from library.training.config import FAMILY_KEYS
+            from library.training.config_schema import FAMILY_KEYS
 
             for key in (k for k in FAMILY_KEYS if k in config):  # generate.py reads these as the config's
                 value = config[key]  # a bool as generate.py's true / false (a skipped one drew with its default)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 
 from library.text_files import toml_loads
-from library.training.config import SCHEMA
+from library.training.config_schema import SCHEMA
 from library.training.peers import peers_of
 from library.training.peers.rules import flatten_tables
 from library.ui import commands

@@ -31,7 +31,7 @@ import os
 from typing import Any
 
 from library.models.registry import spec_of
-from library.training.config import SCHEMA
+from library.training.config_schema import SCHEMA
 from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules, sd_scripts_models as models
 from library.training.peers import sd_scripts_samples, sd_scripts_training as training_rules
 from library.training.peers.sd_scripts_defaults import note, their, their_default

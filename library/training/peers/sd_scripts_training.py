@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from library.models.registry import SAMPLING_METHODS
-from library.training.config import SCHEMA
+from library.training.config_schema import SCHEMA
 from library.training.peers import sd_scripts_models as models
 from library.training.peers.rules import (
     KEPT, RENAMED, Rule, Translation, custom, ignored, implied, is_off, is_true, same, unless_off, unless_schedule_free,
