@@ -331,7 +331,12 @@ def test_training_on_a_plain_e5m2_file_refuses_an_fp8_base_before_caching_and_re
                                      "--sample_prompts", str(prompts))) == 0
     with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
         assert f.metadata()["ss_base_precision"] == "fp8_e5m2"
-    assert Image.open(sample_png(out, "tiny_flux_lora", "final")).text["panels"] == "fp8_e5m2"  # the one base sampled
+    with Image.open(sample_png(out, "tiny_flux_lora", "final")) as png:
+        assert png.text["panels"] == "fp8_e5m2"  # the one base sampled
+        # the settings it was rendered with, under generate.py's names (old: prompt and panels alone)
+        assert {k: png.text.get(k) for k in ("size", "steps", "guidance", "lora", "model_type")} == {
+            "size": "32x32", "steps": "2", "guidance": "3.5", "lora": "tiny_flux_lora final", "model_type": "flux"}
+        assert png.text["seed"] == sample_png(out, "tiny_flux_lora", "final").stem.rsplit("_", 1)[1]
 
 
 def test_generate_reads_comfy_files_with_a_lora_on_top_and_records_the_stored_layout(tiny_set, tmp_path):
