@@ -22,6 +22,7 @@ import os
 import signal
 import sys
 import time
+import warnings
 
 from library.errors import exit_without_collecting, one_line_warnings
 from library.training.config import build_parser
@@ -574,6 +575,11 @@ def train(args) -> int:
 
 
 def main(argv=None) -> int:
+    if os.environ.get("RANK", "0") != "0":
+        # A process of torchrun / accelerate launch other than the main one: each reads the config and the prompts and
+        # scans the data alike, so the warnings (UserWarning: ours, a library's) are the main process's alone, once
+        # each. What fails in one process alone is a printed line (render_failed) or an error, not a warning.
+        warnings.filterwarnings("ignore", category=UserWarning)
     try:
         args = load_config(argv)
         return train(args)

@@ -1,7 +1,7 @@
 """The error a bad setting raises: a training option, a dataset or optimizer choice. Every command
 line prints it as one line and exits with status 2. It lives at the bottom of the library, apart
-from the config schema (library/training/config.py), so that the modules the schema itself calls to
-check a value (library/training/optim.py) can raise it without importing the schema back; nothing
+from the config reader (library/training/config.py), so that the modules the reader itself calls to
+check a value (library/training/optim.py) can raise it without importing the reader back; nothing
 here imports torch.
 
 Also here: how a command line prints the warnings it raises (one_line_warnings, printed_warnings) and

@@ -140,7 +140,7 @@ def ddp_runs(tiny_set, tmp_path_factory):
     folder = tmp_path_factory.mktemp("ddp")
     write_ddp_datasets(tiny_set, folder)
     one_prompt = folder / "one_prompt.txt"
-    one_prompt.write_text("a red square --w 64 --h 64 --s 1 --d 1\n")
+    one_prompt.write_text("a red square --w 64 --h 64 --s 1 --d 1 --n blurry\n")  # a negative FLUX.1 does not read
     ds1 = ["--dataset_config", str(folder / "ds1.toml")]
 
     def flux(name, *extra):
@@ -703,6 +703,10 @@ def test_a_render_failing_in_another_process_is_its_warning_line_and_every_proce
     assert ("warning: samples step000001 at step 1 failed in process 1 and are skipped, training goes on: "
             "OutOfMemoryError: CUDA out of memory (a test's)") in log, log[-2000:]
     assert (out / "tiny_flux_lora.safetensors").exists() and list(out.glob("*_step000001_*.png"))
+    # A warning every process meets alike (the prompt file's unread --n) is the main process's alone, once: it
+    # was printed by each process (as every dataset-scan warning), the main one's warnings holding it once.
+    warned = [open(f"{out}.rank{rank}.log").read().count("--n (--negative) is not read") for rank in (0, 1)]
+    assert warned == [1, 0], warned
 
 
 def test_a_sigterm_to_one_process_stops_every_process_at_that_step_with_the_save(ddp_runs):
