@@ -103,16 +103,24 @@ def test_sample_reference_takes_the_preferred_resolution_nearest_its_aspect():
     """A sample's reference is sized as FluxKontextPipeline(_auto_resize) sizes it: our table is the
     pipeline's, and the pick is the pipeline's min((|ratio - w / h|, w, h)) whatever the target (it was
     the target's bucket: a 1200 x 800 reference for a 512 x 512 sample was cropped to 512 x 512, the
-    pipeline renders it at 1248 x 832)."""
+    pipeline renders it at 1248 x 832). The ratio is of the sides the pipeline's image processor rounds down
+    to multiples of 16 (the raw ratio picked 1024 x 1024 for 600 x 642, the pipeline 944 x 1104: 4.8% of the
+    sizes 600-1700 px)."""
+    from diffusers.image_processor import VaeImageProcessor
     from diffusers.pipelines.flux import pipeline_flux_kontext as theirs
+    from PIL import Image
 
     from library.models.flux1.kontext import PREFERRED_RESOLUTIONS
 
     assert PREFERRED_RESOLUTIONS == theirs.PREFERRED_KONTEXT_RESOLUTIONS
     family = family_class("flux_kontext")("unused.safetensors")
-    for size in [(1200, 800), (800, 1200), (1000, 1000), (4000, 1000), (1000, 4000), (1500, 1100), (1023, 977)]:
-        _, w, h = min((abs(size[0] / size[1] - w / h), w, h) for w, h in theirs.PREFERRED_KONTEXT_RESOLUTIONS)
-        assert family.sample_control_bucket((512, 512), size) == (w, h)
+    processor = VaeImageProcessor(vae_scale_factor=16)  # FluxKontextPipeline's (the VAE's 8 x the 2 x 2 patches)
+    for size in [(1200, 800), (800, 1200), (1000, 1000), (4000, 1000), (1000, 4000), (1500, 1100), (1023, 977),
+                 (600, 642), (1095, 1009), (1000, 1250)]:
+        height, width = processor.get_default_height_width(Image.new("RGB", size))
+        _, w, h = min((abs(width / height - w / h), w, h) for w, h in theirs.PREFERRED_KONTEXT_RESOLUTIONS)
+        assert family.sample_control_bucket((512, 512), size) == (w, h), size
+    assert [family.sample_control_bucket((512, 512), s) for s in [(600, 642), (1095, 1009)]] == [(944, 1104), (1024, 1024)]
     assert family.sample_control_bucket((512, 512), (1200, 800)) == (1248, 832)
     assert family.control_bucket((512, 512), (1200, 800)) == (512, 512)  # training: the target's bucket (musubi-tuner's)
 

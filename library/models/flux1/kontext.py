@@ -47,8 +47,10 @@ class FluxKontextFamily(FluxFamily):
 
     def sample_control_bucket(self, target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
         """The preferred resolution nearest the reference's aspect ratio (the first of a tie, as
-        min() over the pipeline's table), whatever the target."""
-        ratio = size[0] / size[1]
+        min() over the pipeline's table), whatever the target. The ratio is the pipeline's: of the sides
+        rounded down to multiples of 16 first (its image processor's get_default_height_width)."""
+        w, h = (max(16, side // 16 * 16) for side in size)
+        ratio = w / h
         return min(PREFERRED_RESOLUTIONS, key=lambda wh: abs(ratio - wh[0] / wh[1]))
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance, control=None):
