@@ -224,7 +224,9 @@ def test_prior_loss_weight_without_regularization_images_stops_before_caching(ti
 
     monkeypatch.setattr(DiffusionTask, "_fill_caches", no_caching)
     assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--prior_loss_weight", "0.05")) == 2
-    assert "key 'prior_loss_weight' = 0.05 does nothing: no subset has is_reg = true" in capsys.readouterr().err
+    # where it was set: the command line, not the config file beside it (old)
+    assert (f"error: command line and {tiny_set['dataset_config']}: key 'prior_loss_weight' = 0.05 does nothing: no "
+            f"subset has is_reg = true") in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -232,7 +234,8 @@ def test_prior_loss_weight_without_regularization_images_stops_before_caching(ti
     (["--network_module", "lycoris.kohya", "--network_args", "algo=bogus"], "network_args 'algo': 'bogus' is not a LyCORIS algo"),
 ])
 def test_bad_network_args_stop_before_caching(tiny_set, tmp_path, monkeypatch, capsys, extra, message):
-    """The old line built the network after the caches: minutes on a real set before the one line."""
+    """The old line built the network after the caches: minutes on a real set before the one line. The line names
+    where network_args was set: the command line here, not the config file (configs/quickstart.toml) beside it."""
     from library.training.diffusion_task import DiffusionTask
 
     def no_caching(self):
@@ -240,7 +243,7 @@ def test_bad_network_args_stop_before_caching(tiny_set, tmp_path, monkeypatch, c
 
     monkeypatch.setattr(DiffusionTask, "_fill_caches", no_caching)
     assert train_lora.main(flux_args(tiny_set, tmp_path / "out", *extra)) == 2
-    assert message in capsys.readouterr().err
+    assert f"error: command line: {message}" in capsys.readouterr().err
 
 
 def test_validation_noise_does_not_move_with_the_datasets_listed_before_it(tmp_path):

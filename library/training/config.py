@@ -248,7 +248,7 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         if value is None:  # `none`: the key is unset, as if no one had given it
             del origins[key]
     _check_steps_override(values, origins)
-    args = argparse.Namespace(**values, config_file=cli.config_file)
+    args = argparse.Namespace(**values, config_file=cli.config_file, key_origins=origins)
     where = cli.config_file or "command line"
     from library.training.optim import check_optimizer, check_scheduler, optimizer_class  # here: it loads torch
     from library.training.schedule_free import check_schedule_free_run, is_schedule_free_class
@@ -273,6 +273,12 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     except ConfigError as e:
         raise ConfigError(f"{blame(origins, where, 'learning_rate', 'lr_scheduler')}: {e}") from None
     return args
+
+
+def where_set(args, *keys: str) -> str:
+    """Where the values of `keys` were set, to begin an error about them after load_config (a check against the
+    model or the data): each key's file or "command line" (blame), the config file for a key left at its default."""
+    return blame(getattr(args, "key_origins", {}), args.config_file or "command line", *keys)
 
 
 _WORD_LITERALS = {"true": True, "false": False, "none": None, "null": None,

@@ -32,7 +32,7 @@ from library.models.family import Preservation, get_family, stack_text, warn_unr
 from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan, preservation
 from library.training.config import (ConfigError, base_precision, check_fp8_compute_layout, check_stored_precision,
-                                     compute_dtype, lora_network_args, network_modules_from)
+                                     compute_dtype, lora_network_args, network_modules_from, where_set)
 from library.training.config_schema import KEEPING_KEYS, SCHEMA
 from library.training.run_length import check_planned_steps, plan_steps
 from library.training.lora_inputs import (check_lora_inputs, check_network_fits, check_network_settings,
@@ -185,7 +185,7 @@ def check_unread_keys(args, family) -> None:
         value = getattr(args, key)
         # guidance_scale 0: sd-scripts' setting for a model without guidance (its docs): as idle as 1
         if value != SCHEMA[key].default and not (key == "guidance_scale" and value == 0):
-            raise ConfigError(f"{args.config_file or 'command line'}: key '{key}' = {value} does nothing: "
+            raise ConfigError(f"{where_set(args, key)}: key '{key}' = {value} does nothing: "
                               f"{why}; remove it")
 
 
@@ -219,9 +219,9 @@ class DiffusionTask:
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
         if args.prior_loss_weight != 1.0 and not any(item.subset.is_reg for item in self.dataset.items):
-            raise ConfigError(f"{args.config_file or 'command line'} and {args.dataset_config}: key 'prior_loss_weight' "
-                              f"= {args.prior_loss_weight:g} does nothing: no subset has is_reg = true (it weights "
-                              f"the regularization images' loss)")
+            raise ConfigError(f"{where_set(args, 'prior_loss_weight')} and {args.dataset_config}: key "
+                              f"'prior_loss_weight' = {args.prior_loss_weight:g} does nothing: no subset has is_reg = "
+                              f"true (it weights the regularization images' loss)")
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
         check_planned_steps(args, plan_steps(args, self.batches_per_epoch(), state.progress if state else None),

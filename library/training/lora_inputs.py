@@ -16,10 +16,10 @@ def check_lora_inputs(args, arch: str) -> None:
     that the run's network cannot read: a LyCORIS file as network_weights of networks.lora (or a LoRA of
     lycoris.kohya), a LyCORIS file as base_loras (merged by tools/merge_lora.py only; one of whole deltas alone,
     LyCORIS' full type, merges as it is)."""
+    from library.training.config import where_set
     from networks.factory import network_module_of_file  # torch: not for the config check the web UI runs
     from networks.lora_reader import check_lora_arch, whole_deltas_only
 
-    where = args.config_file or "command line"
     named = [("network_weights", args.network_weights)] if args.network_weights else []
     named += [("base_loras", parse_lora_spec(entry, "base_loras").path) for entry in getattr(args, "base_loras", None) or []]
     for key, path in named:
@@ -28,10 +28,10 @@ def check_lora_inputs(args, arch: str) -> None:
             # base_loras merges a file of whole deltas alone as it is (a LyCORIS full type's too)
             kind = "networks.lora" if key == "base_loras" and whole_deltas_only(path) else network_module_of_file(path)
         except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-            raise ConfigError(f"{where}: key '{key}': {e}") from None
+            raise ConfigError(f"{where_set(args, key)}: key '{key}': {e}") from None
         wanted = (getattr(args, "network_module", None) or "networks.lora") if key == "network_weights" else "networks.lora"
         if kind != wanted:
-            raise ConfigError(f"{where}: key '{key}': {path}: {_KIND[kind]}; " + (
+            raise ConfigError(f"{where_set(args, key)}: key '{key}': {path}: {_KIND[kind]}; " + (
                 f"set network_module = \"{kind}\" to load it" if key == "network_weights" else
                 "merge it into the checkpoint with tools/merge_lora.py and train on the merged checkpoint"))
 
@@ -40,14 +40,14 @@ def check_network_settings(args, arch: str) -> None:
     """network_args against the network type and the architecture: a ConfigError naming the config. Here, not
     in load_config: the network modules (and LyCORIS) import torch, the web UI's process does not (its config
     check's helper process runs it: diffusion_task.check_before_caching, llm_task.check_before_loading)."""
-    from library.training.config import base_precision, base_precision_key, lora_network_args
+    from library.training.config import base_precision, base_precision_key, lora_network_args, where_set
     from networks.factory import check_network_args
 
     try:
         check_network_args(args.network_module, arch, lora_network_args(args), base_precision(args),
                            base_precision_key(args))
     except ValueError as e:
-        raise ConfigError(f"{args.config_file or 'command line'}: {e}") from None
+        raise ConfigError(f"{where_set(args, 'network_args')}: {e}") from None
 
 
 def check_network_fits(args, arch: str, meta_model) -> None:
@@ -62,13 +62,15 @@ def check_network_fits(args, arch: str, meta_model) -> None:
     is named now)."""
     import warnings
 
-    where = args.config_file or "command line"
+    from library.training.config import where_set
+
     model = meta_model()
     try:  # with dim_from_weights the build reads network_weights: its errors are that key's
         network = _network_on_meta(args, arch, model)
     except ValueError as e:  # CheckpointError is a ValueError
-        raise ConfigError(f"{where}: key 'network_weights': {e}" if args.dim_from_weights else f"{where}: {e}") from None
-    _check_base_loras_fit(args, arch, model, where)
+        raise ConfigError(f"{where_set(args, 'network_weights')}: key 'network_weights': {e}" if args.dim_from_weights
+                          else f"{where_set(args, 'network_args')}: {e}") from None
+    _check_base_loras_fit(args, arch, model, where_set(args, "base_loras"))
     if network is None or not args.network_weights or args.dim_from_weights:
         return
     try:
@@ -76,7 +78,7 @@ def check_network_fits(args, arch: str, meta_model) -> None:
             warnings.simplefilter("ignore")
             network.load_weights(args.network_weights, strict=False)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
-        raise ConfigError(f"{where}: key 'network_weights': {e}") from None
+        raise ConfigError(f"{where_set(args, 'network_weights')}: key 'network_weights': {e}") from None
 
 
 def _check_base_loras_fit(args, arch: str, model, where: str) -> None:

@@ -84,8 +84,8 @@ def start_trackers(accelerator, args, resumed_run: str | None, step: int) -> str
     init_kwargs = {"wandb": {"name": run}}
     if resumed_run:  # rows after the state's step, logged before a kill, are dropped as the CSV's are
         init_kwargs["tensorboard"] = {"purge_step": step + 1}
-    accelerator.init_trackers(args.log_prefix or args.output_name, config={k: str(v) for k, v in vars(args).items()},
-                              init_kwargs=init_kwargs)
+    config = {k: str(v) for k, v in vars(args).items() if k != "key_origins"}  # the values, not where they were set
+    accelerator.init_trackers(args.log_prefix or args.output_name, config=config, init_kwargs=init_kwargs)
     return run
 
 
