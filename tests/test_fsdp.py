@@ -16,7 +16,7 @@ from library.models.flux1.family import FluxFamily
 from library.precision.fp8 import quantize_module
 from library.training import fsdp
 from library.training.config import ConfigError
-from library.training.fsdp import check_fsdp, fp8_buffers_to_parameters
+from library.training.fsdp import check_fsdp, stored_buffers_to_parameters
 from networks.lora import LoRANetwork
 from tests.test_train_lora import ROOT, flux_args, free_port, launch, launched_log, returned, train_single
 from library.models.registry import arch_spec
@@ -46,6 +46,10 @@ FLUX_EQUALITY = ["--max_train_steps", "3", "--optimizer_type", "AdamW", "--optim
                  "--sample_prompts", "", "--validate_every_n_steps", "2"]  # quickstart: fp8_scaled base, fp32 compute
 
 
+LOWBIT_STEP = ["--max_train_steps", "1", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
+               "--sample_prompts", "", "--fp8_base", "false"]
+
+
 def qwen_equality(tiny_set):
     return ["--model_type", "qwen_image", "--pretrained_model_name_or_path", tiny_set["qwen_image"],
             "--ae", tiny_set["qwen_image_vae"], "--text_encoder", tiny_set["qwen_image_text_encoder"],
@@ -56,8 +60,11 @@ def qwen_equality(tiny_set):
 @pytest.fixture(scope="module")
 def fsdp_runs(tiny_set, tmp_path_factory):
     """This file's 2-process runs, in one launch through configs/accelerate/fsdp.yaml (2 gloo processes): the
-    flux (with validation) and Qwen-Image runs the equality tests compare with 1 process, and last the SIGTERM
-    to process 1 during the samples. -> (the folder with run <name>'s output in <name>/, the launch)."""
+    flux (with validation) and Qwen-Image runs the equality tests compare with 1 process, one step on an nf4 and
+    a GGUF base, and last the SIGTERM to process 1 during the samples. -> (the folder with run <name>'s output
+    in <name>/, the launch)."""
+    from tests.test_gguf import tiny_gguf
+
     folder = tmp_path_factory.mktemp("fsdp")
     for datasets, validation in (("validated", True), ("plain", False)):
         (folder / datasets).mkdir()
@@ -66,6 +73,9 @@ def fsdp_runs(tiny_set, tmp_path_factory):
     runs = [(None, flux_args(tiny_set, folder / "doubled_batch", "--dataset_config",
                              str(folder / "validated" / "ds1.toml"), *FLUX_EQUALITY)),
             (None, [*qwen_equality(tiny_set), *plain, "--output_dir", str(folder / "qwen")]),
+            (None, flux_args(tiny_set, folder / "nf4", *plain, *LOWBIT_STEP, "--base_precision", "nf4")),
+            (None, flux_args(tiny_set, folder / "gguf", *plain, *LOWBIT_STEP, "--pretrained_model_name_or_path",
+                             tiny_gguf(tiny_set, folder / "flux1-tiny-Q8_0.gguf")[0])),
             ("sigterm_to_process_1_in_a_render", flux_args(tiny_set, folder / "render", *plain, "--max_train_steps", "2",
                                                            "--sample_every_n_steps", "1"))]
     return folder, launch(["accelerate.commands.launch", "--config_file",
@@ -91,8 +101,7 @@ def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_ba
                            *FLUX_EQUALITY), monkeypatch)
 
     # Each process holds half of the base: the whole is what the fp8_scaled base weighs unsharded.
-    held = {int(m[0]): (int(m[1]), int(m[2])) for m in
-            re.findall(r"fsdp: process (\d) of 2 holds [^()]*\((\d+) of (\d+) bytes\)", output)}
+    held = held_bytes(output)
     base = FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32, "fp8_scaled")
     whole = sum(t.numel() * t.element_size() for t in [*base.parameters(), *base.buffers()])
     assert sorted(held) == [0, 1] and all(w == whole for _, w in held.values()), (held, whole)
@@ -103,6 +112,30 @@ def test_two_fsdp_processes_shard_the_base_and_equal_one_process_with_doubled_ba
     assert val_single[1] is not None and val_multi == pytest.approx(val_single, abs=1e-5)
     assert_same_lora(single_out / "tiny_flux_lora.safetensors", multi_out / "tiny_flux_lora.safetensors")
     LoRANetwork(base, "flux", 8, 8.0).load_weights(str(multi_out / "tiny_flux_lora.safetensors"))  # a normal file
+
+
+def held_bytes(output: str) -> dict[int, tuple[int, int]]:
+    """process -> (bytes of the base it holds, bytes of the whole base), from the launched run's fsdp lines."""
+    return {int(m[0]): (int(m[1]), int(m[2])) for m in
+            re.findall(r"fsdp: process (\d) of 2 holds [^()]*\((\d+) of (\d+) bytes\)", output)}
+
+
+@pytest.mark.parametrize("base", ["nf4", "gguf"])
+def test_an_nf4_or_gguf_base_is_sharded_too_and_trains_as_one_process(fsdp_runs, tiny_set, tmp_path, monkeypatch, base):
+    """Their stored tensors were buffers, which FSDP replicates: each of 2 processes held 72% (nf4) / 79% (GGUF)
+    of the tiny base (at full size nearly all of it), without a word. Now half, and the step's loss is one
+    process's with the doubled batch."""
+    folder, launched = fsdp_runs
+    out = folder / base
+    output = launched_log(out)
+    assert returned(out) == [0, 0], (output or launched.stderr)[-2000:]
+    held = held_bytes(output)
+    assert sorted(held) == [0, 1] and all(h <= 0.51 * w for h, w in held.values()), held
+    lowbit = (["--base_precision", "nf4"] if base == "nf4" else
+              ["--pretrained_model_name_or_path", str(folder / "flux1-tiny-Q8_0.gguf")])
+    train_single(flux_args(tiny_set, tmp_path, "--dataset_config", str(folder / "plain" / "ds2.toml"), *LOWBIT_STEP,
+                           *lowbit), monkeypatch)
+    assert read_log(out, "loss") == pytest.approx(read_log(tmp_path, "loss"), abs=1e-5)
 
 
 def test_qwen_image_under_fsdp_equals_one_process(fsdp_runs, tiny_set, tmp_path, monkeypatch):
@@ -157,7 +190,7 @@ def test_a_render_failing_in_one_fsdp_process_stops_the_run_with_its_line_not_a_
 def test_fp8_codes_become_frozen_parameters_with_the_same_values(tiny_set):
     model = quantize_module(FluxFamily(tiny_set["flux_bfl"]).load_transformer(torch.float32), "fp8_scaled", arch_spec("flux").fp8)
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    moved = fp8_buffers_to_parameters(model)
+    moved = stored_buffers_to_parameters(model)
     after = model.state_dict()
     assert moved > 0 and moved == sum(1 for k, v in after.items() if v.dtype == torch.float8_e4m3fn) * 2
     assert sorted(after) == sorted(before)
