@@ -27,7 +27,7 @@ import re
 import socket
 import sys
 import time
-from typing import Callable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.nn as nn
@@ -627,6 +627,18 @@ def state_and_config(model_or_sd, config):
     if isinstance(model_or_sd, torch.nn.Module):
         return model_or_sd.state_dict(), config or model_or_sd.config
     return dict(model_or_sd), config
+
+
+def metadata_config(reader: CheckpointReader, config_key: str, make: Callable[[str], Any]) -> Any:
+    """The config save_with_config wrote under `config_key`, made by `make` (its JSON text -> the config dataclass):
+    a broken one (not JSON, a field missing or unknown) is one CheckpointError naming the file and the key, not
+    json's bare "Expecting property name ..." or a dataclass's TypeError."""
+    try:
+        return make(reader.metadata[config_key])
+    except (ValueError, KeyError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        raise CheckpointError(f"{reader.path}: metadata '{config_key}' is not the model's config as this trainer "
+                              f"writes it ({type(e).__name__}: {e}); remove the key to read the sizes from the "
+                              f"tensors' shapes, or save the checkpoint again") from None
 
 
 def save_with_config(tensors: dict[str, torch.Tensor], path: str, config_key: str, config,

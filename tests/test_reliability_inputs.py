@@ -618,3 +618,23 @@ def test_sd_scripts_guidance_scale_0_for_a_model_without_guidance_is_taken(tiny_
     with pytest.raises(ValueError, match="key 'guidance_scale' = 2.0 does nothing"):
         check_unread_keys(args, get_family(args))
 
+
+
+@pytest.mark.parametrize("written", ['{"depth": 2', '{"no_such_field": 1}'])
+def test_a_broken_config_in_a_checkpoints_header_is_one_line_naming_the_file_and_key(tiny_set, tmp_path, capsys,
+                                                                                     written):
+    """A BFL file whose flux_config (save_with_config's) is not JSON printed json's bare "error: Expecting ','
+    delimiter: line 1 column 12 (char 11)", naming neither the file nor the key; one with a field FluxConfig lacks,
+    a TypeError traceback. Now one line naming both, exit 2, before caching."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    with safe_open(tiny_set["flux_bfl"], framework="pt") as f:
+        metadata = {**(f.metadata() or {}), "flux_config": written}
+    path = str(tmp_path / "flux1-broken.safetensors")
+    save_file(load_file(tiny_set["flux_bfl"]), path, metadata=metadata)
+    argv = flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path)
+    line = one_error_line(capsys, train_lora.main(argv))
+    assert line.startswith(f"error: {path}: metadata 'flux_config' is not the model's config as this trainer "
+                           f"writes it ("), line
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

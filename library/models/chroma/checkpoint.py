@@ -19,7 +19,7 @@ import torch
 
 from library.io import (
     CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    save_diffusers_folder, save_with_config, state_and_config,
+    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.chroma.model import Chroma, ChromaConfig
 from library.models.flux1.checkpoint import (  # FLUX.1's name map and row-joining view, unchanged
@@ -278,7 +278,7 @@ def load_chroma(
 
     if prefix is not None:
         if config is None and "chroma_config" in reader.metadata:
-            config = chroma_config_from_json(reader.metadata["chroma_config"])
+            config = metadata_config(reader, "chroma_config", chroma_config_from_json)
         if config is None:
             config = config_from_bfl_shapes({k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}, path)
         with torch.device("meta"):

@@ -23,7 +23,7 @@ from library.models.flux1.spec import FP8
 from library.precision.stored_layouts import read_stored_layout, stored_converter
 from library.io import (
     CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    save_diffusers_folder, save_with_config, state_and_config,
+    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
@@ -380,7 +380,7 @@ def load_flux(
 
     if prefix is not None:
         if config is None and "flux_config" in reader.metadata:
-            config = flux_config_from_json(reader.metadata["flux_config"])
+            config = metadata_config(reader, "flux_config", flux_config_from_json)
         if config is None:
             shapes = {k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}
             config = config_from_bfl_shapes(shapes, source=path)

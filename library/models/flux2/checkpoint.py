@@ -21,7 +21,7 @@ import torch
 
 from library.io import (
     CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    save_diffusers_folder, save_with_config, state_and_config,
+    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.flux1.checkpoint import (
     RowMap,
@@ -318,7 +318,7 @@ def load_flux2(
     prefix = _bfl_prefix(keys)
     if prefix is not None:
         if config is None and "flux2_config" in reader.metadata:
-            config = flux2_config_from_json(reader.metadata["flux2_config"])
+            config = metadata_config(reader, "flux2_config", flux2_config_from_json)
         if config is None:
             config = config_from_bfl_shapes({k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}, path)
         source = reader

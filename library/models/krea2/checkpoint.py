@@ -33,7 +33,7 @@ import torch
 
 from library.io import (
     CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    save_diffusers_folder, save_with_config, state_and_config,
+    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.krea2.model import Krea2, Krea2Config
 from library.precision.stored_layouts import read_stored_layout
@@ -227,7 +227,7 @@ def _source(path: str, reader: CheckpointReader, config: Krea2Config | None):
     if config is None and diffusers_json is not None:
         config = config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
     if config is None and CONFIG_KEY in reader.metadata:
-        config = krea2_config_from_json(reader.metadata[CONFIG_KEY])
+        config = metadata_config(reader, CONFIG_KEY, krea2_config_from_json)
     if config is None:
         config = config_from_shapes({k: source.shape(k) for k in source.keys()}, path)
     with torch.device("meta"):

@@ -24,7 +24,7 @@ import torch
 
 from library.io import (
     CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    save_diffusers_folder, save_with_config, state_and_config,
+    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.qwen_image21.model import QwenImage21, QwenImage21Config
 from library.models.qwen_image21.spec import FP8
@@ -147,7 +147,7 @@ def _source(path: str, reader: CheckpointReader, config: QwenImage21Config | Non
     if config is None and diffusers_json is not None:
         config = config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
     if config is None and CONFIG_KEY in reader.metadata:
-        config = QwenImage21Config(**json.loads(reader.metadata[CONFIG_KEY]))
+        config = metadata_config(reader, CONFIG_KEY, lambda text: QwenImage21Config(**json.loads(text)))
     if config is None:
         config = config_from_shapes(source, path)
     with torch.device("meta"):

@@ -32,7 +32,7 @@ import torch
 
 from library.io import (
     CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    save_diffusers_folder, save_with_config, state_and_config,
+    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.zimage.model import ZImage, ZImageConfig
 from library.models.zimage.spec import FP8
@@ -285,7 +285,7 @@ def _source(path: str, reader: CheckpointReader, config: ZImageConfig | None):
     if config is None and diffusers_json is not None:
         config = config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
     if config is None and CONFIG_KEY in reader.metadata:
-        config = zimage_config_from_json(reader.metadata[CONFIG_KEY])
+        config = metadata_config(reader, CONFIG_KEY, zimage_config_from_json)
     if config is None:
         extra = stored_extras(stored)
         config = config_from_shapes({k: source.shape(k) for k in source.keys() if not extra(k)}, path)
