@@ -100,6 +100,13 @@ def test_a_folder_where_the_lora_goes_or_a_file_where_the_state_goes_is_refused_
     load_config(flux_args(tiny_set, out))  # no state written: the file is no matter
     with pytest.raises(ConfigError, match="holds a file 'tiny_flux_lora-state' where the training state folder goes"):
         load_config(flux_args(tiny_set, out, "--save_state", "true"))
+    # A folder where the log CSV goes failed at the first step, after caching ("[Errno 21] Is a directory"); one
+    # where the lr plot goes, after the LoRA was saved (exit 2, naming a temporary file).
+    for entry, what in (("tiny_flux_lora_log.csv", "log CSV"), ("tiny_flux_lora_lr.png", "learning-rate plot")):
+        (out / entry).mkdir()
+        with pytest.raises(ConfigError, match=f"holds a folder '{entry}' where the {what} goes; move it"):
+            load_config(flux_args(tiny_set, out))
+        (out / entry).rmdir()
 
 
 def resume_mid_epoch(tiny_set, out, capsys, dataset_config: str, *first_args):

@@ -597,9 +597,14 @@ def lora_formats(args) -> list[str]:
 
 def _validate_output_paths(args: argparse.Namespace, where: str) -> None:
     """A folder where the run writes a file, or a file where it writes a folder, failed only at the save,
-    after every step had trained (os.replace: 'Is a directory')."""
+    after every step had trained (os.replace: 'Is a directory'); a folder where the log CSV goes failed at
+    the first step, after caching, and one where the lr plot goes after the LoRA was saved (exit 2)."""
     name = args.output_name
-    writes = [(f"{name}.safetensors", "the LoRA file", os.path.isdir)]
+    writes = [(f"{name}.safetensors", "the LoRA file", os.path.isdir),
+              (f"{name}_log.csv", "the log CSV", os.path.isdir),
+              (f"{name}_lr.png", "the learning-rate plot", os.path.isdir)]
+    if args.model_type == "llm":
+        writes.append((f"{name}_eval.csv", "the evaluations' CSV", os.path.isdir))
     if args.pretrain:  # the whole model, as a Hugging Face folder (no LoRA file)
         writes = [(name, "the pretrained model's folder", os.path.isfile)]
         _check_not_the_base(args, where)
