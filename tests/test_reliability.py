@@ -585,7 +585,13 @@ def break_train_state(state) -> str:
     return f"{state / 'train_state.json'}: not valid JSON"
 
 
-@pytest.mark.parametrize("damage", [truncate_optimizer, empty_optimizer, break_train_state])
+def mistype_the_step(state) -> str:  # old: a TypeError traceback at the resume's first subtraction, exit 1
+    progress = json.loads((state / "train_state.json").read_text())
+    (state / "train_state.json").write_text(json.dumps({**progress, "step": "two"}))
+    return f"{state / 'train_state.json'}: 'step' is 'two', expected a whole number >= 0; the state is damaged"
+
+
+@pytest.mark.parametrize("damage", [truncate_optimizer, empty_optimizer, break_train_state, mistype_the_step])
 def test_resume_from_a_damaged_state_is_one_error_line_before_the_models_load(trained, tiny_set, tmp_path, capsys,
                                                                               monkeypatch, damage):
     state = tmp_path / "state"

@@ -260,6 +260,14 @@ def read_progress(path: str) -> dict:
     missing = [k for k in PROGRESS_KEYS if not isinstance(progress, dict) or k not in progress]
     if missing:
         raise CheckpointError(f"{path}: no '{missing[0]}' (expected {', '.join(PROGRESS_KEYS)}); the state is damaged")
+    # ("step": "two" was a TypeError traceback at the resume's first subtraction; -5 was taken)
+    for key in ("step", "epoch", "batches_done"):
+        value = progress[key]
+        if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+            raise CheckpointError(f"{path}: '{key}' is {value!r}, expected a whole number >= 0; the state is damaged")
+    for key in ("scheduler", "run"):
+        if not isinstance(progress[key], dict):
+            raise CheckpointError(f"{path}: '{key}' is {progress[key]!r}, expected a JSON object; the state is damaged")
     return progress
 
 
