@@ -30,7 +30,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from library.models.registry import BASE_PRECISIONS, FAMILIES, arch_specs  # noqa: E402
 from library.training.config_schema import FAMILY_KEYS, PRECISION_NAMES  # noqa: E402
 from library.training.config_keys import family_key_bounds, unread_family_keys  # noqa: E402
-from tools.cli import check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
+from tools.cli import Parser, check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
 
 
 def _true_or_false(text: str) -> bool:
@@ -47,7 +47,7 @@ def _per_release(defaults: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model_type", required=True, choices=tuple(FAMILIES))
     p.add_argument("--model", required=True, help="transformer checkpoint (single file / diffusers folder / ComfyUI "
                                                    "file, fp8 and scaled fp8 ones used as they are)")
@@ -387,9 +387,8 @@ def model_settings(args, family, model) -> dict[str, str]:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
     try:
-        generate(args)
+        generate(build_parser().parse_args(argv))
     except (ValueError, CheckpointError, FileNotFoundError) as e:
         print(one_line(e), file=sys.stderr)
         return 2

@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools.cli import check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
+from tools.cli import Parser, check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
 
 # Pure-Python, well-documented modules that import without side effects on every platform.
 CORPUS_MODULES = (
@@ -70,7 +70,7 @@ def stdlib_docstrings(max_chars: int) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--output_dir", default="out/quickstart", help="where log.csv, loss.png, the model and tokenizer go")
     p.add_argument("--corpus_chars", type=int, default=500_000, help="characters of stdlib docstrings to use")
     p.add_argument("--vocab_size", type=int, default=1024, help="BPE vocabulary size")
@@ -93,7 +93,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv=None):
     """The arguments, with the model shape checked (a bad one is refused before the tokenizer trains)."""
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except ValueError as e:  # a bad flag (Parser's)
+        refuse(str(e))
     if args.heads < 1 or args.kv_heads < 1 or args.heads % args.kv_heads or args.hidden % args.heads:
         refuse(f"--hidden {args.hidden}, --heads {args.heads}, --kv_heads {args.kv_heads}: expected --hidden a multiple "
                f"of --heads and --heads a multiple of --kv_heads")

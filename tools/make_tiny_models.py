@@ -26,11 +26,11 @@ import sys
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from tools.cli import check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
+from tools.cli import Parser, check_command_line, check_out_folder, exit_without_collecting  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    parser = Parser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", required=True, help="output folder")
     parser.add_argument("--seed", type=int, default=0)
     return parser
@@ -147,8 +147,8 @@ def write_qwen3_vl(out: str, seed: int, width: int = TINY["lm_hidden"]) -> dict[
 
 
 def main(argv=None):
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         check_out_folder("--out", args.out, "the tiny models go there")  # a traceback after the first files
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

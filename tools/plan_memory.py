@@ -35,7 +35,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
-from tools.cli import check_command_line, exit_without_collecting  # noqa: E402
+from tools.cli import Parser, check_command_line, exit_without_collecting  # noqa: E402
 
 
 # The base precisions a card is planned with (the stored layout alone for a pre-quantized file); the
@@ -56,7 +56,7 @@ def presets() -> dict:
 def build_parser() -> argparse.ArgumentParser:
     from library.models.registry import BASE_PRECISIONS
 
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    p = Parser(description=__doc__.splitlines()[0])
     p.add_argument("--config_file", help="a train_lora.py TOML config (its files' headers are read)")
     p.add_argument("--preset", choices=sorted(presets()), help="a full-size model without files")
     p.add_argument("--vram", type=float, default=24.0, help="the card's memory in GiB")
@@ -507,11 +507,10 @@ def kept_tensor_rows(family, args, step: LargestStep, vram_gib: float, planned: 
 
 
 def main(argv=None) -> int:
-    p = build_parser()
-    args = p.parse_args(argv)
-    if bool(args.config_file) == bool(args.preset):
-        p.error("give --config_file or --preset")
     try:
+        args = build_parser().parse_args(argv)
+        if bool(args.config_file) == bool(args.preset):
+            raise ValueError("give --config_file or --preset")
         if problem := bad_value(args):
             raise ValueError(problem)
         with reusing_meta_models():  # every setting below plans one of a few models

@@ -20,11 +20,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The drawing is library's (train_lora.py draws its run too); that module loads no torch until it draws.
 from library.errors import exit_without_collecting  # noqa: E402
+from tools.cli import Parser  # noqa: E402
 from library.training.lr_plot import find_logs, plot_runs  # noqa: E402
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("runs", nargs="+", help="CSV logs or folders holding *_log.csv")
     p.add_argument("--out", default="lr_plot.png", help="PNG to write")
     p.add_argument("--log", action="store_true", help="log-scale y axes")
@@ -42,8 +43,8 @@ def check_out(out: str, runs: list[str]) -> None:
 
 
 def main(argv=None) -> list[str]:
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
         check_out(args.out, args.runs)
         if not 0 <= args.smooth < 1:  # 90 (a percent) drew a "smoothed" loss of 1e34
             raise ValueError(f"--smooth {args.smooth}: expected an EMA factor in [0, 1) (0.9 keeps 90% of the last value)")

@@ -24,13 +24,14 @@ if ROOT not in sys.path:
     sys.path.insert(0, ROOT)
 
 from library.errors import exit_without_collecting  # noqa: E402
+from tools.cli import Parser  # noqa: E402
 
 LOCAL_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def build_parser() -> argparse.ArgumentParser:
     summary = __doc__.split("\n\n")[0].replace("\n", " ")  # the first paragraph, whole
-    p = argparse.ArgumentParser(description=summary, allow_abbrev=False)
+    p = Parser(description=summary)
     p.add_argument("--host", default="127.0.0.1", help="address to serve on (another than 127.0.0.1 needs --password)")
     p.add_argument("--port", type=int, default=7860, help="the port to serve on (1-65535)")
     p.add_argument("--user", default="admin", help="the user name with --password")
@@ -85,7 +86,11 @@ def port_in_use(host: str, port: int) -> str | None:
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except ValueError as e:  # a bad flag (Parser's): one line, as every tool's
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     # Folders given on the command line are the caller's; the defaults are the repository's, where
     # jobs run (a config's relative paths mean there what they mean to train_lora.py run from it).
     jobs_dir = os.path.abspath(args.jobs_dir) if args.jobs_dir else os.path.join(ROOT, "runs", "webui")
