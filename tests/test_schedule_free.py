@@ -42,7 +42,7 @@ def test_reading_switches_to_the_average_once_and_back(tmp_path):
         with modes.reading():  # nested (a save while sampling): no second switch
             assert torch.equal(p, x)
         assert torch.equal(p, x)
-    assert not torch.equal(x, y) and torch.allclose(p, y, atol=1e-7)
+    assert not torch.equal(x, y) and torch.equal(p, y)  # y put back as it was (train() gave it within ~1 ulp)
     z = optimizer.state[p]["z"]  # x = y + (1 - 1/beta1)(z - y): the average the step keeps
     assert torch.allclose(x, torch.lerp(y, z, 1 - 1 / 0.9), atol=1e-7)
     # the lr logged is the one its own warmup applied at the last step, not the set one
@@ -69,13 +69,14 @@ def test_what_it_does_not_run_with_is_refused_before_caching(tiny_set, tmp_path,
 def test_a_run_saves_the_average_and_resumes_bit_identical(tiny_set, tmp_path, monkeypatch):
     """The LoRA written is the optimizer's average x (eval mode), x = lerp(y, z, 1 - 1/beta1) from the point y it
     steps at and its z, read off the trainer after the run; the state holds y in train mode. A run resumed from
-    a 2-step run's state ends where the straight 4-step run (saving at step 2) ends, bit for bit: the switches
-    around the saves happen at the same steps in both."""
+    a 2-step run's state ends where the straight 4-step run ends, bit for bit, though only the first saved at
+    step 2: the weights it steps at are put back after each read (eval() then train() left them ~1 ulp off, 3e-8
+    in the LoRA, where the straight run did not save at step 2)."""
     trainers = []
     run = train_lora.Trainer.run
     monkeypatch.setattr(train_lora.Trainer, "run", lambda self: trainers.append(self) or run(self))
     straight, short = tmp_path / "straight", tmp_path / "short"
-    assert train_lora.main(flux_args(tiny_set, straight, *STEPS, "--max_train_steps", "4", "--save_every_n_steps", "2")) == 0
+    assert train_lora.main(flux_args(tiny_set, straight, *STEPS, "--max_train_steps", "4")) == 0
     trainer = trainers[-1]
     optimizer = trainer.optimizer.optimizer  # accelerate's wrapper's
     final = load_file(str(straight / "tiny_flux_lora.safetensors"))
@@ -90,7 +91,7 @@ def test_a_run_saves_the_average_and_resumes_bit_identical(tiny_set, tmp_path, m
                                      "--save_state_on_train_end", "true")) == 0
     assert all(g["train_mode"] for g in torch.load(short / "tiny_flux_lora-state" / "optimizer.pt",
                                                       weights_only=True)["param_groups"])
-    assert train_lora.main(flux_args(tiny_set, short, *STEPS, "--max_train_steps", "4", "--save_every_n_steps", "2",
+    assert train_lora.main(flux_args(tiny_set, short, *STEPS, "--max_train_steps", "4",
                                      "--resume", str(short / "tiny_flux_lora-state"))) == 0
     resumed = load_file(str(short / "tiny_flux_lora.safetensors"))
     assert all(torch.equal(final[k], resumed[k]) for k in final)

@@ -5,9 +5,10 @@ Such an optimizer keeps two points of the weights: it steps them at y (train mod
 taken at) and keeps their running average x (eval mode), which is the result. The weights are switched in place
 (p.lerp_ with its z state), so every read of them for what the run hands out (samples, validation, the LoRA
 file) must run in eval mode, and every step in train mode; sd-scripts and musubi-tuner call optimizer.eval() /
-.train() around their samples and saves. The switches are not exact inverses in floating point (x -> y rounds),
-so they happen only around reads, never per step, and at the same points in a straight and a resumed run (a
-state is saved in train mode: y and the optimizer as the next step takes them).
+.train() around their samples and saves. The switches are not exact inverses in floating point (x -> y rounds,
+~1 ulp), so the weights y are kept before eval() and put back after train(): a read changes nothing, and a run
+resumed from a save (a state is saved in train mode: y and the optimizer as the next step takes them) ends bit
+for bit where the straight run without that save ends.
 
 It has no lr schedule (its average does the annealing): lr_scheduler is constant and a warmup is its own
 optimizer_args warmup_steps (sd-scripts ignores both keys for it; ours refuses them rather than let a config
@@ -63,6 +64,8 @@ class OptimizerModes:
     def reading(self):
         self.readers += 1
         if self.readers == 1 and self.optimizer is not None:
+            params = [p for group in self.optimizer.param_groups for p in group["params"]]
+            steps_at = [p.detach().clone() for p in params]  # y: train() after eval() gives it back within ~1 ulp
             self.optimizer.eval()
         try:
             yield
@@ -70,3 +73,5 @@ class OptimizerModes:
             self.readers -= 1
             if self.readers == 0 and self.optimizer is not None:
                 self.optimizer.train()
+                for p, y in zip(params, steps_at):
+                    p.data.copy_(y)
