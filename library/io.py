@@ -579,6 +579,26 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict
 # -- transformer files in their two release layouts ----------------------------------------------
 
 
+class PrefixedReader:
+    """The transformer's keys of a (ComfyUI-prefixed) single file, without the prefix, for check_keys_and_shapes;
+    a file that bundles text encoders or a VAE under other prefixes keeps those out of the check."""
+
+    def __init__(self, reader: CheckpointReader, prefix: str):
+        self.reader, self.prefix, self.path, self.files = reader, prefix, reader.path, reader.files
+
+    def keys(self) -> list[str]:
+        return [k[len(self.prefix) :] for k in self.reader.keys() if k.startswith(self.prefix)]
+
+    def __contains__(self, key: str) -> bool:
+        return self.prefix + key in self.reader
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return self.reader.shape(self.prefix + key)
+
+    def file_of(self, key: str) -> str:
+        return self.reader.file_of(self.prefix + key)
+
+
 def check_keys_and_shapes(reader: CheckpointReader, expected: dict[str, torch.Tensor], what,
                           extra: Callable[[str], bool] = lambda key: False) -> None:
     """Every tensor of `reader` expected, of the expected shape, and none missing (each named in the

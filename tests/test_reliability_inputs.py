@@ -6,6 +6,7 @@ buckets' sizes) is read correctly or warned about per image."""
 import errno
 import io
 import os
+import shutil
 import struct
 import zlib
 
@@ -638,3 +639,32 @@ def test_a_broken_config_in_a_checkpoints_header_is_one_line_naming_the_file_and
     assert line.startswith(f"error: {path}: metadata 'flux_config' is not the model's config as this trainer "
                            f"writes it ("), line
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+@pytest.mark.parametrize("base", ["flux", "qwen_image"])
+def test_a_base_missing_a_tensor_is_refused_before_caching(tiny_set, tmp_path, capsys, monkeypatch, base):
+    """A single file without one of the model's tensors (or with another shape) loaded its header, cached every
+    latent and caption, and only then failed in the load ("missing keys: ..."): the header is checked against the
+    model on meta before caching now."""
+    from safetensors.torch import load_file
+
+    from library.training import diffusion_task
+    from tests.test_captions import qwen_args
+
+    if base == "flux":  # a BFL single file
+        source, path = tiny_set["flux_bfl"], str(tmp_path / "flux-missing.safetensors")
+    else:  # a diffusers transformer folder (its config.json beside)
+        path = str(tmp_path / "transformer")
+        shutil.copytree(tiny_set["qwen_image"], path)
+        source = next(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
+    tensors = load_file(source)
+    dropped = next(k for k in sorted(tensors) if k.endswith(("attn.to_out.0.weight", "img_attn.proj.weight")))
+    del tensors[dropped]
+    save_file(tensors, path if base == "flux" else source)
+    for name in ("cache_latents", "cache_text"):
+        monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
+    args = (flux_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path) if base == "flux" else
+            qwen_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path, "--dataset_config",
+                      tiny_set["dataset_config"], "--max_train_steps", "1"))
+    line = one_error_line(capsys, train_lora.main(args))
+    assert line.startswith(f"error: {path}: missing keys: ") and dropped.split("diffusion_model.")[-1] in line, line

@@ -18,8 +18,8 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
+    metadata_config, prepared_convert, save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.chroma.model import Chroma, ChromaConfig
 from library.models.flux1.checkpoint import (  # FLUX.1's name map and row-joining view, unchanged
@@ -283,7 +283,7 @@ def load_chroma(
             config = config_from_bfl_shapes({k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}, path)
         with torch.device("meta"):
             expected = Chroma(config).state_dict()
-        check_keys_and_shapes(_Prefixed(reader, prefix), expected, config, stored_extras(stored))
+        check_keys_and_shapes(PrefixedReader(reader, prefix), expected, config, stored_extras(stored))
         source = reader
         rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
     else:
@@ -309,26 +309,6 @@ def load_chroma(
         model.to(dtype)
     model.compute_dtype = dtype
     return model
-
-
-class _Prefixed:
-    """The transformer's keys of a (ComfyUI-prefixed) single file, without the prefix, for the checker;
-    a file that bundles text encoders or a VAE under other prefixes keeps those out of the check."""
-
-    def __init__(self, reader: CheckpointReader, prefix: str):
-        self.reader, self.prefix, self.path = reader, prefix, reader.path
-
-    def keys(self) -> list[str]:
-        return [k[len(self.prefix) :] for k in self.reader.keys() if k.startswith(self.prefix)]
-
-    def __contains__(self, key: str) -> bool:
-        return self.prefix + key in self.reader
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self.reader.shape(self.prefix + key)
-
-    def file_of(self, key: str) -> str:
-        return self.reader.file_of(self.prefix + key)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,10 +20,10 @@ import torch
 
 from library.models.flux1.model import Flux, FluxConfig
 from library.models.flux1.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_converter
+from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
 from library.io import (
-    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
+    metadata_config, prepared_convert, save_diffusers_folder, save_with_config, state_and_config,
 )
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
@@ -402,6 +402,8 @@ def load_flux(
 
     with torch.device("meta"):
         model = Flux(config)
+    if prefix is not None:  # every key and shape from the header, before caching (the load named them after it)
+        check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config, stored_extras(stored))
     if stored:  # the file's own layout wins over a requested base precision
         prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
     convert = prepared_convert(model, prepare, convert, "load_flux")

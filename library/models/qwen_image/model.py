@@ -27,9 +27,10 @@ import torch.nn.functional as F
 
 from library.models import core
 from library.models.qwen_image.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_converter
+from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
 from library.io import (
-    CheckpointError, CheckpointReader, component_folder, load_streaming, prepared_convert, save_diffusers_folder,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
+    prepared_convert, save_diffusers_folder,
 )
 
 # ----------------------------------------------------------------------------------------------
@@ -454,6 +455,8 @@ def load_qwen_image(
     config = config or file_config or infer_config(reader, prefix)
     with torch.device("meta"):
         model = QwenImage(config)
+    # every key and shape from the header, before caching (the load named them after it)
+    check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config, stored_extras(stored))
     if stored:  # the file's own layout wins over a requested base precision
         prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
     convert = prepared_convert(model, prepare, convert, "load_qwen_image")
