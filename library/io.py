@@ -73,6 +73,16 @@ def safetensors_files(path: str) -> list[str]:
     return files
 
 
+def read_json_file(path: str) -> Any:
+    """A model folder's JSON file (config.json, tokenizer_config.json): a broken one is one CheckpointError naming it,
+    not json's bare "Invalid control character at: line 1 column 6" after the latents were cached."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON ({e})") from None
+
+
 def component_folder(path: str, name: str) -> str:
     """`path/name` when `path` is a diffusers pipeline folder holding that component
     (transformer, vae, text_encoder, ...), else `path` itself (a component folder or a file)."""

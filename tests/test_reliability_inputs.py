@@ -668,3 +668,24 @@ def test_a_base_missing_a_tensor_is_refused_before_caching(tiny_set, tmp_path, c
                       tiny_set["dataset_config"], "--max_train_steps", "1"))
     line = one_error_line(capsys, train_lora.main(args))
     assert line.startswith(f"error: {path}: missing keys: ") and dropped.split("diffusion_model.")[-1] in line, line
+
+
+@pytest.mark.parametrize("damage", ["config", "vocabulary"])
+def test_a_broken_text_encoder_folder_is_one_line_before_caching(tiny_set, tmp_path, capsys, monkeypatch, damage):
+    """A CLIP folder whose config.json is not JSON, or whose tokenizer has its tokenizer_config.json but no
+    tokenizer.json, cached every latent and then printed json's bare "Expecting value: line 1 column 1 (char 0)"
+    or transformers' 5 lines on sentencepiece. Now one line naming the file or folder, before caching."""
+    from library.training import diffusion_task
+
+    clip = tmp_path / "clip_l"
+    shutil.copytree(tiny_set["clip_l"], clip)
+    if damage == "config":
+        (clip / "config.json").write_text("{'hidden_size': 32}")
+        expected = f"error: {clip / 'config.json'}: not valid JSON (Expecting property name enclosed in double quotes"
+    else:
+        (clip / "tokenizer.json").unlink()
+        expected = f"error: {clip}: tokenizer_config.json but no vocabulary (tokenizer.json, "
+    for name in ("cache_latents", "cache_text"):
+        monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "out", "--clip_l", str(clip))))
+    assert line.startswith(expected), line

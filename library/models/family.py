@@ -179,10 +179,10 @@ class DiffusionFamily:
     def check_model_files(self) -> None:
         """Before anything is loaded or cached (a VAE given as the transformer or a missing encoder
         would otherwise show after minutes of caching): the transformer through its own loader on
-        meta, from its header, and every model_files() entry by its markers and its tokenizer (a
-        CLIP-L beside only T5's). No tensor is read; a file that is missing or not what it must be, or
-        a tokenizer not found, is one CheckpointError naming its path."""
-        from library.io import check_model_file, component_folder
+        meta, from its header, and every model_files() entry by its markers, its folder's config.json and
+        its tokenizer (a CLIP-L beside only T5's). No tensor is read; a file that is missing, broken or not
+        what it must be, or a tokenizer not found, is one CheckpointError naming its path."""
+        from library.io import check_model_file, component_folder, read_json_file
         from library.models.text_encoders import tokenizer_folder
 
         files = self.model_files()
@@ -191,6 +191,8 @@ class DiffusionFamily:
         for f in files:
             path = component_folder(f.path, f.component)
             check_model_file(path, f.key, f.what, f.markers)
+            if os.path.isfile(os.path.join(path, "config.json")):  # a broken one failed at the load, after caching
+                read_json_file(os.path.join(path, "config.json"))
             if f.key in widths:  # another size of the right kind (Qwen3-4B for -8B) fails only at the first step
                 check_model_file(path, f.key, f"{f.what} of width {widths[f.key]} (what the transformer's text input "
                                  f"takes)", {TEXT_EMBEDDINGS: (None, widths[f.key])})

@@ -16,14 +16,13 @@ config.json beside it, or the built-in full-size config; its tokenizer from a fo
 
 from __future__ import annotations
 
-import json
 import os
 
 import torch
 from accelerate import init_empty_weights
 from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
-from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming
+from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, read_json_file
 from library.models.spec import FP8Rules, TextWeights
 
 # ----------------------------------------------------------------------------------------------
@@ -99,8 +98,7 @@ def _read_config(path: str, config: dict | str | None, default: dict) -> dict:
             if os.path.isdir(path):
                 raise CheckpointError(f"{path}: text encoder folder has no config.json")
             return default
-    with open(config) as f:
-        return json.load(f)
+    return read_json_file(config)
 
 
 # What a tokenizer (and a VL processor) is read from: the files tokenizer_files fingerprints for the text cache key.
@@ -108,6 +106,7 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_ma
                    "spiece.model", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.json",
                    "chat_template.jinja", "preprocessor_config.json")
 TOKENIZER_FOLDERS = ("tokenizer", "tokenizer_2", "processor")  # a diffusers repo's, beside text_encoder/
+VOCABULARY_FILES = ("tokenizer.json", "spiece.model", "tokenizer.model", "vocab.json", "vocab.txt")  # one at least
 
 
 def tokenizer_files(path: str) -> list[str]:
@@ -132,8 +131,7 @@ TOKENIZER_KIND_SPECIALS = {("<|startoftext|>", "<|endoftext|>"): "CLIP", (None, 
 
 def tokenizer_kind(folder: str) -> str | None:
     """CLIP, T5, Qwen2 or Mistral: the kind of the tokenizer in `folder`, None when its config does not tell."""
-    with open(os.path.join(folder, "tokenizer_config.json")) as f:
-        config = json.load(f)
+    config = read_json_file(os.path.join(folder, "tokenizer_config.json"))
     kind = TOKENIZER_KIND_CLASSES.get(str(config.get("tokenizer_class")).removesuffix("Fast"))
     return kind or TOKENIZER_KIND_SPECIALS.get((_token(config.get("bos_token")), _token(config.get("eos_token"))))
 
@@ -158,6 +156,9 @@ def tokenizer_folder(weights_path: str, tokenizer: str | None, sibling: str, kin
         skipped = "".join(f"; skipped {c}: a {tokenizer_kind(c)} tokenizer" for c in found)
         raise CheckpointError(f"{weights_path}: no {kind} tokenizer found in {candidates}{skipped}; "
                               f"put the {kind} tokenizer's files in one of those folders")
+    if not any(os.path.isfile(os.path.join(fits[0], name)) for name in VOCABULARY_FILES):  # transformers' 5 lines,
+        raise CheckpointError(f"{fits[0]}: tokenizer_config.json but no vocabulary ({', '.join(VOCABULARY_FILES)}); "
+                              f"copy the tokenizer's files whole")  # after caching the latents
     return fits[0]
 
 
