@@ -239,12 +239,12 @@ def test_sample_siglip_sees_a_large_reference_as_the_pipeline_given_a_size(omni_
 
 
 @torch.no_grad()
-@pytest.mark.parametrize("reference", [(80, 64), (128, 64)])
+@pytest.mark.parametrize("reference", [(80, 64), (128, 64), (100, 72)])
 def test_omni_sampling_matches_the_pipeline(omni_pipeline, tmp_path, reference):
-    """Three Euler steps with CFG 5 on an 80x64 target and one reference (the target's size, or
-    larger than it): ZImageOmniPipeline (output_type latent) against our family's sample_latents
-    with our conditioning; our reference pixels (sample_control_bucket) and latents against the pipeline's."""
-    from library.data.controls import reference_images
+    """Three Euler steps with CFG 5 on an 80x64 target and one reference (the target's size, larger than it,
+    or one the pipeline crops to 96 x 64): ZImageOmniPipeline (output_type latent) against our family's
+    sample_latents with our conditioning; our reference pixels (sample_references) and latents against the
+    pipeline's (the cropped one was shrunk to cover before: up to 0.69 off)."""
     from library.models.family import stack_text
 
     pipe, family, encode = omni_pipeline
@@ -261,7 +261,7 @@ def test_omni_sampling_matches_the_pipeline(omni_pipeline, tmp_path, reference):
                     guidance_scale=5.0, generator=torch.Generator().manual_seed(7), output_type="latent").images
     path = tmp_path / "ref.png"
     image.save(path)
-    pixels = reference_images([str(path)], family.sample_control_bucket, 80, 64)[0]
+    pixels = family.sample_references([str(path)], 80, 64)[2][0]
     assert torch.equal(pixels, captured["pixels"].float())  # the same [-1, 1] reference, at the same size
     vae = family.load_vae(torch.bfloat16)
     ref_latent = captured["latents"][0].squeeze(1)[None].float()  # [1, 16, h / 8, w / 8]
@@ -302,3 +302,18 @@ def test_fp8_base_keeps_the_siglip_embedder(tiny_set):
     model = ZImageOmniFamily(tiny_set["zimage_omni"]).load_transformer(torch.float32, "fp8_scaled")
     assert type(model.siglip_embedder[1]) is torch.nn.Linear
     assert isinstance(model.siglip_refiner[0].attention.to_q, FP8Linear)
+
+
+def test_omni_sample_references_over_1_mp_are_the_pipelines_pixels(tmp_path):
+    """A condition image over 1024 x 1024 pixels: resized to the output's area (Lanczos), then centre-cropped to
+    sides floored to 16, as ZImageOmniPipeline's Flux2ImageProcessor prepares it (pixel for pixel)."""
+    from diffusers.pipelines.flux2.image_processor import Flux2ImageProcessor
+
+    family = ZImageOmniFamily.__new__(ZImageOmniFamily)  # the rule reads no files
+    image = picture(1100, 1000, 5)
+    image.save(tmp_path / "ref.png")
+    processor = Flux2ImageProcessor(vae_scale_factor=16, vae_latent_channels=32)
+    resized = processor._resize_to_target_area(image, 80 * 64)
+    theirs = processor.preprocess(resized, height=resized.height // 16 * 16, width=resized.width // 16 * 16,
+                                  resize_mode="crop")
+    assert torch.equal(family.sample_references([str(tmp_path / "ref.png")], 80, 64)[2][0], theirs.float())

@@ -148,7 +148,11 @@ def load_image(path: str, bucket: tuple[int, int], flip: bool = False, mode: str
                stretch: bool = False) -> torch.Tensor:
     """The image fitted to `bucket` (fit_to_bucket, stretched or not). Returns float32 [3, H, W] in
     [-1, 1] ([4, H, W] for mode "RGBA": layered targets, library/data/layers.py)."""
-    img = fit_to_bucket(load_rgb(path, mode), bucket, flip, stretch)
+    return to_pixels(fit_to_bucket(load_rgb(path, mode), bucket, flip, stretch))
+
+
+def to_pixels(img: Image.Image) -> torch.Tensor:
+    """An 8-bit RGB (RGBA) PIL image -> float32 [3 (4), H, W] in [-1, 1]."""
     pixels = torch.from_numpy(np.asarray(img, dtype=np.uint8).copy())  # [H, W, 3 or 4] uint8
     return pixels.permute(2, 0, 1).float() / 127.5 - 1.0
 

@@ -24,6 +24,7 @@ import math
 import os
 
 import torch
+from PIL import Image
 
 from library.models.family import ModelFile, file_fingerprint, fp8_prepare
 from library.models.zimage.family import ZImageFamily
@@ -174,6 +175,25 @@ class ZImageOmniFamily(ZImageFamily):
             return self.control_bucket(target, size)
         return (max(VAE_MULTIPLE, size[0] // VAE_MULTIPLE * VAE_MULTIPLE),
                 max(VAE_MULTIPLE, size[1] // VAE_MULTIPLE * VAE_MULTIPLE))
+
+    def sample_references(self, paths, width: int, height: int) -> tuple[int, int, list[torch.Tensor]]:
+        """ZImageOmniPipeline's pixels of each condition image, at sample_control_bucket's size: one over 1024 x
+        1024 pixels resized (Lanczos) to the output's area first, then centre-cropped, never resized, to its
+        sides floored to 16, as its Flux2ImageProcessor crops (the other families' cover-and-shrink left a 100 x
+        72 reference up to 0.69 from the pipeline's pixels)."""
+        from library.data.images import load_rgb, to_pixels, verified_image_size
+
+        width, height = self.sample_size(width, height, [verified_image_size(p) for p in paths])
+        references = []
+        for path in paths:
+            img = load_rgb(path, self.reference_mode)
+            if img.width * img.height > PIPELINE_KEEP_AREA:  # Flux2ImageProcessor._resize_to_target_area
+                scale = math.sqrt(width * height / (img.width * img.height))
+                img = img.resize((int(img.width * scale), int(img.height * scale)), Image.Resampling.LANCZOS)
+            w, h = self.sample_control_bucket((width, height), img.size)  # the size as it is now: floored to 16
+            left, top = (img.width - w) // 2, (img.height - h) // 2
+            references.append(to_pixels(img.crop((left, top, left + w, top + h)))[None])
+        return width, height, references
 
     def sample_text_size(self, paths, width: int, height: int) -> tuple[int, int] | None:
         """Given a size, ZImageOmniPipeline shows SigLIP a condition image over 1024 x 1024 pixels at the
