@@ -126,6 +126,22 @@ def test_sample_reference_takes_the_preferred_resolution_nearest_its_aspect():
     assert family.control_bucket((512, 512), (1200, 800)) == (512, 512)  # training: the target's bucket (musubi-tuner's)
 
 
+def test_sample_reference_pixels_are_the_pipelines_stretch(tmp_path):
+    """The pipeline stretches a reference to its preferred resolution with its image processor's Lanczos resize:
+    ours cropped it to cover that size with a box filter (a 70 x 29 reference's rows and columns cut off)."""
+    import numpy as np
+    from diffusers.image_processor import VaeImageProcessor
+    from PIL import Image
+
+    image = Image.fromarray(np.random.RandomState(3).randint(0, 256, (29, 70, 3), dtype=np.uint8))
+    image.save(tmp_path / "ref.png")
+    family = family_class("flux_kontext")("unused.safetensors")
+    w, h = family.sample_control_bucket((512, 512), image.size)
+    processor = VaeImageProcessor(vae_scale_factor=16)  # FluxKontextPipeline's
+    theirs = processor.preprocess(processor.resize(image, h, w), h, w)
+    assert torch.equal(family.sample_references([str(tmp_path / "ref.png")], 512, 512)[2][0], theirs.float())
+
+
 @pytest.mark.parametrize("kontext", [False, True])
 def test_sampling_matches_flux_and_kontext_pipelines(tiny_set, tmp_path, monkeypatch, kontext):
     """sample_latents (resolution-shifted sigmas, guidance embedding, 3 Euler steps, 64 x 48) equals

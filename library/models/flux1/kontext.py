@@ -53,6 +53,17 @@ class FluxKontextFamily(FluxFamily):
         ratio = w / h
         return min(PREFERRED_RESOLUTIONS, key=lambda wh: abs(ratio - wh[0] / wh[1]))
 
+    def sample_references(self, paths, width: int, height: int) -> tuple[int, int, list[torch.Tensor]]:
+        """FluxKontextPipeline's pixels (_auto_resize): each reference stretched (Lanczos) to its preferred
+        resolution, of nearly its aspect ratio, as its image processor resizes it; training's references are
+        cropped to the target's bucket (musubi-tuner's), and so were the samples' before."""
+        from library.data.controls import reference_images
+        from library.data.images import verified_image_size
+
+        width, height = self.sample_size(width, height, [verified_image_size(p) for p in paths])
+        return width, height, reference_images(paths, self.sample_control_bucket, width, height, True,
+                                               self.reference_mode)
+
     def predict(self, model, x_t, sigmas, text, h, w, guidance, control=None):
         img, img_ids = kontext_tokens(x_t, h, w, control or [])
         out = self.transformer_call(model, img, img_ids, sigmas, text, guidance)
