@@ -156,9 +156,10 @@ def tokenizer_folder(weights_path: str, tokenizer: str | None, sibling: str, kin
         skipped = "".join(f"; skipped {c}: a {tokenizer_kind(c)} tokenizer" for c in found)
         raise CheckpointError(f"{weights_path}: no {kind} tokenizer found in {candidates}{skipped}; "
                               f"put the {kind} tokenizer's files in one of those folders")
-    if not any(os.path.isfile(os.path.join(fits[0], name)) for name in VOCABULARY_FILES):  # transformers' 5 lines,
+    # (without one, transformers' five lines on sentencepiece came at the caption caching, after the latents')
+    if not any(os.path.isfile(os.path.join(fits[0], name)) for name in VOCABULARY_FILES):
         raise CheckpointError(f"{fits[0]}: tokenizer_config.json but no vocabulary ({', '.join(VOCABULARY_FILES)}); "
-                              f"copy the tokenizer's files whole")  # after caching the latents
+                              f"copy the tokenizer's files whole")
     return fits[0]
 
 
