@@ -146,6 +146,8 @@ class DiffusionFamily:
     # References resized to their control_bucket without a crop (Lanczos), as the family's pipeline fits them
     # (False: covered and centre-cropped, as the images)
     stretches_references = False
+    # The same for a sample's references (--ci), where the family's pipeline fits them otherwise than training does
+    stretches_sample_references = property(lambda self: self.stretches_references)
     # The PIL mode reference images load in for the VAE, in training and samples alike: "RGBA" where the VAE reads
     # alpha and the family's pipeline feeds it the condition image's (alpha 255 for a file without)
     reference_mode = "RGB"
@@ -305,11 +307,11 @@ class DiffusionFamily:
     def sample_references(self, paths, width: int, height: int) -> tuple[int, int, list[torch.Tensor]]:
         """(w, h, references) of a sample prompt with --ci images `paths` and size width x height: the size it
         renders at (sample_size) and its references as the VAE encodes them (library/data/controls.py
-        reference_images: sample_control_bucket, stretches_references, reference_mode). tools/generate.py and
+        reference_images: sample_control_bucket, stretches_sample_references, reference_mode). tools/generate.py and
         training samples both render from this."""
         width, height = self.sample_size(width, height, [verified_image_size(p) for p in paths])
         return width, height, reference_images(paths, self.sample_control_bucket, width, height,
-                                               self.stretches_references, self.reference_mode)
+                                               self.stretches_sample_references, self.reference_mode)
 
     def sample_text_size(self, paths, width: int, height: int) -> tuple[int, int] | None:
         """The (w, h) a sample prompt's text encoder fits its --ci images `paths` to (encode(captions, views,

@@ -41,6 +41,9 @@ class FluxKontextFamily(FluxFamily):
     sample_steps = SPEC.sample_steps["kontext"]
     max_controls = 4
     plan_controls = 1
+    # Samples: FluxKontextPipeline (_auto_resize) stretches each reference (Lanczos) to its preferred resolution,
+    # of nearly its aspect ratio; training crops them to the target's bucket (musubi-tuner's), as samples did before
+    stretches_sample_references = True
 
     def model_version(self, model) -> str:
         return "flux1-kontext-dev"
@@ -52,17 +55,6 @@ class FluxKontextFamily(FluxFamily):
         w, h = (max(16, side // 16 * 16) for side in size)
         ratio = w / h
         return min(PREFERRED_RESOLUTIONS, key=lambda wh: abs(ratio - wh[0] / wh[1]))
-
-    def sample_references(self, paths, width: int, height: int) -> tuple[int, int, list[torch.Tensor]]:
-        """FluxKontextPipeline's pixels (_auto_resize): each reference stretched (Lanczos) to its preferred
-        resolution, of nearly its aspect ratio, as its image processor resizes it; training's references are
-        cropped to the target's bucket (musubi-tuner's), and so were the samples' before."""
-        from library.data.controls import reference_images
-        from library.data.images import verified_image_size
-
-        width, height = self.sample_size(width, height, [verified_image_size(p) for p in paths])
-        return width, height, reference_images(paths, self.sample_control_bucket, width, height, True,
-                                               self.reference_mode)
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance, control=None):
         img, img_ids = kontext_tokens(x_t, h, w, control or [])
