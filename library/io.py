@@ -613,15 +613,19 @@ def check_keys_and_shapes(reader: CheckpointReader, expected: dict[str, torch.Te
                           extra: Callable[[str], bool] = lambda key: False) -> None:
     """Every tensor of `reader` expected, of the expected shape, and none missing (each named in the
     error; `what` says what was expected, e.g. the config). `extra(key)`: tensors a stored layout
-    carries beside the model's own (fp8 scales, markers), not checked here."""
+    carries beside the model's own (fp8 scales, markers), not checked here. A key is named with its file in
+    a folder, with the file alone given one ("x.safetensors: x.safetensors: key ..." said it twice)."""
+    def where(key: str) -> str:
+        return reader.path if os.path.isfile(reader.path) else f"{reader.path}: {reader.file_of(key)}"
+
     for key in reader.keys():
         if extra(key):
             continue
         if key not in expected:
-            raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: unexpected key '{key}' for {what}")
+            raise CheckpointError(f"{where(key)}: unexpected key '{key}' for {what}")
         found, want = reader.shape(key), tuple(expected[key].shape)
         if not _fits(reader, found, want):
-            raise CheckpointError(f"{reader.path}: {reader.file_of(key)}: key '{key}' has shape {found}, expected {want}")
+            raise CheckpointError(f"{where(key)}: key '{key}' has shape {found}, expected {want}")
     missing = [k for k in expected if k not in reader]
     if missing:
         raise CheckpointError(f"{reader.path}: missing keys: {', '.join(missing[:5])} ({len(missing)} in all)")
