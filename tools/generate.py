@@ -350,18 +350,9 @@ def generate(args) -> list[str]:
             # (the composite, then every layer) as the RGBA PNG its VAE decodes.
             frames = vae.decode_rgba(latents) if latents.dim() == 5 else []
         path = os.path.join(args.out, f"{first + i:03d}_{seed}.png")
-        # a negative the model did not read (no true CFG, or a guidance that runs none) is not recorded as used
-        unread = family.unread_prompt_options(prompt.negative, prompt.guidance, prompt.flow_shift)
-        # "": the release's shift (none given, or one the model does not read)
-        shift = prompt.flow_shift if prompt.flow_shift is not None and "flow_shift" not in unread else ""
-        info = {
-            "prompt": prompt.prompt, "negative": "" if "negative" in unread else prompt.negative,
-            "size": f"{width}x{height}", "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance,
-            "flow_shift": shift, **model_settings(args, family, model),
-            "base_precision": base_name, "dtype": args.dtype,
-            "loras": ",".join(f"{os.path.basename(spec.path)}:{spec.ratio}" for spec in loras),
-            "control_images": ",".join(os.path.basename(p) for p in prompt.control_images),
-        }
+        info = {**family.rendered_settings(prompt, width, height, seed), **model_settings(args, family, model),
+                "base_precision": base_name, "dtype": args.dtype,
+                "loras": ",".join(f"{os.path.basename(spec.path)}:{spec.ratio}" for spec in loras)}
         save_png(image, path, info)
         for k, frame in enumerate(frames):
             save_png(to_pil(frame[0]), os.path.join(args.out, f"{first + i:03d}_{seed}_layer{k}.png"), info)

@@ -553,6 +553,16 @@ class DiffusionFamily:
             found["guidance"] = unread["guidance"]
         return found
 
+    def rendered_settings(self, prompt, width: int, height: int, seed: int) -> dict:
+        """What a rendered prompt's PNG text records of it (tools/generate.py's images, training samples): a
+        negative the model did not read (no true CFG, or a guidance that runs none) is not recorded as used;
+        flow_shift "" is the release's shift (none given, or one the model does not read)."""
+        unread = self.unread_prompt_options(prompt.negative, prompt.guidance, prompt.flow_shift)
+        shift = prompt.flow_shift if prompt.flow_shift is not None and "flow_shift" not in unread else ""
+        return {"prompt": prompt.prompt, "negative": "" if "negative" in unread else prompt.negative,
+                "size": f"{width}x{height}", "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance,
+                "flow_shift": shift, "control_images": ",".join(os.path.basename(p) for p in prompt.control_images)}
+
     def dynamic_shift(self, model) -> bool:
         return True
 

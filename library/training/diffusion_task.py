@@ -756,21 +756,13 @@ class DiffusionTask:
             names = ["reference"] if len(references) == 1 else [f"reference {k}" for k in range(len(references))]
             images += [(name, r[0]) for name, r in zip(names, references)]
             path = os.path.join(out_dir, sample_file_name(self.args.output_name, tag, i, stamp, seeds[i]))
-            save_side_by_side(images, path, prompt.prompt, self._sample_info(prompt, width, height, seeds[i], tag))
+            # generate.py's names: `generate.py --seed ... --steps ...` with the saved LoRA renders it again
+            info = {**self.family.rendered_settings(prompt, width, height, seeds[i]),
+                    "model": os.path.basename(os.path.normpath(self.args.pretrained_model_name_or_path)),
+                    "model_type": self.args.model_type, "lora": f"{self.args.output_name} {tag}"}
+            save_side_by_side(images, path, prompt.prompt, info)
             written.append(path)
         return written
-
-    def _sample_info(self, prompt: SamplePrompt, width: int, height: int, seed: int, tag: str) -> dict[str, str]:
-        """A sample PNG's text beside its prompt and panels: the settings it was rendered with, under
-        tools/generate.py's names, so `generate.py --seed ... --steps ...` with the saved LoRA renders it again
-        (a negative or shift the model does not read is not recorded as used; "": the release's shift)."""
-        unread = self.family.unread_prompt_options(prompt.negative, prompt.guidance, prompt.flow_shift)
-        shift = prompt.flow_shift if prompt.flow_shift is not None and "flow_shift" not in unread else ""
-        return {"negative": "" if "negative" in unread else prompt.negative, "size": f"{width}x{height}",
-                "steps": prompt.steps, "seed": seed, "guidance": prompt.guidance, "flow_shift": shift,
-                "model": os.path.basename(os.path.normpath(self.args.pretrained_model_name_or_path)),
-                "model_type": self.args.model_type, "lora": f"{self.args.output_name} {tag}",
-                "control_images": ",".join(os.path.basename(p) for p in prompt.control_images)}
 
     def _render_names(self) -> tuple[str, list[int]]:
         """This render's time (YYYYmmddHHMMSS) and each prompt's seed (its --d, else a random one), as
