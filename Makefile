@@ -31,7 +31,7 @@ demo: $(STAMP)
 # 803-830 s in stop 88's three (2908 tests, 22 of them skipped): under the 15-minute target with 70-95 s to spare;
 # 850-931 s in stop 89's four (2922-2923 tests): two over it, on a slower machine (tests it did not touch ran 10-45%
 # slower than in stop 88; its own additions ~25 s), the last two 850 and 860 s; 781-848 s in stop 90's three quiet
-# runs (2936 tests, 22 of them skipped; one flipped-target control trimmed, ~23 s); 697-795 s in stop 91's three
+# runs (2936 tests, 22 of them skipped; one flipped-target control trimmed, ~23 s); 697-795 s in stop 91's four
 # (2945-2948 tests).
 # The longest are multi-process (web UI, DDP / FSDP launches) and the full-size planner's tests (~90
 # worker-seconds).
