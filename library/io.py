@@ -386,6 +386,9 @@ def load_streaming(
                     f"{reader.path}: {reader.file_of(ckpt_key)}: key '{ckpt_key}' has shape {tuple(value.shape)}, "
                     f"the model expects {tuple(expected[key].shape)} for '{key}'"
                 )
+            if expected[key].is_floating_point() and not (value.is_floating_point() or value.is_complex()):
+                raise CheckpointError(f"{reader.path}: {reader.file_of(ckpt_key)}: key '{ckpt_key}' holds "
+                                      f"{value.dtype} integers, the model expects floating-point weights for '{key}'")
             loaded[key] = value if value.shape == expected[key].shape else value.reshape(expected[key].shape)
     for key in [k for k in expected if k not in loaded and k.endswith("num_batches_tracked")]:
         # BatchNorm's step counter (only used to average in training): released VAE files may omit it.
@@ -608,6 +611,14 @@ class PrefixedReader:
     def file_of(self, key: str) -> str:
         return self.reader.file_of(self.prefix + key)
 
+    def dtype_name(self, key: str) -> str:
+        return self.reader.dtype_name(self.prefix + key)
+
+
+# safetensors' (and ggml's) names of integer tensors: no weight of a model is stored so; merge tools that wrote one
+# left a file the load cannot train on ("Only Tensors of floating point ... can require gradients").
+INTEGER_DTYPE_NAMES = frozenset({"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64"})
+
 
 def check_keys_and_shapes(reader: CheckpointReader, expected: dict[str, torch.Tensor], what,
                           extra: Callable[[str], bool] = lambda key: False) -> None:
@@ -626,6 +637,9 @@ def check_keys_and_shapes(reader: CheckpointReader, expected: dict[str, torch.Te
         found, want = reader.shape(key), tuple(expected[key].shape)
         if not _fits(reader, found, want):
             raise CheckpointError(f"{where(key)}: key '{key}' has shape {found}, expected {want}")
+        if expected[key].is_floating_point() and reader.dtype_name(key) in INTEGER_DTYPE_NAMES:
+            raise CheckpointError(f"{where(key)}: key '{key}' holds {reader.dtype_name(key)} integers, expected "
+                                  f"floating-point weights")
     missing = [k for k in expected if k not in reader]
     if missing:
         raise CheckpointError(f"{reader.path}: missing keys: {', '.join(missing[:5])} ({len(missing)} in all)")

@@ -641,11 +641,13 @@ def test_a_broken_config_in_a_checkpoints_header_is_one_line_naming_the_file_and
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
+@pytest.mark.parametrize("damage", ["missing", "integers"])
 @pytest.mark.parametrize("base", ["flux", "qwen_image"])
-def test_a_base_missing_a_tensor_is_refused_before_caching(tiny_set, tmp_path, capsys, monkeypatch, base):
+def test_a_base_missing_a_tensor_is_refused_before_caching(tiny_set, tmp_path, capsys, monkeypatch, base, damage):
     """A single file without one of the model's tensors (or with another shape) loaded its header, cached every
     latent and caption, and only then failed in the load ("missing keys: ..."): the header is checked against the
-    model on meta before caching now."""
+    model on meta before caching now. A weight stored as integers (a merge tool's int32) likewise, which the load
+    met as torch's traceback "Only Tensors of floating point and complex dtype can require gradients"."""
     from safetensors.torch import load_file
 
     from library.training import diffusion_task
@@ -659,7 +661,10 @@ def test_a_base_missing_a_tensor_is_refused_before_caching(tiny_set, tmp_path, c
         source = next(os.path.join(path, n) for n in os.listdir(path) if n.endswith(".safetensors"))
     tensors = load_file(source)
     dropped = next(k for k in sorted(tensors) if k.endswith(("attn.to_out.0.weight", "img_attn.proj.weight")))
-    del tensors[dropped]
+    if damage == "missing":
+        del tensors[dropped]
+    else:
+        tensors[dropped] = (tensors[dropped].float() * 100).to(torch.int32)
     save_file(tensors, path if base == "flux" else source)
     for name in ("cache_latents", "cache_text"):
         monkeypatch.setattr(diffusion_task, name, lambda *a, **k: pytest.fail("cached before the refusal"))
@@ -667,7 +672,25 @@ def test_a_base_missing_a_tensor_is_refused_before_caching(tiny_set, tmp_path, c
             qwen_args(tiny_set, tmp_path / "out", "--pretrained_model_name_or_path", path, "--dataset_config",
                       tiny_set["dataset_config"], "--max_train_steps", "1"))
     line = one_error_line(capsys, train_lora.main(args))
-    assert line.startswith(f"error: {path}: missing keys: ") and dropped.split("diffusion_model.")[-1] in line, line
+    if damage == "missing":
+        assert line.startswith(f"error: {path}: missing keys: ") and dropped.split("diffusion_model.")[-1] in line, line
+    else:
+        named = path if base == "flux" else f"{path}: {os.path.basename(source)}"
+        key = dropped.split("diffusion_model.")[-1]
+        assert line == f"error: {named}: key '{key}' holds I32 integers, expected floating-point weights", line
+
+
+def test_a_weight_stored_as_integers_is_named_by_the_streaming_load(tmp_path):
+    """Files read without a header check (a VAE, a text encoder) meet the same line in the load itself."""
+    from library.io import CheckpointError, CheckpointReader, load_streaming
+
+    path = str(tmp_path / "linear.safetensors")
+    save_file({"weight": torch.ones(2, 3, dtype=torch.int64), "bias": torch.zeros(2)}, path)
+    with torch.device("meta"):
+        model = torch.nn.Linear(3, 2)
+    with pytest.raises(CheckpointError, match=r"linear.safetensors: key 'weight' holds torch.int64 integers, the model "
+                                              r"expects floating-point weights for 'weight'"):
+        load_streaming(model, CheckpointReader(path), lambda key: key)
 
 
 @pytest.mark.parametrize("damage", ["config", "vocabulary"])

@@ -112,6 +112,9 @@ class _DiffusersView:
     def file_of(self, key: str) -> str:
         return self.reader.file_of(self.sources[key])
 
+    def dtype_name(self, key: str) -> str:
+        return self.reader.dtype_name(self.sources[key])
+
     def get(self, key: str) -> torch.Tensor:
         tensor = self.reader.get(self.sources[key])
         return tensor.reshape(-1) if BLOCK_TABLE.fullmatch(key) else tensor
