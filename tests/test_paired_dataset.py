@@ -246,6 +246,19 @@ def test_layered_targets_are_refused_for_a_family_that_trains_no_layers(tmp_path
             check_family_takes(items, model_type, most)
 
 
+def test_a_layered_family_refuses_a_paired_subset(tmp_path):
+    """Old: a control_directory's reference met the layered family's one condition image: the run cached one frame
+    and trained it onto another image (no layer), without a word, its samples still decomposing."""
+    from library.data.image_folders import scan_images
+
+    make_image(tmp_path / "img" / "a.png", 32, 32, (255, 0, 0))
+    make_image(tmp_path / "ctrl" / "a.png", 32, 32, (0, 0, 0))
+    items = scan_images(paired_blueprint(tmp_path))
+    with pytest.raises(ValueError, match="model_type qwen_image_layered trains layer decompositions: its subsets set "
+                                         "multiple_target = true"):
+        check_family_takes(items, "qwen_image_layered", 1, 1, takes_layers=True)
+
+
 def test_a_family_that_stretches_references_trains_on_them_stretched_in_their_own_cache_entries(tmp_path):
     """Training sees a reference as its sample does (stretched: Qwen-Image-Edit, Qwen-Image-2.1), and a
     cache written with cropped references is not reused for stretched ones."""

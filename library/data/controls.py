@@ -90,6 +90,11 @@ def check_family_takes(items, model_type: str, max_controls: int, min_controls: 
             # refusal named a control_directory never set, or an edit model's VAE met RGBA after caching text
             raise ValueError(f"{item.image_path}: its subset sets multiple_target = true (layered targets), but "
                              f"model_type {model_type} trains no layers (a layer-decomposition model_type does)")
+        if takes_layers and not item.subset.multiple_target:  # a control_directory reference met the count of
+            # one condition image: the run trained one frame onto another image, no layer (samples still decompose)
+            raise ValueError(f"{item.image_path}: model_type {model_type} trains layer decompositions: its subsets set "
+                             f"multiple_target = true, each image's layers beside it (name_1.png, name_2.png, ...), "
+                             f"not a control_directory")
         n = len(item.control_paths)
         if n < min_controls:
             raise ValueError(f"{item.image_path}: {n} reference image(s), but model_type {model_type} needs at least "
