@@ -195,7 +195,7 @@ class Trainer:
                        f"{state.progress['step']}" if state else "")
             accelerator.print(f"max_train_epochs = {args.max_train_epochs}: {self.max_steps} optimizer steps "
                               f"({per_epoch} an epoch{resumed}), in place of max_train_steps")
-        check_planned_steps(args, self.max_steps, args.config_file or "command line")  # (an llm's epochs: known now)
+        check_planned_steps(args, self.max_steps)  # (an llm's epochs: known now)
         # Stepped by hand once per optimizer step (accelerate would step a prepared scheduler once
         # per process), so the schedule is the same on 1 or N processes.
         self.scheduler = create_scheduler(optimizer, args.lr_scheduler, warmup_steps(args.lr_warmup_steps, self.max_steps),

@@ -217,7 +217,11 @@ def test_what_the_sharded_base_does_not_support_is_one_clear_error(monkeypatch, 
                            mixed_precision="bf16")
     check_fsdp(accelerator, args)  # the defaults pass
     setattr(args, key, value)
-    with pytest.raises(ConfigError, match=words):
+    with pytest.raises(ConfigError, match=words) as refused:
+        check_fsdp(accelerator, args)
+    assert str(refused.value).startswith(f"x.toml: {key} = "), refused.value
+    args.key_origins = {key: "command line"}  # the line named the config file for a command-line value
+    with pytest.raises(ConfigError, match=f"^command line: {key} = "):
         check_fsdp(accelerator, args)
     monkeypatch.setenv("FSDP_VERSION", "1")
     with pytest.raises(ConfigError, match="fsdp_version: 2"):

@@ -56,12 +56,14 @@ def test_generate_without_seed_draws_one_per_image_as_sd_scripts(tiny_set, tmp_p
 
 def test_an_epochs_run_whose_warmup_covers_it_is_refused_before_caching(tiny_set, tmp_path, capsys):
     """With max_train_epochs the steps come from the dataset: lr_warmup_steps 100 over a 1-epoch run
-    (2 steps) was taken and the lr never left the warmup. Now one line after the scan, before caching."""
+    (2 steps) was taken and the lr never left the warmup. Now one line after the scan, before caching, naming
+    where the keys were set (it blamed the config file for the command line's values)."""
     code = train_lora.main(flux_args(tiny_set, tmp_path / "run", "--max_train_epochs", "1", "--lr_scheduler",
                                      "linear", "--lr_warmup_steps", "100"))
     out, err = capsys.readouterr()
-    assert code == 2 and err.endswith("lr_warmup_steps = 100 is not below max_train_epochs = 1 (4 steps): the lr would "
-                                      "never reach learning_rate; shorten the warmup or train longer\n"), err
+    assert code == 2 and err == ("error: command line: lr_warmup_steps = 100 is not below max_train_epochs = 1 "
+                                 "(4 steps): the lr would never reach learning_rate; shorten the warmup or train "
+                                 "longer\n"), err
     assert err.count("\n") == 1 and "captions:" not in out  # one line; nothing was cached
 
 

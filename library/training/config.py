@@ -315,7 +315,7 @@ def parse_kv_literals(items: list[str], key: str, where: str, any_text: bool = F
 def optimizer_kwargs(args, where: str | None = None) -> dict[str, Any]:
     """optimizer_args of the config as the optimizer's keyword arguments (where: the file or
     "command line" that gave them, for the error)."""
-    return parse_kv_literals(args.optimizer_args, "optimizer_args", where or args.config_file or "command line")
+    return parse_kv_literals(args.optimizer_args, "optimizer_args", where or where_set(args, "optimizer_args"))
 
 
 def network_modules_from(args) -> str | None:
@@ -347,7 +347,7 @@ def _validate_dim_from_weights(args, origins: dict[str, str], where: str) -> Non
 def lora_network_args(args, where: str | None = None) -> dict[str, Any]:
     """network_args of the config as a dict, with network_dropout as the LoRA `dropout` (sd-scripts):
     what the network is built with, and what its file's metadata records."""
-    where = where or args.config_file or "command line"
+    where = where or where_set(args, "network_args")
     net_args = parse_kv_literals(args.network_args, "network_args", where, any_text=True)
     if args.network_dropout and "dropout" in net_args:  # one would silently win over the other
         raise ConfigError(f"{where}: network_dropout = {args.network_dropout:g} and network_args 'dropout={net_args['dropout']}' "

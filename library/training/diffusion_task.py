@@ -224,8 +224,7 @@ class DiffusionTask:
                               f"true (it weights the regularization images' loss)")
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
-        check_planned_steps(args, plan_steps(args, self.batches_per_epoch(), state.progress if state else None),
-                            args.config_file or "command line")
+        check_planned_steps(args, plan_steps(args, self.batches_per_epoch(), state.progress if state else None))
         if state:
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items(),
                               self.epoch_settings())

@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.nn.parallel import DistributedDataParallel
 
-from library.training.config import ConfigError
+from library.training.config import ConfigError, where_set
 
 
 def fsdp_settings(accelerator) -> dict | None:
@@ -63,23 +63,24 @@ def uses_fsdp(accelerator) -> bool:
 
 
 def check_fsdp(accelerator, args):
-    """One clear line for what the sharded base does not support."""
-    source = args.config_file or "command line"
+    """One clear line for what the sharded base does not support, naming where the refused key was set."""
     version = fsdp_settings(accelerator)["version"]
     if version != 2:
         raise ConfigError(f"accelerate config: fsdp_version {version}; train_lora.py shards the base with "
                           f"FSDP2 (torch fully_shard): set fsdp_version: 2")
     if args.model_type == "llm":
-        raise ConfigError(f"{source}: model_type = 'llm' under FSDP: only diffusion bases are sharded; launch LLMs "
-                          f"with configs/accelerate/multi_gpu_ddp.yaml")
+        raise ConfigError(f"{where_set(args, 'model_type')}: model_type = 'llm' under FSDP: only diffusion bases are "
+                          f"sharded; launch LLMs with configs/accelerate/multi_gpu_ddp.yaml")
     if args.blocks_to_swap:
-        raise ConfigError(f"{source}: blocks_to_swap = {args.blocks_to_swap} under FSDP: the sharded base and block "
-                          f"swap both keep the base off the card; use one (blocks_to_swap = 0 with FSDP)")
+        raise ConfigError(f"{where_set(args, 'blocks_to_swap')}: blocks_to_swap = {args.blocks_to_swap} under FSDP: "
+                          f"the sharded base and block swap both keep the base off the card; use one "
+                          f"(blocks_to_swap = 0 with FSDP)")
     if args.torch_compile:
-        raise ConfigError(f"{source}: torch_compile = true under FSDP is not supported (untested); set it to false")
+        raise ConfigError(f"{where_set(args, 'torch_compile')}: torch_compile = true under FSDP is not supported "
+                          f"(untested); set it to false")
     if args.mixed_precision == "fp16":
-        raise ConfigError(f"{source}: mixed_precision = 'fp16' under FSDP is not supported (no sharded grad "
-                          f"scaler); use 'bf16'")
+        raise ConfigError(f"{where_set(args, 'mixed_precision')}: mixed_precision = 'fp16' under FSDP is not "
+                          f"supported (no sharded grad scaler); use 'bf16'")
 
 
 def stored_buffers_to_parameters(model: nn.Module) -> int:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from library.errors import ConfigError
+from library.errors import ConfigError, blame
 
 
 def plan_steps(args, batches_per_epoch: int, resumed: dict | None = None) -> int:
@@ -41,11 +41,14 @@ def warmup_steps(warmup: float, max_steps: int) -> int:
     return int(warmup * max_steps) if 0 < warmup < 1 else int(warmup)
 
 
-def check_planned_steps(args, max_steps: int, where: str) -> None:
+def check_planned_steps(args, max_steps: int) -> None:
     """The keys counted in steps against the run's max_steps once it is known (with max_train_epochs: from the
-    dataset, before caching): the warmup and the EMA's start (with max_train_steps both are refused at load too)."""
-    check_warmup(args, max_steps, where)
-    check_ema_start(args, max_steps, where)
+    dataset, before caching): the warmup and the EMA's start (with max_train_steps both are refused at load too).
+    Each refusal begins with where its two keys were set (a file or the command line: config.where_set's rule)."""
+    origins, default = getattr(args, "key_origins", {}), args.config_file or "command line"
+    length = "max_train_epochs" if args.max_train_epochs else "max_train_steps"
+    check_warmup(args, max_steps, blame(origins, default, "lr_warmup_steps", length))
+    check_ema_start(args, max_steps, blame(origins, default, "ema_start_step", length))
 
 
 def check_ema_start(args, max_steps: int, where: str) -> None:
