@@ -48,6 +48,21 @@ def test_the_checker_imports_torch_and_the_model_code_before_its_first_request(c
     assert "libtorch_cpu" in open(maps).read(), "the idle helper did not import torch"
 
 
+def test_a_checker_that_dies_leaves_its_reason_on_the_uis_terminal(tmp_path, capfd):
+    """The answer says "see the UI's terminal", but the helper's stderr went to /dev/null: why it died (a torch
+    that does not import, a traceback) was nowhere."""
+    python = tmp_path / "python"
+    python.write_text("#!/bin/sh\necho 'cannot import torch: a broken install' >&2\nexit 1\n")
+    python.chmod(0o755)
+    checker = ConfigChecker(str(tmp_path), str(python))
+    try:
+        answer = checker.check("model_type = 'flux'\n", str(tmp_path / "out"))
+    finally:
+        checker.close()
+    assert answer["error"] == "the config checker process exited; see the UI's terminal", answer
+    assert "cannot import torch: a broken install" in capfd.readouterr().err
+
+
 @pytest.fixture()
 def checked_ui(tiny_set, tmp_path, checker):
     """A WebUI on the tiny set and tmp_path whose config checks go to the module's one checker."""
@@ -157,6 +172,15 @@ def two_caption_extensions(caption_dataset) -> str:
     with open(caption_dataset, "w") as f:
         toml.dump(dataset, f)
     return images
+
+
+def test_gradios_copies_of_the_images_shown_are_swept(ui):
+    """gradio keeps its copy of each image a page showed (samples, dataset images) for the server's life and past
+    it unless delete_cache is set: a UI serving for weeks grew by every image viewed."""
+    from library.ui.app import build_app
+
+    every, age = build_app(ui).delete_cache
+    assert 0 < every <= age <= 86400
 
 
 def test_a_picked_caption_is_saved_to_its_own_file_and_shows_what_was_saved_when_picked_again(ui, caption_dataset):

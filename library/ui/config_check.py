@@ -400,7 +400,7 @@ class ConfigChecker:
             env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
             self.process = subprocess.Popen([self.python, "-m", "library.ui.config_check", self.workdir],
                                             cwd=self.workdir, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                            stderr=subprocess.DEVNULL, text=True, bufsize=1)
+                                            text=True, bufsize=1)  # its stderr: the UI's terminal (a crash, a warning)
             threading.Thread(target=self._read, args=(self.process,), daemon=True).start()
 
     def _read(self, process: subprocess.Popen) -> None:
