@@ -279,3 +279,16 @@ def test_another_address_needs_a_password_and_gets_it(server, tmp_path, capsys):
         urllib.request.urlopen(server.url + "/config", timeout=10)
     assert refused.value.code == 401
     assert isinstance(server.client().predict(api_name="/list_jobs")["data"], list)  # with the password
+
+
+def test_sigterm_stops_the_ui_as_ctrl_c_does_deleting_its_copies_of_the_images_it_served(server, client, tiny_set):
+    """Old: SIGTERM (systemd, docker stop, this fixture's stop) ended the process where it stood: gradio's copy
+    of every image it had shown stayed behind (in /tmp), one per image viewed, as long as the UI had run.
+    The module's last test: it stops the module's UI."""
+    client.predict(tiny_set["dataset_config"], api_name="/dataset")  # the gallery: gradio copies its images
+    cache = os.path.join(server.jobs_dir, "gradio_cache")
+    copies = lambda: [os.path.join(d, n) for d, _, names in os.walk(cache) for n in names]  # noqa: E731
+    assert copies(), "the dataset gallery's images were not copied to the jobs folder's gradio cache"
+    server.stop()
+    assert server.process.returncode == 0, open(server.log_path).read()[-2000:]
+    assert copies() == []

@@ -111,3 +111,22 @@ def test_a_port_a_stopped_ui_served_on_is_free_at_once_but_a_served_one_is_not()
         tab.recv(1)
         tab.close()
     assert port_in_use("127.0.0.1", port) is None
+
+
+def test_the_ui_empties_its_own_gradio_cache_at_start_and_never_the_users(tmp_path, monkeypatch):
+    """gradio's copies of the images a stopped UI served went nowhere, one per image viewed: the cache is the
+    jobs folder's now (whose lock the UI holds), emptied at start; a GRADIO_TEMP_DIR the user set is left alone."""
+    from tools.webui import own_gradio_cache
+
+    jobs = tmp_path / "jobs"
+    stale = jobs / "gradio_cache" / "3cd44f" / "sample.png"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"a copy a stopped UI left")
+    monkeypatch.delenv("GRADIO_TEMP_DIR", raising=False)
+    assert own_gradio_cache(str(jobs)) == os.environ["GRADIO_TEMP_DIR"] == str(jobs / "gradio_cache")
+    assert not stale.exists()
+    users = tmp_path / "users_cache" / "kept.png"
+    users.parent.mkdir()
+    users.write_bytes(b"another program's")
+    monkeypatch.setenv("GRADIO_TEMP_DIR", str(users.parent))
+    assert own_gradio_cache(str(jobs)) is None and users.exists()

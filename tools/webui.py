@@ -16,6 +16,8 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
+import signal
 import sqlite3
 import sys
 
@@ -85,6 +87,24 @@ def port_in_use(host: str, port: int) -> str | None:
     return None
 
 
+def own_gradio_cache(jobs_dir: str) -> str | None:
+    """gradio's cache of the images it served (GRADIO_TEMP_DIR; unset: a folder in the UI's jobs folder, returned,
+    emptied here and at the UI's stop: the UI holding that folder's lock is its only user). gradio's own shutdown
+    left its copies of the galleries' images behind (in /tmp), one per image viewed, as long as the UI ran."""
+    if os.environ.get("GRADIO_TEMP_DIR"):  # the user's own: shared perhaps, never emptied here
+        return None
+    cache = os.environ["GRADIO_TEMP_DIR"] = os.path.join(jobs_dir, "gradio_cache")
+    shutil.rmtree(cache, ignore_errors=True)
+    return cache
+
+
+def stop_serving(signum, frame):
+    """SIGTERM (systemd, docker stop, kill) as Ctrl-C: gradio closes its server, the UI its config checker and
+    gradio's cache (own_gradio_cache). Python's default ended the process where it stood, leaving them. Training
+    jobs run on (a new UI takes them up)."""
+    raise KeyboardInterrupt
+
+
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
@@ -116,12 +136,14 @@ def main(argv=None) -> int:
         print(f"error: --jobs_dir {jobs_dir}: {holder} serves this queue: use that one, stop it, or give another "
               f"--jobs_dir", file=sys.stderr)
         return 2
+    cache = own_gradio_cache(jobs_dir)  # read as gradio is imported
     from library.ui.app import CSS, build_app  # gradio: seconds to import, after the checks that refuse a start
 
     ui.start()
     app = build_app(ui)
     auth = (args.user, args.password) if args.password else None
     print(f"lora trainer UI on http://{args.host}:{args.port}" + (" (password required)" if auth else ""), flush=True)
+    signal.signal(signal.SIGTERM, stop_serving)
     try:
         app.launch(server_name=args.host, server_port=args.port, auth=auth, allowed_paths=ui.roots.roots,
                    show_error=True, quiet=True, footer_links=["api"], css=CSS)
@@ -130,6 +152,8 @@ def main(argv=None) -> int:
         return 2
     finally:
         ui.close()
+        if cache:
+            shutil.rmtree(cache, ignore_errors=True)
     return 0
 
 

@@ -75,8 +75,14 @@ def file_picker(ui: WebUI, suffixes: tuple[str, ...], label: str, folders: bool 
     return picker
 
 
+# gradio copies every image it shows (samples, dataset images) into its cache folder and, unasked, keeps them for
+# the server's life and past it: a UI up for weeks grew by each one viewed, a deleted job's samples still served.
+# Now an hourly sweep drops the copies older than a day (a gallery shown again copies them anew), a restart all.
+GRADIO_CACHE_SWEEP = (3600, 86400)  # gr.Blocks' delete_cache: (every s, older than s)
+
+
 def build_app(ui: WebUI) -> gr.Blocks:
-    with gr.Blocks(title="LoRA trainer") as app:
+    with gr.Blocks(title="LoRA trainer", delete_cache=GRADIO_CACHE_SWEEP) as app:
         gr.Markdown("# LoRA trainer\nQueue training jobs, watch them learn, stop and resume them. "
                     "Each job is a `train_lora.py` process writing to its own folder.")
         with gr.Tabs():
