@@ -170,6 +170,35 @@ def test_mask_and_reg_errors_name_the_file_and_key(tmp_path, case, message):
         D.ImageDataset(blueprint([subset]))
 
 
+@pytest.mark.parametrize("mode", ["LA", "RGBA", "P"])
+def test_a_mask_painted_as_transparency_is_refused_an_opaque_one_with_alpha_is_read(tmp_path, mode):
+    """A mask drawn as alpha over black (LA / RGBA, or a palette with a transparent index) was read by its grey
+    alone: all black, the image trained nowhere, without a word. Now refused naming the file and a pixel; one with
+    an alpha channel all opaque is read by its grey."""
+    Image.new("RGB", (64, 64)).save(tmp_path / "0.png")
+    (tmp_path / "masks").mkdir()
+    alpha = Image.new("L", (64, 64), 0)
+    alpha.paste(255, (0, 0, 32, 64))  # the left half trains, painted as opacity
+    black = Image.new("RGB", (64, 64))
+    mask = black.convert("RGBA")
+    mask.putalpha(alpha)
+    if mode == "P":  # one palette index transparent
+        mask = Image.new("P", (64, 64), 1)
+        mask.putpalette([0, 0, 0, 255, 255, 255])
+        mask.paste(0, (32, 0, 64, 64))
+        mask.info["transparency"] = 0
+        mask.save(tmp_path / "masks" / "0.png", transparency=0)
+    else:
+        mask.convert(mode).save(tmp_path / "masks" / "0.png")
+    subset = {"image_dir": str(tmp_path), "class_tokens": "x", "mask_dir": str(tmp_path / "masks")}
+    with pytest.raises(ValueError, match=re.escape("0.png: mask has transparent pixels (alpha 0 at pixel (32, 0)); "
+                                                   "a mask is read by its grey alone")):
+        D.ImageDataset(blueprint([subset]))
+    Image.new("L", (64, 64), 200).convert(mode.replace("P", "LA")).save(tmp_path / "masks" / "0.png")  # opaque
+    (item,) = D.ImageDataset(blueprint([subset])).items
+    assert float(load_mask(item.image_path, item.mask_path, (64, 64), False)[0, 1, 1]) == pytest.approx(200 / 255)
+
+
 @pytest.mark.parametrize("mode, pixel, refused", [
     ("RGB", (255, 0, 0), True),  # sd-scripts: weight 1 (its R), luminance: 0.30
     ("RGB", (0, 0, 255), True),  # sd-scripts: weight 0, luminance: 0.11

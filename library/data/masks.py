@@ -4,7 +4,8 @@ Masks: white trains, black is ignored, grey weighs in between. `alpha_mask = tru
 image's alpha channel (an image without one counts as all white, with one warning per subset, as
 sd-scripts treats it); `mask_dir = "..."` holds one grayscale image per training image with the
 same file stem and size (sd-scripts' conditioning_data_dir with --masked_loss; a mask in colour is
-refused: sd-scripts reads its R channel, this trainer its grey, musubi-tuner has no masks). The mask
+refused: sd-scripts reads its R channel, this trainer its grey, musubi-tuner has no masks; so is one with
+transparent pixels, whose alpha the grey drops). The mask
 goes through the image's own fit_to_bucket (resize, crop, mirror), is area-averaged to the latent grid
 (8x8 pixels per latent element), cached with the latents (the latent cache hash covers the mask
 file), and multiplies the per-element flow-matching loss before its mean, as sd-scripts'
@@ -62,9 +63,13 @@ def find_mask(image_path: str, subset: SubsetSpec, size: tuple[int, int]) -> str
     try:
         with Image.open(path) as img:
             img = ImageOps.exif_transpose(img)
-            mask_size, colour = img.size, _coloured_pixel(img)
+            mask_size, colour, see_through = img.size, _coloured_pixel(img), _transparent_pixel(img)
     except Exception as e:  # PIL raises many kinds for broken files
         raise ValueError(f"{path}: cannot be read as a mask image ({type(e).__name__}: {e})") from None
+    if see_through:  # its grey is read, its alpha dropped: a mask painted as transparency read all black
+        raise ValueError(f"{path}: mask has transparent pixels (alpha {see_through[1]} at pixel {see_through[0]}); "
+                         f"a mask is read by its grey alone, white trains and black is ignored: flatten it to an "
+                         f"opaque grayscale image (or set alpha_mask = true to mask by the training image's alpha)")
     if colour:
         raise ValueError(f"{path}: mask is in colour (R, G, B = {colour[1]} at pixel {colour[0]}); expected a grayscale "
                          f"mask, white trains and black is ignored (sd-scripts would weigh a colour mask by its R "
@@ -85,6 +90,17 @@ def _coloured_pixel(img: Image.Image) -> tuple[tuple[int, int], tuple[int, ...]]
         return None
     y, x = (int(v) for v in np.argwhere(spread > GREY_TOLERANCE)[0])
     return (x, y), tuple(int(v) for v in rgb[y, x])
+
+
+def _transparent_pixel(img: Image.Image) -> tuple[tuple[int, int], int] | None:
+    """((x, y), its alpha) of the first pixel not fully opaque, or None (no alpha, or all of it 255)."""
+    if "A" not in img.getbands() and "transparency" not in img.info:
+        return None
+    alpha = np.asarray(img.convert("RGBA").getchannel("A"))
+    if int(alpha.min()) == 255:
+        return None
+    y, x = (int(v) for v in np.argwhere(alpha < 255)[0])
+    return (x, y), int(alpha[y, x])
 
 
 def has_alpha(image_path: str) -> bool:
