@@ -388,3 +388,27 @@ def test_one_caption_in_two_datasets_is_encoded_once(tmp_path):
     assert caches.cache_latents(items, enc.latents, "vae-1") == 4  # each resolution its own latents
     assert len({item.text_cache for item in items}) == 2 and all(os.path.exists(item.text_cache) for item in items)
     assert [caches.read_text_cache(item.text_cache, None)["hidden"].shape for item in items] == [(9, 4)] * 4
+
+
+def test_an_encoder_output_with_nan_is_refused_naming_the_text_and_nothing_is_cached(tmp_path):
+    """A text encoder run in fp16 (an LLM encoder's activations past fp16's 65504: NaN where bf16 holds them) gave
+    NaN embeddings that were cached without a word, met as a NaN loss or black samples later. Now one line naming
+    the output, the text and the precision to use, before any file is written; sample prompts likewise."""
+    make_image(tmp_path / "img" / "a.png", 32, 32)
+    write(tmp_path / "img" / "a.txt", "a dog on a red chair")
+
+    class Overflowing(CountingEncoder):
+        def text(self, captions):
+            outputs = super().text(captions)
+            outputs[0]["hidden"][1, 2] = float("nan")
+            return outputs
+
+    items = D.ImageDataset(dataset(tmp_path)).items
+    refusal = ("the text encoder's output 'hidden' for the text 'a dog on a red chair' holds 1 inf / NaN values of "
+               "80: the encoder overflowed its precision (fp16 does where bf16 does not): set text_encoder_precision "
+               "= 'bf16' (or 'fp32')")
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        caches.cache_text(items, Overflowing().text, "te-1")
+    assert not [f for f in os.listdir(tmp_path / "img") if f.endswith(".safetensors")]
+    with pytest.raises(ValueError, match=re.escape(refusal)):
+        caches.cache_prompts([("a dog on a red chair", (), None)], Overflowing().text, "te-1", str(tmp_path / "p"))

@@ -131,9 +131,24 @@ def encode_prompts(encode, captions: list[str], references: list, sees_reference
     encoder sees the references (references: per caption, its reference image paths); with
     sample_size (the family's sample_text_size) encode(captions, views, sample_size)."""
     if not sees_references:
-        return encode(captions)
+        return finite_encodings(encode(captions), captions)
     views = [reference_views(paths) for paths in references]
-    return encode(captions, views) if sample_size is None else encode(captions, views, sample_size)
+    outputs = encode(captions, views) if sample_size is None else encode(captions, views, sample_size)
+    return finite_encodings(outputs, captions)
+
+
+def finite_encodings(outputs: list[dict], captions: list[str]) -> list[dict]:
+    """The encoder's outputs, refused where one holds inf / NaN: an encoder run in fp16 (an LLM encoder's
+    activations pass fp16's 65504 where bf16's range holds them) gave NaN embeddings that were cached without a
+    word, to meet the run as a NaN loss or black samples, minutes or hours later."""
+    for caption, out in zip(captions, outputs):
+        for name, value in out.items():
+            if value.is_floating_point() and not bool(torch.isfinite(value).all()):
+                bad = int((~torch.isfinite(value)).sum())
+                raise ValueError(f"the text encoder's output '{name}' for the text {caption[:60]!r} holds {bad} inf / "
+                                 f"NaN values of {value.numel()}: the encoder overflowed its precision (fp16 does "
+                                 f"where bf16 does not): set text_encoder_precision = 'bf16' (or 'fp32')")
+    return outputs
 
 
 def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: int, height: int,
