@@ -17,7 +17,9 @@ GEMMs (library/precision/fp8_compute.py; --base fp8 / fp8_scaled).
 Weights are random (normal, std 0.02) and built straight on the device; swapped blocks go to
 pinned CPU memory. Timings need CUDA; before spending device time, check a change here on the CPU at full
 width and few blocks (nothing overlaps there, so only that it runs and counts):
-    python bench/bench_block_swap.py --device cpu --blocks 1 --res 32 --text 4 --steps 1 --swaps 0,1 [--family qwen_image]
+    python bench/bench_block_swap.py --device cpu --blocks 1 --res 32 --text 4 --steps 1 --swaps 0,1
+    python bench/bench_block_swap.py --device cpu --blocks 2 --res 32 --text 4 --steps 1 --swaps 0,1 --family qwen_image
+(Qwen-Image swaps at most its blocks less one: 1 of 2.)
 """
 
 from __future__ import annotations

@@ -47,6 +47,18 @@ start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
 mkdir -p "$LOGS"
 export PYTHONUNBUFFERED=1
+# Without the carried folders every step failed at its imports (the device's python has no toml, diffusers,
+# prodigyopt) or found no peer: the whole call spent for nothing. Said at once now.
+if [ -z "${PYTHON:-}" ] && [ ! -d .whl ]; then
+    echo "no .whl here: run bench/gpu_prepare.sh on the dev machine and carry [\".whl\", \".peers\"]" | tee -a "$LOGS/session.log"
+    exit 1
+fi
+case $plan in swapprobe | fp8swap) ;; *)  # every other plan runs a peer
+    if [ ! -d .peers/sd-scripts ] || [ ! -d .peers/musubi-tuner ]; then
+        echo "no .peers/sd-scripts or .peers/musubi-tuner: run bench/gpu_prepare.sh and carry .peers" | tee -a "$LOGS/session.log"
+        exit 1
+    fi ;;
+esac
 if [ -d .whl ] && [ -z "${PYTHON:-}" ]; then  # the device's torch stays; what else it lacks comes as wheels
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         || { echo "wheel install failed" | tee -a "$LOGS/session.log"; exit 1; }
@@ -132,7 +144,8 @@ case $plan in
         step peers_compiled.log 220 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP --compile
         ;;
     checkpoint)  # the eager step's host time: the checkpointed forward records no graph (eager_checkpoint.py)
-        step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider tests/test_eager_checkpoint.py \
+        # the CUDA tests alone (-k cuda): the files' CPU tests ran here (the three files: ~230 s on 2 busy cores)
+        step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider -k cuda tests/test_eager_checkpoint.py \
             tests/test_saved_attention.py tests/test_residual_projection.py
         step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
             --levers eager_checkpoint,eager_checkpoint_kept
@@ -161,7 +174,7 @@ case $plan in
                 patch -p1 -R -s -f --dry-run <"$patch" >/dev/null 2>&1 || patch -p1 -s -f <"$patch"
             fi || { echo "$patch does not apply" | tee -a "$LOGS/session.log"; exit 1; }
         done
-        step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider tests/test_fp8.py tests/test_fp8_compute.py
+        step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider -k cuda tests/test_fp8.py tests/test_fp8_compute.py
         # fp8_dequant_fused: the eager fp8_scaled step's dequantization as one compiled kernel
         step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --levers fp8_dequant
         step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP
@@ -173,6 +186,8 @@ case $plan in
             --steps 3 --trace "$LOGS/traces/prefetch2"
         step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 20 --prefetch 4 \
             --steps 3 --trace "$LOGS/traces/prefetch4"
+        # a full-size trace gzipped may pass the 16 MiB a returned file may have (a 3-block one: 1.2 MB, 60 blocks
+        # ~25 MB): trace_overlap's report in swap.log holds the figures either way
         gzip -f "$LOGS"/traces/*/*.json 2>/dev/null
         ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
