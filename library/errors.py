@@ -30,6 +30,12 @@ def blame(origins: dict[str, str], where: str, *keys: str) -> str:
     return " and ".join(dict.fromkeys(origins.get(key, where) for key in keys))
 
 
+def where_set(args, *keys: str) -> str:
+    """Where the values of `keys` were set, to begin an error about them after load_config (a check against the
+    model or the data): each key's file or "command line" (blame), the config file for a key left at its default."""
+    return blame(getattr(args, "key_origins", {}), args.config_file or "command line", *keys)
+
+
 def exit_without_collecting(code: int):
     """sys.exit(code), past the interpreter's last cyclic collections: with torch, diffusers' quantizers
     (bitsandbytes, torch._inductor) and transformers loaded, tearing the modules down walked their ~0.5 M

@@ -18,7 +18,7 @@ from typing import Any
 
 import toml
 
-from library.errors import ConfigError, blame
+from library.errors import ConfigError, blame, where_set  # where_set: re-exported for the checks after load
 from library.models.registry import FAMILIES, arch_specs
 from library.text_files import read_utf8, toml_loads
 from library.training.config_schema import FAMILY_KEYS, KEEPING_KEYS, PRECISION_NAMES, SCHEMA
@@ -273,12 +273,6 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     except ConfigError as e:
         raise ConfigError(f"{blame(origins, where, 'learning_rate', 'lr_scheduler')}: {e}") from None
     return args
-
-
-def where_set(args, *keys: str) -> str:
-    """Where the values of `keys` were set, to begin an error about them after load_config (a check against the
-    model or the data): each key's file or "command line" (blame), the config file for a key left at its default."""
-    return blame(getattr(args, "key_origins", {}), args.config_file or "command line", *keys)
 
 
 _WORD_LITERALS = {"true": True, "false": False, "none": None, "null": None,

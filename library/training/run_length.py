@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from library.errors import ConfigError, blame
+from library.errors import ConfigError, where_set
 
 
 def plan_steps(args, batches_per_epoch: int, resumed: dict | None = None) -> int:
@@ -44,11 +44,10 @@ def warmup_steps(warmup: float, max_steps: int) -> int:
 def check_planned_steps(args, max_steps: int) -> None:
     """The keys counted in steps against the run's max_steps once it is known (with max_train_epochs: from the
     dataset, before caching): the warmup and the EMA's start (with max_train_steps both are refused at load too).
-    Each refusal begins with where its two keys were set (a file or the command line: config.where_set's rule)."""
-    origins, default = getattr(args, "key_origins", {}), args.config_file or "command line"
+    Each refusal begins with where its two keys were set (a file or the command line)."""
     length = "max_train_epochs" if args.max_train_epochs else "max_train_steps"
-    check_warmup(args, max_steps, blame(origins, default, "lr_warmup_steps", length))
-    check_ema_start(args, max_steps, blame(origins, default, "ema_start_step", length))
+    check_warmup(args, max_steps, where_set(args, "lr_warmup_steps", length))
+    check_ema_start(args, max_steps, where_set(args, "ema_start_step", length))
 
 
 def check_ema_start(args, max_steps: int, where: str) -> None:
