@@ -266,7 +266,8 @@ def test_our_dataset_loader_names_the_command_for_a_musubi_dataset(tmp_path):
     with pytest.raises(ValueError) as e:
         load_dataset_config(path)
     assert str(e.value).endswith(f"; {path} is a musubi-tuner dataset TOML: `python tools/convert_config.py <its "
-                                 f"training config> --dataset_config {path}` writes it as ours")
+                                 f"training config> --dataset_config {path}` writes it as ours and says what "
+                                 f"becomes of each key")
     assert "unknown key 'image_directory'" in str(e.value)
 
 

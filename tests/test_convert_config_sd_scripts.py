@@ -547,3 +547,24 @@ def test_a_schedule_free_optimizer_is_carried_and_the_schedule_it_ignores_droppe
         for key in ("lr_scheduler", "lr_warmup_steps", "lr_scheduler_num_cycles"):
             assert verdicts[key] == "dropped" and key not in t.config, (t.peer, key)
         assert t.config["optimizer_args"] == ["warmup_steps=100"]
+
+
+def test_our_dataset_loader_names_sd_scripts_for_its_keys_not_a_typo(tmp_path):
+    """An sd-scripts dataset TOML's enable_wildcard = false (a no-op there) was "unknown key 'enable_wildcard'
+    (allowed: ...)", read as a typo: nothing said it is an sd-scripts feature or that convert_config says what
+    becomes of it. The data layer's list is the peer module's keys that are not ours."""
+    from library.data.dataset_config import DATASET_KEYS, PIXEL_AUGMENTATIONS, SUBSET_KEYS
+    from library.data.peer_keys import SD_SCRIPTS_DATASET_KEYS
+    from library.training.peers.sd_scripts_dataset import DATASET_RULES
+
+    ours = set(DATASET_KEYS) | set(SUBSET_KEYS) | set(PIXEL_AUGMENTATIONS)
+    assert set(SD_SCRIPTS_DATASET_KEYS) == (set(DATASET_RULES) | {"conditioning_data_dir"}) - ours  # carry_table's
+    path = tmp_path / "sd_dataset.toml"
+    path.write_text(f'[general]\nenable_wildcard = false\n[[datasets]]\nresolution = 64\n'
+                    f'[[datasets.subsets]]\nimage_dir = "{tmp_path}"\n')
+    with pytest.raises(ValueError) as e:
+        load_dataset_config(str(path))
+    assert "[general] unknown key 'enable_wildcard'" in str(e.value)
+    assert str(e.value).endswith(f"; {path} is an sd-scripts dataset TOML: `python tools/convert_config.py <its "
+                                 f"training config> --dataset_config {path}` writes it as ours and says what "
+                                 f"becomes of each key")

@@ -1,7 +1,8 @@
 """The dataset TOML keys of the peers' formats that ours does not have (musubi-tuner's image_directory where
-ours has image_dir ...): an unknown-key error naming one ends with the command that translates the file
-(tools/convert_config.py). The data layer cannot ask library/training/peers (imports point one way), so the
-names are here; library/training/peers/musubi_dataset.py holds what each means."""
+ours has image_dir, sd-scripts' enable_wildcard ...): an unknown-key error naming one ends with the command that
+translates the file (tools/convert_config.py) and says what becomes of each key. The data layer cannot ask
+library/training/peers (imports point one way), so the names are here; library/training/peers/musubi_dataset.py
+and sd_scripts_dataset.py hold what each means (tests/test_convert_config_sd_scripts.py keeps the lists equal)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,20 @@ MUSUBI_DATASET_KEYS = (
 )
 
 
+# sd-scripts' dataset keys (config_util's schemas) ours has not: each an sd-scripts feature, not a typo
+SD_SCRIPTS_DATASET_KEYS = (
+    "secondary_separator", "enable_wildcard", "token_warmup_step", "token_warmup_min", "custom_attributes",
+    "resize_interpolation", "network_multiplier", "metadata_file", "conditioning_data_dir", "cache_info",
+    "debug_dataset",
+)
+
+
 def peer_dataset_hint(key: str, source: str) -> str:
     """The end of the unknown-key line for `key` in the dataset TOML `source`: '' unless a peer's key."""
-    if key not in MUSUBI_DATASET_KEYS:
+    peer = ("musubi-tuner" if key in MUSUBI_DATASET_KEYS else "sd-scripts" if key in SD_SCRIPTS_DATASET_KEYS
+            else None)
+    if peer is None:
         return ""
-    return (f"; {source} is a musubi-tuner dataset TOML: `python tools/convert_config.py <its training config> "
-            f"--dataset_config {source}` writes it as ours")
+    return (f"; {source} is {'a' if peer == 'musubi-tuner' else 'an'} {peer} dataset TOML: `python "
+            f"tools/convert_config.py <its training config> --dataset_config {source}` writes it as ours and says "
+            f"what becomes of each key")
