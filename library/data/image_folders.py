@@ -64,12 +64,25 @@ def bucket_for(size: tuple[int, int], buckets: list[tuple[int, int]]) -> tuple[i
 
 
 def bucket_without_upscale(size: tuple[int, int], max_area: int, step: int) -> tuple[int, int]:
-    """bucket_no_upscale: shrink to the area budget if larger, never enlarge; sides rounded down
-    to `step`."""
+    """bucket_no_upscale: never enlarge; an image over the area budget is shrunk to it, then one side is
+    rounded to `step` (to nearest) and the other follows from the image's aspect ratio, whichever side
+    keeps the ratio closer (sd-scripts' BucketManager.select_bucket); both sides then rounded down to
+    `step`, the rest cropped. Rounding each side down on its own (until 2026-11-30) put 1187 of 3009
+    random sizes in another bucket than sd-scripts at 1024 (3558x1677: 1472x640, a 92% crop, not
+    1344x640, 99%)."""
     w, h = size
     if w * h > max_area:
-        scale = math.sqrt(max_area / (w * h))
-        w, h = w * scale, h * scale
+        ratio = w / h
+
+        def to_step(x: float) -> int:
+            return int(x + 0.5) // step * step
+
+        by_width = to_step(math.sqrt(max_area * ratio))  # the shrunk width, rounded; its height follows
+        by_height = to_step(math.sqrt(max_area / ratio))  # the shrunk height, rounded; its width follows
+        width_error = abs(by_width / max(to_step(by_width / ratio), 1) - ratio)  # (max: a side under one step)
+        height_error = abs(to_step(by_height * ratio) / max(by_height, 1) - ratio)
+        w, h = ((by_width, int(by_width / ratio + 0.5)) if width_error < height_error else
+                (int(by_height * ratio + 0.5), by_height))
     return int(w) // step * step, int(h) // step * step
 
 
