@@ -178,6 +178,23 @@ def test_buckets_stay_on_the_step_grid_with_a_max_off_it():
     assert all(w % 16 == 0 and h % 16 == 0 and max(w, h) <= 96 for w, h in buckets) and (32, 96) in buckets
 
 
+def test_bucket_limits_off_the_step_grid_widen_to_it_as_sd_scripts_with_one_warning(tmp_path):
+    """max_bucket_reso 2000 at steps 64 made buckets up to 1984 without a word, where sd-scripts widens the range to
+    2048 (and min 300 to 256) and says so: 734 of 3009 random sizes took another bucket (3195x488: 1984x320, not
+    2048x320)."""
+    with pytest.warns(UserWarning, match=r"test.toml: \[datasets\] min_bucket_reso / max_bucket_reso = 300 / 2000 are "
+                                         r"not multiples of bucket_reso_steps 64: buckets span 256 / 2048"):
+        (ds,) = blueprint(tmp_path, resolution=1024, enable_bucket=True, min_bucket_reso=300, max_bucket_reso=2000,
+                          bucket_reso_steps=64).datasets
+    assert (ds.min_bucket_reso, ds.max_bucket_reso) == (256, 2048)
+    buckets = image_folders.dataset_buckets(ds)
+    assert image_folders.image_bucket("p", (3195, 488), ds, buckets) == (2048, 320)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # on the grid, or without buckets: nothing to say
+        blueprint(tmp_path, resolution=1024, enable_bucket=True, min_bucket_reso=256, max_bucket_reso=2048)
+        blueprint(tmp_path, resolution=1024, min_bucket_reso=300, max_bucket_reso=2000)
+
+
 def test_bucket_limits_that_leave_no_bucket_are_one_line_naming_the_file(tmp_path):
     """The old line got as far as 'min() arg is an empty sequence' when the first image was sized."""
     msg = config_error(tmp_path, '[[datasets]]\nresolution = 64\nenable_bucket = true\nmin_bucket_reso = 64\n'
