@@ -334,6 +334,9 @@ def test_sd_scripts_json_and_toml_prompt_files_are_read_as_prompts(tmp_path):
                                      'seed = 5\nheight = 128\n')
     assert read_prompt_file(str(tmp_path / "p.toml")) == [
         SamplePrompt("a zxq star", 64, 64, 4, None, 3.0), SamplePrompt("a square", 64, 128, 4, 5)]
+    # flow_shift: the key sd-scripts writes for a line's --fs, refused as "not read" where --fs was read
+    (tmp_path / "fs.json").write_text('[{"prompt": "a cat", "flow_shift": 3.0}]')
+    assert read_prompt_file(str(tmp_path / "fs.json"))[0].flow_shift == 3.0
 
 
 def test_a_prompt_line_reads_sd_scripts_l_scale_and_flags_in_any_case():
