@@ -14,7 +14,8 @@ is --w, as in sd-scripts). Lines starting with # and blank lines are skipped. An
 sd-scripts' structured files load too: a `.json` list of prompt objects (or prompt lines), and a
 `.toml` with a [prompt] table of defaults and its [[prompt.subset]] entries. Their keys: prompt,
 negative_prompt, width, height, sample_steps, seed, guidance_scale (--g), scale (sd-scripts' --l, read as
---l is), flow_shift (--fs, which sd-scripts writes for its --fs) and controlnet_image (--ci). Any other key (sample_sampler, ...) is an error naming it: we sample
+--l is), flow_shift (--fs, which sd-scripts writes for its --fs) and controlnet_image (--ci). Any other key
+(sample_sampler, ...) is an error naming it: we sample
 with the family's own flow-matching sampler, and a setting read and ignored would lie; so is a value of
 another type (a list as negative_prompt, true as a number).
 """
