@@ -769,13 +769,17 @@ def test_a_saved_config_is_no_unsaved_edit_when_another_is_picked(ui, tmp_path):
     run(pick, values)
     text = pick.inputs[1]._id
     values[text] = values[text].replace("max_train_steps = 6", "max_train_steps = 3")
+    values[pick.inputs[0]._id] = str(second)  # refused: "the form has unsaved edits ... or Save TOML first"
+    refused, note = dict(values), pick.outputs[1 + len(FORM_KEYS)]._id
+    run(pick, refused)  # its other outputs gr.update(): the page keeps them
+    values[note] = refused[note]
+    assert values[note]["visible"] and "or Save TOML first" in values[note]["value"], values[note]
     values[save.inputs[0]._id] = str(first)  # save to the file loaded
     run(save, values)
     assert first.read_text() == "network_dim = 8\nmax_train_steps = 3\n"
-    values[pick.inputs[0]._id] = str(second)
+    assert not values[note]["visible"], "the note asking to save stayed after the save"
     run(pick, values)
-    note = values[pick.outputs[1 + len(FORM_KEYS)]._id]
-    assert not note["visible"] and "max_train_steps = 7" in values[text], note
+    assert not values[note]["visible"] and "max_train_steps = 7" in values[text], values[note]
 
 def test_optimizer_args_that_do_not_fit_are_shown_beside_the_optimizer_field(ui):
     """Old: the error's key, optimizer_args, has no field: the line went under the TOML editor."""

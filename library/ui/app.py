@@ -160,7 +160,7 @@ def jobs_tab(ui: WebUI):
         create_button = gr.Button("Create (draft)")
         queue_new = gr.Button("Create and queue", variant="primary", elem_id="create-and-queue")
     save_row(ui, order, [text, *form_inputs, loaded, loaded_text, loaded_file],
-             [text, *form_inputs, loaded, loaded_text, loaded_file])
+             [text, *form_inputs, loaded, loaded_text, loaded_file, errors["toml"]])
     answer = gr.JSON(label="result", elem_id="job-result")
 
     table, job_id = queue_section(ui)
@@ -298,7 +298,8 @@ def save_row(ui: WebUI, order: list[str], inputs: list, reloaded: list) -> None:
     """Save TOML: the editor's config written back under the roots. inputs: the TOML, the fields, the
     values Load filled them with, the text and real path of the file Load read. reloaded: the TOML, the fields
     and Load's baselines (fields, text, file), set from the file saved: what it holds is no unsaved edit (a pick
-    then asked to "Save TOML first"), and this page's to save again."""
+    then asked to "Save TOML first"), and this page's to save again; then the note under the editor, cleared (a
+    pick's "press Load ..., or Save TOML first" stayed after the save it asked for)."""
     with gr.Row():
         save_to = gr.Textbox(label="save the config to (a .toml under the roots; comments and tables kept)", scale=3)
         save = gr.Button("Save TOML", scale=1)
@@ -311,7 +312,7 @@ def save_row(ui: WebUI, order: list[str], inputs: list, reloaded: list) -> None:
             _, new_text, filled, _ = ui.open_config(real, convert=False)  # the file as saved, whatever its keys
         except (OutsideRoots, OSError, ValueError) as e:
             return [f"⚠ {e}"] + [gr.update()] * len(reloaded)
-        return [f"saved {real}", new_text] + [filled[k] for k in order] + [filled, new_text, real]
+        return [f"saved {real}", new_text] + [filled[k] for k in order] + [filled, new_text, real, error_note("")]
 
     save.click(on_save, [save_to, *inputs], [saved, *reloaded], api_name="save_config")
 
