@@ -343,6 +343,22 @@ def test_plan_reads_nothing_outside_the_roots(ui, tmp_path, monkeypatch):
         assert f"{str(path)!r} is outside the folders this UI may open" in answer["report"], answer
 
 
+def test_every_job_picker_lists_the_jobs_made_since_the_ui_started_when_opened(ui):
+    """Old: the queue's, the comparison's (and the test image's) job pickers held the jobs of the UI's start: a page
+    opened later listed none of those the queue table showed, until a timer's refresh (2 s; 10 s for the
+    comparison's)."""
+    from library.ui.app import build_app
+
+    app = build_app(ui)  # as the UI starts: no job yet
+    job = finished_job(ui)
+    pickers = [b for b in app.blocks.values() if isinstance(b, gr.Dropdown) and str(b.label).startswith("job")]
+    assert len(pickers) == 4 and all(b.choices == [] for b in pickers)
+    for picker in pickers:
+        opened = event(app, "focus", picker.elem_id) if picker.elem_id else next(
+            fn for fn in app.fns.values() if (picker._id, "focus") in fn.targets)
+        assert opened.fn()["choices"] == [(f"{job.id}: a (failed)", str(job.id))], picker.label
+
+
 def test_a_confirmation_names_its_job_and_yes_acts_on_that_job_whatever_is_picked_since(ui):
     """Old: Delete… asked "Delete the job…?" naming none, and Yes deleted whichever job was picked when it was
     pressed: picking another job to look at it, then Yes, deleted that one."""

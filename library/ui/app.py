@@ -75,6 +75,16 @@ def file_picker(ui: WebUI, suffixes: tuple[str, ...], label: str, folders: bool 
     return picker
 
 
+def job_picker(ui: WebUI, label: str, **kwargs) -> gr.Dropdown:
+    """A Dropdown of the queue's jobs, listed again each time it is opened: its choices as the page was built (at
+    the UI's start) left a page opened since listing none of the jobs the queue table showed until a timer's
+    refresh (2 s for the queue's picker, 10 s for the comparison's)."""
+    picker = gr.Dropdown(ui.job_choices(), value=None, label=label, allow_custom_value=True, **kwargs)
+    picker.focus(lambda: gr.update(choices=ui.job_choices()), None, picker, api_name=False, show_progress="hidden",
+                 queue=False)
+    return picker
+
+
 # gradio copies every image it shows (samples, dataset images) into its cache folder and, unasked, keeps them for
 # the server's life and past it: a UI up for weeks grew by each one viewed, a deleted job's samples still served.
 # Now an hourly sweep drops the copies older than a day (a gallery shown again copies them anew), a restart all.
@@ -244,7 +254,7 @@ def queue_section(ui: WebUI):
     gr.Markdown("## Queue")
     table = gr.Dataframe(ui.jobs_table(), interactive=False, elem_id="queue-table")
     with gr.Row():
-        job_id = gr.Dropdown(ui.job_choices(), value=None, label="job", allow_custom_value=True, elem_id="job-pick")
+        job_id = job_picker(ui, "job", elem_id="job-pick")
         buttons = {a: gr.Button(a.capitalize(), elem_id=f"job-{a}") for a in ("queue", "stop", "resume")}
         asking = {"retry": gr.Button("Retry…", elem_id="job-retry"),
                   "delete": gr.Button("Delete…", variant="stop", elem_id="job-delete")}
@@ -359,8 +369,7 @@ def live_tab(ui: WebUI, job_id) -> None:
 
     gr.Markdown("## Compare two jobs")
     with gr.Row():
-        a = gr.Dropdown(ui.job_choices(), value=None, label="job A", allow_custom_value=True)
-        b = gr.Dropdown(ui.job_choices(), value=None, label="job B", allow_custom_value=True)
+        a, b = job_picker(ui, "job A"), job_picker(ui, "job B")
         column = gr.Dropdown(["loss", "val_loss", "lr", "d*lr"], value="loss", label="curve")
         go = gr.Button("Compare")
     both = gr.LinePlot(x="step", y="value", color="series", title="two jobs", elem_id="plot-compare")
@@ -501,9 +510,7 @@ def tools_tab(ui: WebUI) -> None:
                                                                                    "save_to": s, "save_precision": p})
                                  ["output"], [model, merge_lora, ratio, merged, precision], [out], api_name="merge_lora")
     with gr.Accordion("generate a test image with a job's models", open=False):
-        job = gr.Dropdown(ui.job_choices(), value=None, label="job (its model files)", allow_custom_value=True)
-        # Its choices as the page was built: the jobs made since appear when it is opened.
-        job.focus(lambda: gr.update(choices=ui.job_choices()), None, job, api_name=False)
+        job = job_picker(ui, "job (its model files)")
         gen_lora = file_picker(ui, loras, "LoRA (empty: none)")
         weight = gr.Slider(-2, 2, 1.0, step=0.05, label="LoRA weight")
         prompt = gr.Textbox(label="prompt")
