@@ -246,6 +246,37 @@ def test_the_script_and_the_config_disagreeing_is_one_error():
                                script="zimage_train_network.py")
 
 
+@pytest.mark.parametrize("module, lines", [
+    ("networks.lora_krea2", {"A fox. --l 1 --d 0": "A fox. --d 0 --l 0",
+                             "A fox. --l 5.5 --n blurry": "A fox. --n blurry --l 4.5",
+                             "A fox. --n blurry": "A fox. --n blurry --l 4.5", "A fox. --l 7": "A fox. --l 0"}),
+    ("networks.lora_zimage", {"A fox. --l 1": "A fox. --l 0", "A fox. --l 5.5 --n blurry": "A fox. --n blurry --l 5.5",
+                              "A fox.": "A fox. --l 4"}),
+])
+def test_sample_prompts_cfg_scale_is_what_its_samples_rendered_with(tmp_path, module, lines):
+    """musubi-tuner's Krea 2 samples run standard CFG at --l (its official guidance + 1: 5.5 unset) only with a --n
+    and above 1, its Z-Image ones above 1 (4.0 unset); ours (as diffusers' pipelines) reads --l as the release's
+    guidance, on above 0. Copied as they were, its recommended Krea 2 Turbo line (--l 1) ran CFG 2 here, its --l 5.5
+    6.5, a line without --l and --n CFG 5.5 where it ran none. Now each line's --l is the scale it rendered with."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("\n".join(lines) + "\n")
+    config = tmp_path / "c.toml"
+    config.write_text(f'dit = "d"\nnetwork_module = "{module}"\nsample_prompts = "{prompts}"\n')
+    assert convert_config.main([str(config)]) == 0
+    ours = toml.load(tmp_path / "c_converted.toml")["sample_prompts"]
+    assert ours == str(tmp_path / "c_converted_prompts.txt")
+    assert open(ours).read().splitlines() == list(lines.values())
+
+
+def test_sample_prompts_of_a_model_whose_samples_read_l_as_ours_are_used_as_they_are(tmp_path):
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("A fox. --l 4 --n blurry\nA cat.\n")
+    config = tmp_path / "c.toml"
+    config.write_text(f'dit = "d"\nnetwork_module = "networks.lora_qwen_image"\nsample_prompts = "{prompts}"\n')
+    assert convert_config.main([str(config)]) == 0
+    assert toml.load(tmp_path / "c_converted.toml")["sample_prompts"] == str(prompts)
+
+
 def test_sample_prompts_lose_the_flags_ours_does_not_read(tmp_path):
     from library.data.prompts import read_prompt_file
 

@@ -348,6 +348,22 @@ class PeerDraw:
 
 
 @dataclass(frozen=True)
+class PeerSampleCfg:
+    """How a peer's samples read a prompt line's --l on this model where ours reads it otherwise: the peer runs
+    standard CFG (uncond + l (cond - uncond)) only above l = 1, and only with a --n where needs_negative; its l is
+    ours + offset (ours: the release's guidance g in cond + g (cond - uncond), on whenever g > 0, the empty prompt
+    the negative without a --n); default: its l where a line has none."""
+    default: float
+    offset: float = 0.0
+    needs_negative: bool = False
+
+    def ours(self, peer_l: float | None, has_negative: bool) -> float:
+        """Our --l for a line the peer renders with `peer_l` (None: none given): 0 where it runs no CFG."""
+        scale = self.default if peer_l is None else peer_l
+        return scale - self.offset if scale > 1.0 and (has_negative or not self.needs_negative) else 0.0
+
+
+@dataclass(frozen=True)
 class PeerLoRAArg:
     """A network_args item ours needs to train the modules a peer's LoRA module trains on this model."""
     item: str  # the item; "in_dims=network_dim": every embedder of the spec's lora.in_dim_types at the config's rank
@@ -384,6 +400,7 @@ class MusubiModels:
     logsnr_draws: tuple[str, ...] = ()  # its logSNR-normal draws named after this model (ours has none)
     lora_args: tuple[PeerLoRAArg, ...] = ()
     ignored_args: dict[str, str] = field(default_factory=dict)  # its script's own arguments ours reads nothing of -> why
+    sample_cfg: PeerSampleCfg | None = None  # its samples' --l where ours reads it otherwise (None: as ours)
 
 
 @dataclass(frozen=True)

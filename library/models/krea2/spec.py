@@ -142,6 +142,9 @@ MUSUBI = S.MusubiModels(
     draws={"krea2_shift": S.PeerDraw("krea2_shift")},
     lora_args=(S.PeerLoRAArg("in_dims=network_dim", "it wraps every Linear: the embedders and the last layer too",
                              unless="lora"),),
+    # krea2_train_network.py's do_inference: standard CFG at --l (5.5 unset: the release's guidance 4.5 + 1), only
+    # with a --n and above 1; ours (and diffusers' Krea2Pipeline) reads --l as that guidance, the empty negative
+    sample_cfg=S.PeerSampleCfg(default=5.5, offset=1.0, needs_negative=True),
 )
 
 

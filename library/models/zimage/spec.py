@@ -161,5 +161,8 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch: Turbo and Base (told apart by the folder's scheduler)
     peer_models={"ai-toolkit": {"zimage": {"model_type": "zimage"}},
-                 "musubi-tuner": S.MusubiModels("zimage_train_network.py", "networks.lora_zimage", "zimage")},
+                 # zimage_train_network.py's do_inference: CFG pos + l (pos - neg) above l = 1 (4.0 unset), where ours
+                 # (and diffusers' ZImagePipeline) runs it above 0 (the release's Turbo: 0 unset)
+                 "musubi-tuner": S.MusubiModels("zimage_train_network.py", "networks.lora_zimage", "zimage",
+                                                sample_cfg=S.PeerSampleCfg(default=4.0))},
 )

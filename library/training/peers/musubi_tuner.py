@@ -347,9 +347,26 @@ UNREAD_PROMPT_FLAGS = ("f", "i", "ei", "cn", "of")
 
 
 def _sample_prompts(t: Translation, key: str, value: Any, run: Run) -> None:
-    """The prompt file; a copy without the flags ours does not read where it has any (ours refuses them)."""
+    """The prompt file; a copy without the flags ours does not read where it has any (ours refuses them), with
+    each line's --l as ours reads it where its samples read --l otherwise (the model's MusubiModels.sample_cfg)."""
+    cfg = models.models_of(run.model_type).sample_cfg
+    rewrite = (lambda flags: _cfg_as_ours(flags, cfg),
+               "with --l as ours reads it (its samples run CFG only above 1" + (" and with a --n" if cfg.needs_negative
+                                                                          else "") + ")") if cfg else None
     copy_prompts_without(t, key, value, lambda part: part.split(" ", 1)[0].lower() not in UNREAD_PROMPT_FLAGS,
-                         "ours does not read them")
+                         "ours does not read them", rewrite)
+
+
+def _cfg_as_ours(flags: list[str], cfg) -> list[str]:
+    """A line's flags with its --l (the last one, as both read it) as ours reads the scale it renders with."""
+    given = [f.split(" ", 1)[1] if " " in f else "" for f in flags if f.split(" ", 1)[0].lower() == "l"]
+    try:
+        peer_l = float(given[-1]) if given else None
+    except ValueError:  # ours refuses it naming the line
+        return flags
+    has_negative = any(f.split(" ", 1)[0].lower() == "n" for f in flags)
+    kept = [f for f in flags if f.split(" ", 1)[0].lower() != "l"]
+    return [*kept, f"l {cfg.ours(peer_l, has_negative):g}"]
 
 
 def _read_by_scheduler(scheduler: str, t: Translation, key: str, value: Any, run: Run) -> None:
