@@ -450,6 +450,30 @@ def test_sample_prompts_with_flags_sd_scripts_skips_are_copied_without_them(tmp_
     assert (first.width, first.seed, second.seed, second.negative) == (512, 42, None, "blurry")
 
 
+def test_sample_prompt_values_are_copied_as_sd_scripts_reads_them(tmp_path, capsys):
+    """sd-scripts reads a flag's value by its pattern's prefix (--w 1024.0 and 1024px: 1024; --g 1e1: 1.0; --s 0:
+    1) and the copy kept them as written: ours refused the converted file at the run's start (needs int, got
+    '1024.0'; steps must be >= 1) or read another value (1e1: 10). A value ours reads alike stays as written."""
+    from library.data.prompts import read_prompt_file
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a cat --W 1024.0 --h 768px --s 0 --g 1e1 --d 42.5 --l 3.50\na dog --w 512 --s 5000\n")
+    (tmp_path / "ds.toml").write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\n'
+                                      f'image_dir = "{tmp_path}"\n')
+    config = tmp_path / "c.toml"
+    config.write_text(f'pretrained_model_name_or_path = "m"\nae = "a"\nclip_l = "c"\nt5xxl = "t"\n'
+                      f'dataset_config = "{tmp_path / "ds.toml"}"\nnetwork_train_unet_only = true\n'
+                      f'sample_prompts = "{prompts}"\nsample_every_n_steps = 100\n')
+    code, rows, text = convert([str(config)], capsys)
+    assert code == 0, text
+    assert "with each value as sd-scripts reads it" in rows["sample_prompts"][1], rows["sample_prompts"]
+    copy = tmp_path / "c_converted_prompts.txt"
+    assert copy.read_text() == "a cat --W 1024 --h 768 --s 1 --g 1 --d 42 --l 3.50\na dog --w 512 --s 1000\n"
+    first, second = read_prompt_file(str(copy), guidance_is_cfg=False)
+    assert (first.width, first.height, first.steps, first.guidance, first.seed) == (1024, 768, 1, 1.0, 42)
+    assert second.steps == 1000
+
+
 def test_out_never_writes_over_a_file_the_conversion_reads(tmp_path, capsys):
     """Old: `--out sd.toml` replaced sd-scripts' config with ours, `--out ds.toml` the dataset TOML the peer's
     config names (now our training config), `--out prompts.toml` its prompt objects, exit 0 and no word."""

@@ -24,13 +24,46 @@ def sample_flag_read(part: str) -> bool:
     return flag in SAMPLE_FLAGS and re.match(f"{flag} {SAMPLE_FLAGS[flag]}", part, re.IGNORECASE) is not None
 
 
+def flags_as_read(flags: list[str]) -> list[str]:
+    """A line's flags (those sample_flag_read keeps) with each value as sd-scripts' samples read it: the part its
+    pattern matches (--w 1024.0 and 1024px are 1024, --g 1e1 is 1.0), --s within 1..1000. Kept as written, ours
+    refused what it took (needs int, got '1024.0') or read another value (1e1: 10). A value ours reads alike stays."""
+    out = []
+    for part in flags:
+        name, written = part.split(" ", 1)
+        flag = name.lower()
+        match = re.match(SAMPLE_FLAGS[flag], written)
+        read = _read_value(flag, match.group(0)) if flag != "n" else None
+        out.append(part if read is None or _ours(flag, written) == read else f"{name} {read:g}")
+    return out
+
+
+def _read_value(flag: str, text: str) -> float | None:
+    """sd-scripts' value of a flag's matched text (None: its float() fails, "1.2.3", and ours names the line)."""
+    if flag in ("l", "g"):
+        try:
+            return float(text)
+        except ValueError:
+            return None
+    return max(1, min(1000, int(text))) if flag == "s" else int(text)
+
+
+def _ours(flag: str, written: str) -> float | None:
+    """The value ours reads from a flag's text (None: ours refuses it)."""
+    try:
+        return float(written) if flag in ("l", "g") else int(written)
+    except ValueError:
+        return None
+
+
 def _sample_prompts(t: Translation, key: str, value: Any) -> None:
     """The kohya_ss GUI writes sample_prompts (its prompt box as a file, maybe empty) into every config."""
     if not is_off(value) and all(is_off(t.given.get(k)) for k in SAMPLE_KEYS):
         t.drop(key, value, f"no {', '.join(SAMPLE_KEYS)}: sd-scripts renders none (ours would at the end)")
     else:
         copy_prompts_without(t, key, value, sample_flag_read, "sd-scripts' samples skip them (ours refuses most, and "
-                                                              "would read --fs)")
+                                                              "would read --fs)",
+                             (flags_as_read, "with each value as sd-scripts reads it (--w 1024.0: 1024; --s 1..1000)"))
 
 
 RULES: dict[str, Rule] = {
