@@ -457,7 +457,8 @@ def test_sample_prompt_values_are_copied_as_sd_scripts_reads_them(tmp_path, caps
     from library.data.prompts import read_prompt_file
 
     prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a cat --W 1024.0 --h 768px --s 0 --g 1e1 --d 42.5 --l 3.50\na dog --w 512 --s 5000\n")
+    prompts.write_text("a cat --W 1024.0 --h 768px --s 0 --g 1e1 --d 42.5 --l 3.50\n"
+                       "a dog --w 512 --s 5000 --d 123456789.0\n")
     (tmp_path / "ds.toml").write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\n'
                                       f'image_dir = "{tmp_path}"\n')
     config = tmp_path / "c.toml"
@@ -468,7 +469,8 @@ def test_sample_prompt_values_are_copied_as_sd_scripts_reads_them(tmp_path, caps
     assert code == 0, text
     assert "with each value as sd-scripts reads it" in rows["sample_prompts"][1], rows["sample_prompts"]
     copy = tmp_path / "c_converted_prompts.txt"
-    assert copy.read_text() == "a cat --W 1024 --h 768 --s 1 --g 1 --d 42 --l 3.50\na dog --w 512 --s 1000\n"
+    assert copy.read_text() == ("a cat --W 1024 --h 768 --s 1 --g 1 --d 42 --l 3.50\n"
+                                "a dog --w 512 --s 1000 --d 123456789\n")
     first, second = read_prompt_file(str(copy), guidance_is_cfg=False)
     assert (first.width, first.height, first.steps, first.guidance, first.seed) == (1024, 768, 1, 1.0, 42)
     assert second.steps == 1000

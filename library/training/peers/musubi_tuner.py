@@ -349,10 +349,10 @@ UNREAD_PROMPT_FLAGS = ("f", "i", "ei", "cn", "of")
 def _sample_prompts(t: Translation, key: str, value: Any, run: Run) -> None:
     """The prompt file; a copy without the flags ours does not read where it has any (ours refuses them), with
     each line's --l as ours reads it where its samples read --l otherwise (the model's MusubiModels.sample_cfg)."""
-    cfg = models.models_of(run.model_type).sample_cfg
-    rewrite = (lambda flags: _cfg_as_ours(flags, cfg),
-               "with --l as ours reads it (its samples run CFG only above 1" + (" and with a --n" if cfg.needs_negative
-                                                                          else "") + ")") if cfg else None
+    rewrite = None
+    if cfg := models.models_of(run.model_type).sample_cfg:
+        runs = "above 1 and with a --n" if cfg.needs_negative else "above 1"
+        rewrite = (partial(_cfg_as_ours, cfg=cfg), f"with --l as ours reads it (its samples run CFG only {runs})")
     copy_prompts_without(t, key, value, lambda part: part.split(" ", 1)[0].lower() not in UNREAD_PROMPT_FLAGS,
                          "ours does not read them", rewrite)
 

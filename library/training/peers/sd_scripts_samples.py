@@ -34,7 +34,8 @@ def flags_as_read(flags: list[str]) -> list[str]:
         flag = name.lower()
         match = re.match(SAMPLE_FLAGS[flag], written)
         read = _read_value(flag, match.group(0)) if flag != "n" else None
-        out.append(part if read is None or _ours(flag, written) == read else f"{name} {read:g}")
+        shown = f"{read:g}" if isinstance(read, float) else str(read)  # a seed as its digits (:g: 1.23457e+08)
+        out.append(part if read is None or _ours(flag, written) == read else f"{name} {shown}")
     return out
 
 
