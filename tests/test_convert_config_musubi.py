@@ -246,6 +246,16 @@ def test_the_script_and_the_config_disagreeing_is_one_error():
                                script="zimage_train_network.py")
 
 
+def converted_prompts(tmp_path, module: str, text: str) -> tuple[str, str]:
+    """A musubi-tuner config of `module` with a prompt file holding `text`, converted: (its prompt file, ours)."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(text)
+    config = tmp_path / "c.toml"
+    config.write_text(f'dit = "d"\nnetwork_module = "{module}"\nsample_prompts = "{prompts}"\n')
+    assert convert_config.main([str(config)]) == 0
+    return str(prompts), toml.load(tmp_path / "c_converted.toml")["sample_prompts"]
+
+
 @pytest.mark.parametrize("module, lines", [
     ("networks.lora_krea2", {"A fox. --l 1 --d 0": "A fox. --d 0 --l 0",
                              "A fox. --l 5.5 --n blurry": "A fox. --n blurry --l 4.5",
@@ -258,34 +268,21 @@ def test_sample_prompts_cfg_scale_is_what_its_samples_rendered_with(tmp_path, mo
     and above 1, its Z-Image ones above 1 (4.0 unset); ours (as diffusers' pipelines) reads --l as the release's
     guidance, on above 0. Copied as they were, its recommended Krea 2 Turbo line (--l 1) ran CFG 2 here, its --l 5.5
     6.5, a line without --l and --n CFG 5.5 where it ran none. Now each line's --l is the scale it rendered with."""
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("\n".join(lines) + "\n")
-    config = tmp_path / "c.toml"
-    config.write_text(f'dit = "d"\nnetwork_module = "{module}"\nsample_prompts = "{prompts}"\n')
-    assert convert_config.main([str(config)]) == 0
-    ours = toml.load(tmp_path / "c_converted.toml")["sample_prompts"]
+    _, ours = converted_prompts(tmp_path, module, "\n".join(lines) + "\n")
     assert ours == str(tmp_path / "c_converted_prompts.txt")
     assert open(ours).read().splitlines() == list(lines.values())
 
 
 def test_sample_prompts_of_a_model_whose_samples_read_l_as_ours_are_used_as_they_are(tmp_path):
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("A fox. --l 4 --n blurry\nA cat.\n")
-    config = tmp_path / "c.toml"
-    config.write_text(f'dit = "d"\nnetwork_module = "networks.lora_qwen_image"\nsample_prompts = "{prompts}"\n')
-    assert convert_config.main([str(config)]) == 0
-    assert toml.load(tmp_path / "c_converted.toml")["sample_prompts"] == str(prompts)
+    theirs, ours = converted_prompts(tmp_path, "networks.lora_qwen_image", "A fox. --l 4 --n blurry\nA cat.\n")
+    assert ours == theirs
 
 
 def test_sample_prompts_lose_the_flags_ours_does_not_read(tmp_path):
     from library.data.prompts import read_prompt_file
 
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("# cats\nA cat on the grass. --w 640 --h 480 --f 1 --d 1 --s 20 --fs 3.0\n")
-    config = tmp_path / "c.toml"
-    config.write_text(f'dit = "d"\nnetwork_module = "networks.lora_zimage"\nsample_prompts = "{prompts}"\n')
-    assert convert_config.main([str(config)]) == 0
-    ours = toml.load(tmp_path / "c_converted.toml")["sample_prompts"]
+    _, ours = converted_prompts(tmp_path, "networks.lora_zimage",
+                                "# cats\nA cat on the grass. --w 640 --h 480 --f 1 --d 1 --s 20 --fs 3.0\n")
     assert ours == str(tmp_path / "c_converted_prompts.txt")
     prompt, = read_prompt_file(ours, decode=False)
     assert (prompt.prompt, prompt.width, prompt.height, prompt.seed, prompt.steps) == ("A cat on the grass.", 640, 480, 1, 20)

@@ -426,20 +426,27 @@ def test_off_values_are_dropped_and_the_rest_kept(keys, verdicts, config):
     assert not {k for k in keys if k not in config} & set(t.config)
 
 
+def config_with_prompts(tmp_path, text: str) -> str:
+    """An sd-scripts FLUX config rendering samples from a prompt file holding `text`: its path."""
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text(text)
+    (tmp_path / "ds.toml").write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\n'
+                                      f'image_dir = "{tmp_path}"\n')
+    config = tmp_path / "c.toml"
+    config.write_text(f'pretrained_model_name_or_path = "m"\nae = "a"\nclip_l = "c"\nt5xxl = "t"\n'
+                      f'dataset_config = "{tmp_path / "ds.toml"}"\nnetwork_train_unet_only = true\n'
+                      f'sample_prompts = "{prompts}"\nsample_every_n_steps = 100\n')
+    return str(config)
+
+
 def test_sample_prompts_with_flags_sd_scripts_skips_are_copied_without_them(tmp_path, capsys):
     """sd-scripts' FLUX samples skip --ss (and any flag or value its patterns do not match, --d -1); ours refuses
     them: the written config names a copy without them, which our prompt reader reads."""
     from library.data.prompts import read_prompt_file
 
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("# samples\nohwx person --w 512 --h 512 --d 42 --s 20 --g 3.5 --ss euler_a\n"
-                       "ohwx person at night --d -1 --n blurry\n")
-    (tmp_path / "ds.toml").write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{tmp_path}"\n')
-    config = tmp_path / "c.toml"
-    config.write_text(f'pretrained_model_name_or_path = "m"\nae = "a"\nclip_l = "c"\nt5xxl = "t"\n'
-                      f'dataset_config = "{tmp_path / "ds.toml"}"\nnetwork_train_unet_only = true\n'
-                      f'sample_prompts = "{prompts}"\nsample_every_n_steps = 100\n')
-    code, rows, text = convert([str(config)], capsys)
+    config = config_with_prompts(tmp_path, "# samples\nohwx person --w 512 --h 512 --d 42 --s 20 --g 3.5 --ss euler_a\n"
+                                           "ohwx person at night --d -1 --n blurry\n")
+    code, rows, text = convert([config], capsys)
     assert code == 0, text
     assert rows["sample_prompts"][0] == "renamed" and "a copy without --d, --ss" in rows["sample_prompts"][1]
     ours = toml_loads((tmp_path / "c_converted.toml").read_text())
@@ -456,16 +463,9 @@ def test_sample_prompt_values_are_copied_as_sd_scripts_reads_them(tmp_path, caps
     '1024.0'; steps must be >= 1) or read another value (1e1: 10). A value ours reads alike stays as written."""
     from library.data.prompts import read_prompt_file
 
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a cat --W 1024.0 --h 768px --s 0 --g 1e1 --d 42.5 --l 3.50\n"
-                       "a dog --w 512 --s 5000 --d 123456789.0\n")
-    (tmp_path / "ds.toml").write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\n'
-                                      f'image_dir = "{tmp_path}"\n')
-    config = tmp_path / "c.toml"
-    config.write_text(f'pretrained_model_name_or_path = "m"\nae = "a"\nclip_l = "c"\nt5xxl = "t"\n'
-                      f'dataset_config = "{tmp_path / "ds.toml"}"\nnetwork_train_unet_only = true\n'
-                      f'sample_prompts = "{prompts}"\nsample_every_n_steps = 100\n')
-    code, rows, text = convert([str(config)], capsys)
+    config = config_with_prompts(tmp_path, "a cat --W 1024.0 --h 768px --s 0 --g 1e1 --d 42.5 --l 3.50\n"
+                                           "a dog --w 512 --s 5000 --d 123456789.0\n")
+    code, rows, text = convert([config], capsys)
     assert code == 0, text
     assert "with each value as sd-scripts reads it" in rows["sample_prompts"][1], rows["sample_prompts"]
     copy = tmp_path / "c_converted_prompts.txt"
