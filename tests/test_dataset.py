@@ -190,16 +190,18 @@ def test_bucket_limits_off_the_step_grid_widen_to_it_as_sd_scripts_with_one_warn
     buckets = image_folders.dataset_buckets(ds)
     assert image_folders.image_bucket("p", (3195, 488), ds, buckets) == (2048, 320)
     with warnings.catch_warnings():
-        warnings.simplefilter("error")  # on the grid, or without buckets: nothing to say
+        warnings.simplefilter("error")  # on the grid, without buckets, or a min under one step: nothing to say
         blueprint(tmp_path, resolution=1024, enable_bucket=True, min_bucket_reso=256, max_bucket_reso=2048)
         blueprint(tmp_path, resolution=1024, min_bucket_reso=300, max_bucket_reso=2000)
+        (under,) = blueprint(tmp_path, resolution=64, enable_bucket=True, min_bucket_reso=32).datasets
+    assert under.min_bucket_reso == 32  # sd-scripts' floor would be 0: the buckets begin at one step, 64
 
 
 def test_bucket_limits_that_leave_no_bucket_are_one_line_naming_the_file(tmp_path):
     """The old line got as far as 'min() arg is an empty sequence' when the first image was sized."""
-    msg = config_error(tmp_path, '[[datasets]]\nresolution = 64\nenable_bucket = true\nmin_bucket_reso = 64\n'
-                                 'max_bucket_reso = 128\nbucket_reso_steps = 48\n[[datasets.subsets]]\nimage_dir = "a"\n')
-    assert "no bucket fits: no multiple of bucket_reso_steps 48 within [min_bucket_reso, max_bucket_reso] = [64, 128]" in msg
+    msg = config_error(tmp_path, '[[datasets]]\nresolution = 64\nenable_bucket = true\nmin_bucket_reso = 32\n'
+                                 'max_bucket_reso = 256\nbucket_reso_steps = 128\n[[datasets.subsets]]\nimage_dir = "a"\n')
+    assert "no bucket fits: no multiple of bucket_reso_steps 128 within [min_bucket_reso, max_bucket_reso] = [32, 256]" in msg
 
 
 def test_image_goes_to_the_bucket_with_the_closest_aspect_ratio(tmp_path):

@@ -266,7 +266,8 @@ def _widen_bucket_range_to_steps(source: str, d: DatasetSpec) -> None:
     sd-scripts' adjust_min_max_bucket_reso_by_steps does (max 2000 at steps 64: 2048). The range narrowed to the
     grid without a word until 2026-11-30 (1984): 734 of 3009 random sizes took another bucket than sd-scripts'."""
     step = d.bucket_reso_steps
-    low = max(d.min_bucket_reso - d.min_bucket_reso % step, step)  # (not 0: a bucket side is at least one step)
+    low = d.min_bucket_reso - d.min_bucket_reso % step
+    low = low if low >= step else d.min_bucket_reso  # under one step (sd-scripts: 0): buckets begin at one step
     high = -(-d.max_bucket_reso // step) * step
     if (low, high) != (d.min_bucket_reso, d.max_bucket_reso):
         warnings.warn(f"{source}: [datasets] min_bucket_reso / max_bucket_reso = {d.min_bucket_reso} / "
