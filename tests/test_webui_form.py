@@ -8,16 +8,7 @@ import gradio as gr
 import pytest
 import toml
 
-from library.ui.handlers import WebUI
-from tests.test_webui_handlers import event, run
-
-
-@pytest.fixture()
-def ui(tmp_path):
-    (tmp_path / "data").mkdir()
-    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
-    yield ui
-    ui.close()
+from tests.test_webui_handlers import event, run, ui  # noqa: F401 (ui: the pages' fixture, a WebUI on tmp_path)
 
 
 def test_the_forms_dropdowns_take_a_loaded_configs_value_and_retry_asks_what_it_removes(ui):
