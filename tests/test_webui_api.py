@@ -286,7 +286,7 @@ def test_sigterm_stops_the_ui_as_ctrl_c_does_deleting_its_copies_of_the_images_i
     of every image it had shown stayed behind (in /tmp), one per image viewed, as long as the UI had run.
     The module's last test: it stops the module's UI."""
     client.predict(tiny_set["dataset_config"], api_name="/dataset")  # the gallery: gradio copies its images
-    cache = os.path.join(server.jobs_dir, "gradio_cache")
+    cache = os.path.join(server.jobs_dir, ".gradio_cache")
     copies = lambda: [os.path.join(d, n) for d, _, names in os.walk(cache) for n in names]  # noqa: E731
     assert copies(), "the dataset gallery's images were not copied to the jobs folder's gradio cache"
     server.stop()

@@ -119,12 +119,20 @@ def test_the_ui_empties_its_own_gradio_cache_at_start_and_never_the_users(tmp_pa
     from tools.webui import own_gradio_cache
 
     jobs = tmp_path / "jobs"
-    stale = jobs / "gradio_cache" / "3cd44f" / "sample.png"
+    stale = jobs / ".gradio_cache" / "3cd44f" / "sample.png"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"a copy a stopped UI left")
     monkeypatch.delenv("GRADIO_TEMP_DIR", raising=False)
-    assert own_gradio_cache(str(jobs)) == os.environ["GRADIO_TEMP_DIR"] == str(jobs / "gradio_cache")
+    assert own_gradio_cache(str(jobs)) == os.environ["GRADIO_TEMP_DIR"] == str(jobs / ".gradio_cache")
     assert not stale.exists()
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"a copy this UI made")
+    (jobs / "job-0001").mkdir()
+    (jobs / "job-0001" / "000_1.png").write_bytes(b"a sample")
+    from library.ui.files import Roots
+
+    # the pages' pickers list the jobs folder's images, not gradio's copies of them (a hidden folder)
+    assert Roots([str(jobs)], str(tmp_path)).listing((".png",)) == [os.path.join("jobs", "job-0001", "000_1.png")]
     users = tmp_path / "users_cache" / "kept.png"
     users.parent.mkdir()
     users.write_bytes(b"another program's")

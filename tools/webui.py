@@ -93,7 +93,8 @@ def own_gradio_cache(jobs_dir: str) -> str | None:
     left its copies of the galleries' images behind (in /tmp), one per image viewed, as long as the UI ran."""
     if os.environ.get("GRADIO_TEMP_DIR"):  # the user's own: shared perhaps, never emptied here
         return None
-    cache = os.environ["GRADIO_TEMP_DIR"] = os.path.join(jobs_dir, "gradio_cache")
+    # hidden: the pages' file pickers pass over dot folders (its copies would crowd the jobs folder's images out)
+    cache = os.environ["GRADIO_TEMP_DIR"] = os.path.join(jobs_dir, ".gradio_cache")
     shutil.rmtree(cache, ignore_errors=True)
     return cache
 
