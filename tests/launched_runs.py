@@ -24,6 +24,7 @@ from library.models.flux1.family import FluxFamily  # noqa: E402
 from library.training.diffusion_task import DiffusionTask  # noqa: E402
 from library.training import saves  # noqa: E402
 import train_lora  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
 from accelerate.state import PartialState  # noqa: E402
 
 RANK = os.environ["RANK"]
@@ -86,7 +87,13 @@ def sigterm_to_main_and_a_slow_save():
             real(*a, **k)
             print(f"state written at {time.time()}", file=sys.stderr, flush=True)
         return slow_save
-    with at_call(DiffusionFamily, "training_loss", 2, sigterm("0")), patched(saves, "save_state", slow):
+    def barrier(real):  # process 1's proof that it waited: its "returned" line can be lost (below)
+        def waited(*a, **k):
+            real(*a, **k)
+            print(f"rank {RANK} past a barrier at {time.time()}", file=sys.stderr, flush=True)
+        return waited
+    with at_call(DiffusionFamily, "training_loss", 2, sigterm("0")), patched(saves, "save_state", slow), \
+            patched(Accelerator, "wait_for_everyone", barrier):
         yield
 
 
