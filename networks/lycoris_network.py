@@ -38,8 +38,9 @@ import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader
 from networks.lora import LoRANetwork
-from networks.lycoris_views import (MERGEABLE, FP8LinearView, check_lycoris_weight, is_quantized_linear,  # noqa: F401
-                                    lycoris_delta, lycoris_wrapped, merged_weight)
+from networks.lycoris_views import (MERGEABLE, FP8LinearView, check_lycoris_weight,  # noqa: F401
+                                    dora_at_comfyui_strength, is_quantized_linear, lycoris_delta, lycoris_wrapped,
+                                    merged_weight)
 from networks.lora_args import SELECTION_ARGS, _as_bool, _as_float, _as_int, _as_probability, check_lora_args, lora_targets
 from networks.lora_files import build_metadata, is_lycoris_file, lycoris_kind, tensor_hash  # noqa: F401 (the tools import them from here)
 from networks.lora_files import lycoris_kohya_names, naming, split_text_encoders, write_lora_tensors
@@ -379,6 +380,8 @@ class LycorisNetwork(nn.Module):
         finally:
             kohya.PRESET.pop(_PRESET_NAME, None)
         loras = lyco.text_encoder_loras + lyco.unet_loras
+        for lora in loras:
+            dora_at_comfyui_strength(lora)
         if not loras:
             raise ValueError(f"lycoris.kohya: network_args {self.network_args} select no module of the {self.arch} model")
         pairs = [(lora, views.get(lora.org_module[0])) for lora in loras]
@@ -570,13 +573,15 @@ def _rebuilt(algo, params, name: str, base: nn.Module, target: nn.Module):
     try:
         # dora_wd and algo=full copy the weight to the CPU as they build: on meta (generate.py's check) it stays meta
         with _cpu_copies_of_meta_stay_meta(target):
-            return make_module(algo, params, name, base)
+            module = make_module(algo, params, name, base)
     except (RuntimeError, TypeError, ValueError, AttributeError, KeyError) as e:  # AttributeError: a low-rank
         # lokr_w2 its shapes make it build full-matrix (another trainer's file)
         on = f" on a weight of shape {tuple(base.weight.shape)}" if isinstance(base, nn.Linear) else ""
         raise CheckpointError(f"LyCORIS module '{name}' ({algo.__name__}): LyCORIS' loader cannot rebuild it{on} "
                               f"({' '.join(str(e).split())}): a file for another model, or one it misreads (LoKr with "
                               f"unbalanced_factorization, DoRA with wd_on_output=false)") from None
+    dora_at_comfyui_strength(module)
+    return module
 
 
 class LycorisDelta:
@@ -586,7 +591,8 @@ class LycorisDelta:
     what the module's forward applies (the training and ComfyUI semantics). lycoris-lora 4.1.3's
     get_merged_weight disagrees with its own forward for LoKr and LoHa (alpha / rank applied twice,
     and DoRA's dora_wd), so those take W + get_weight() (the forward's delta; dora_wd through
-    LyCORIS' apply_weight_decompose), LoCon takes get_merged_weight (it agrees). The full type's `diff` / `diff_b` merge as whole deltas
+    LyCORIS' apply_weight_decompose, at ComfyUI's strength: dora_at_comfyui_strength), LoCon takes
+    get_merged_weight (it agrees). The full type's `diff` / `diff_b` merge as whole deltas
     (networks/lora_reader.py WholeDelta), never here; other algos ((IA)^3, OFT, ...) are refused."""
 
     MERGEABLE = MERGEABLE

@@ -43,6 +43,26 @@ def is_quantized_linear(module: nn.Module) -> bool:
     return not isinstance(module, nn.Linear) and callable(getattr(module, "dequantized_weight", None))
 
 
+def dora_at_comfyui_strength(module) -> None:
+    """A dora_wd module (`wd`) at a ratio s applies W + s * (DoRA(W + dW) - W), as ComfyUI applies the file
+    (comfy/weight_adapter/base.py weight_decompose) and networks/lora.py's DoRA: ratio 0 is the base. LyCORIS'
+    apply_weight_decompose blends the magnitude alone, (W + dW) * (s * (m / ||W + dW|| - 1) + 1), which keeps
+    the whole dW at every ratio: until 2026-11-30 merge_lora and generate at 0.5 were 1.5-2x the update off
+    ComfyUI's, and at 0 not the base. Its forward and its merged weight both call this, so both change."""
+    if not getattr(module, "wd", False) or "apply_weight_decompose" in module.__dict__:
+        return
+    decompose = module.apply_weight_decompose  # the class's, bound
+
+    def at_strength(weight: torch.Tensor, multiplier=1) -> torch.Tensor:
+        full = decompose(weight, 1)
+        if multiplier == 1:
+            return full
+        base = module.org_module[0].weight.detach().to(full)  # an FP8LinearView's: the dequantized weight
+        return base + multiplier * (full - base)
+
+    module.apply_weight_decompose = at_strength
+
+
 def merged_weight(module, w: torch.Tensor) -> torch.Tensor:
     """What an applied LoKr / LoHa / LoCon `module` makes of the weight w (float32 math; LycorisDelta's notes)."""
     from lycoris.modules import LoConModule

@@ -71,6 +71,46 @@ def test_lycoris_merge_equals_the_unmerged_network(tmp_path, files):
     assert effect > 0.05 and error <= 1e-5, (effect, error)
 
 
+@pytest.mark.parametrize("algo", [{"algo": "lokr", "factor": 4}, {"algo": "loha"}, {"algo": "locon"}],
+                         ids=["lokr", "loha", "locon"])
+def test_a_dora_wd_file_applies_at_a_ratio_as_comfyui_does(tmp_path, algo):
+    """ComfyUI applies a dora_wd module at strength s as W + s * (DoRA(W + dW) - W). LyCORIS' own multiplier blends
+    the magnitude alone and keeps the whole dW: merge_lora and generate's forward at ratio 0 were not the base
+    (0.25 off, the update 0.23), at 0.5 1.5-2x the update off ComfyUI's. Merged and unmerged, each ratio now."""
+    from networks.lycoris_network import LycorisDelta, lycoris_deltas
+
+    model = flux_base(tmp_path)
+    net = LycorisNetwork(model, "flux", 4, 2.0, network_args={**algo, "dora_wd": True})
+    random_(net, 0.3)
+    net.save(str(tmp_path / "dora_wd.safetensors"))
+    tensors = {k: v for k, v in net.state_dict().items()}
+    weights = {f"lora_unet_{n}".replace(".", "_"): m.weight.detach().float() for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    deltas: dict[str, LycorisDelta] = lycoris_deltas(tensors)
+    for name, delta in deltas.items():
+        w = weights[name]
+        full = delta.merged(w, 1.0) - w
+        assert torch.equal(delta.merged(w, 0.0), w)
+        assert (delta.merged(w, 0.5) - w - 0.5 * full).abs().max() <= 1e-6 * full.abs().max()
+    linears = {f"lora_unet_{n}".replace(".", "_"): m for n, m in model.named_modules()
+               if isinstance(m, torch.nn.Linear)}
+    g = torch.Generator().manual_seed(3)
+    xs = {name: torch.randn(3, linears[name].in_features, generator=g) for name in deltas}
+    outputs = {}
+    for ratio in (0.0, 0.5, 1.0):  # each module's output (its forward) is linear in its weight
+        loaded = LycorisNetwork.from_weights(model, "flux", str(tmp_path / "dora_wd.safetensors"), multiplier=ratio)
+        loaded.apply()
+        with torch.no_grad():
+            outputs[ratio] = {name: linears[name](x) for name, x in xs.items()}
+        loaded.remove()
+    for name, x in xs.items():
+        with torch.no_grad():
+            base = linears[name](x)
+        change = (outputs[1.0][name] - base).abs().max()
+        assert change > 1e-3 and (outputs[0.0][name] - base).abs().max() <= 1e-6 * change
+        assert (outputs[0.5][name] - (base + outputs[1.0][name]) / 2).abs().max() <= 1e-5 * change
+
+
 def test_a_lycoris_full_file_merges_as_the_unmerged_network(tmp_path):
     """LyCORIS' full type (`diff` and `diff_b`: whole weight and bias deltas) was refused ("is a FullModule: merging
     supports LoKr, LoHa and LoCon"); it merges as ComfyUI patches it (W + ratio * diff), the output of LyCORIS' own

@@ -120,8 +120,8 @@ def metadata(args) -> str | None:
 @contextlib.contextmanager
 def network_off(network):
     """Within: the trained network's modules at multiplier 0 (the base's prediction); restored after. A
-    LyCORIS module with dora_wd (`wd`) adds its whole update at multiplier 0 (the multiplier blends only its
-    magnitude: (W + dW) * (multiplier * (m / ||W + dW|| - 1) + 1)), so its decomposition is off too."""
+    LyCORIS module with dora_wd (`wd`) has its decomposition off too: LyCORIS' own multiplier blends only its
+    magnitude and adds the whole update at 0 (our modules apply 0 as the base: dora_at_comfyui_strength)."""
     modules = [m for m in network.modules() if m is not network and isinstance(getattr(m, "multiplier", None), float | int)]
     saved = [(m.multiplier, getattr(m, "wd", None)) for m in modules]
     try:
