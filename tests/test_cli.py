@@ -71,6 +71,19 @@ def test_abbreviated_flags_are_refused(script, capsys):
     assert flag in error or meant in error  # unrecognized, or the flag it stood for is missing
 
 
+@pytest.mark.parametrize("script", ["tools/generate.py", "tools/merge_lora.py", "tools/extract_lora.py",
+                                    "tools/convert_lora.py"])
+def test_a_peers_flags_name_ours(script, capsys):
+    """A musubi-tuner / sd-scripts command line (--dit, --from_file, --model_org) was argparse's "required: --model"
+    or "unrecognized arguments". Each peer flag is named with ours, and none of them is a flag of the tool's own."""
+    parser = build_parser(script)()
+    peers = parser.peer_flags
+    assert peers and not set(peers) & set(parser._option_string_actions)
+    error = parse_error(parser, [word for flag in peers for word in (flag, "x")], capsys)
+    assert error.startswith("sd-scripts / musubi-tuner flags, which this tool names otherwise: ")
+    assert all(f"{flag} -> {ours}" in error for flag, ours in peers.items())
+
+
 # Runs each script given as the shell would (as __main__, sys.argv set) with --help and with a bad
 # flag, in this one process, and prints {script: [exit status of each, heavy modules loaded]}. A
 # script that imported one leaves it loaded for the next: only a clean run proves every script.

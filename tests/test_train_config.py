@@ -383,6 +383,12 @@ def test_a_bad_flag_is_one_line_not_the_usage(capsys):
     assert train_lora.main(["--bogus", "1"]) == 2
     err = capsys.readouterr().err
     assert err == "error: command line: unrecognized arguments: --bogus 1 (python train_lora.py --help lists the keys)\n"
+    # a musubi-tuner command line's flags: the command that translates it (was the --help pointer alone)
+    assert train_lora.main(["--dit=dit.safetensors", "--vae", "vae.safetensors", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: command line: unrecognized arguments: --dit=dit.safetensors --vae vae.safetensors "
+                          "--bogus (musubi-tuner flags: `python tools/convert_config.py --command ")
+    assert "--help" not in err
 
 
 @pytest.mark.parametrize("warmup, said", [("10", "lr_warmup_steps = 10 is not below max_train_steps = 10")])

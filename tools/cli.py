@@ -28,10 +28,22 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are a ValueError (one line and exit status 2 through the tool's main)
-    and which refuses abbreviated flags."""
+    and which refuses abbreviated flags. peer_flags: {a peer tool's flag: ours}, for a command line
+    brought from sd-scripts or musubi-tuner (--dit, --from_file)."""
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, peer_flags: dict[str, str] | None = None, **kwargs):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
+        self.peer_flags = peer_flags or {}
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A peer's flag is one line naming ours, before argparse's "required: --model" or "unrecognized"."""
+        words = sys.argv[1:] if args is None else list(args)
+        theirs = [w.split("=", 1)[0] for w in words if w.split("=", 1)[0] in self.peer_flags]
+        theirs = [flag for flag in dict.fromkeys(theirs) if flag not in self._option_string_actions]
+        if theirs:
+            self.error(f"sd-scripts / musubi-tuner flag{'s' if len(theirs) > 1 else ''}, which this tool names "
+                       f"otherwise: " + ", ".join(f"{flag} -> {self.peer_flags[flag]}" for flag in theirs))
+        return super().parse_known_args(args, namespace)
 
     def error(self, message):
         raise ValueError(message)

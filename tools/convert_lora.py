@@ -59,8 +59,13 @@ from library.models.registry import FAMILIES, OTHER_ARCHS  # noqa: E402
 from tools.cli import Parser, check_command_line, exit_without_collecting  # noqa: E402
 
 
+# musubi-tuner's convert_lora.py flags -> ours
+PEER_FLAGS = {"--input": "the first argument (input)", "--output": "the second argument (output)",
+              "--target": "--to (musubi-tuner's default: kohya; other: diffusers)"}
+
+
 def build_parser() -> Parser:
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], peer_flags=PEER_FLAGS)
     parser.add_argument("input", help="LoRA .safetensors (kohya, PEFT/diffusers or ComfyUI) or PEFT adapter folder (LLM)")
     parser.add_argument("output", help="converted LoRA .safetensors, or the PEFT adapter folder for --to peft")
     parser.add_argument("--to", required=True, choices=["kohya", "diffusers", "comfy", "peft"],

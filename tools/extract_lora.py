@@ -49,8 +49,12 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 from tools.cli import Parser, check_command_line, save_precision_name, exit_without_collecting  # noqa: E402
 
 
+# sd-scripts' and musubi-tuner's LoRA-extraction scripts' flags -> ours
+PEER_FLAGS = {"--model_org": "--model", "--model_tuned": "--tuned", "--dim": "--rank"}
+
+
 def build_parser() -> Parser:
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], peer_flags=PEER_FLAGS)
     parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
     parser.add_argument("--tuned", required=True, help="fine-tuned checkpoint of the same model and layout")
     parser.add_argument("--save_to", required=True, help="output LoRA .safetensors")

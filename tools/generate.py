@@ -46,8 +46,19 @@ def _per_release(defaults: str) -> str:
                      for spec in arch_specs().values() if getattr(spec, defaults))
 
 
+# musubi-tuner's *_generate_image.py and sd-scripts' minimal-inference script's flags -> ours
+PEER_FLAGS = {"--dit": "--model", "--ckpt_path": "--model", "--vae": "--ae", "--from_file": "--prompt_file",
+              "--save_path": "--out", "--output_dir": "--out", "--infer_steps": "--steps",
+              "--image_size": "--height H --width W", "--negative_prompt": "--negative",
+              "--guidance_scale": "--guidance", "--cfg_scale": "--guidance", "--control_image_path": "--control_image",
+              "--lora_weight": "--lora PATH:RATIO", "--lora_multiplier": "--lora PATH:RATIO",
+              "--lora_weights": "--lora PATH:RATIO", "--merge_lora_weights": "--lora PATH:RATIO (applied unmerged)",
+              "--fp8": "--base_precision fp8", "--fp8_scaled": "--base_precision fp8_scaled",
+              "--vae_enable_tiling": "--vae_tiling"}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, peer_flags=PEER_FLAGS)
     p.add_argument("--model_type", required=True, choices=tuple(FAMILIES))
     p.add_argument("--model", required=True, help="transformer checkpoint (single file / diffusers folder / ComfyUI "
                                                    "file, fp8 and scaled fp8 ones used as they are)")

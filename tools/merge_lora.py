@@ -95,15 +95,26 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 from library.training.config_schema import PRECISION_NAMES  # noqa: E402
 from library.errors import printed_warnings  # noqa: E402
 from tools.cli import Parser, check_command_line, save_precision_name, exit_without_collecting  # noqa: E402
-from library.models.registry import arch_spec  # noqa: E402
+from library.models.registry import arch_spec, arch_specs  # noqa: E402
 
 FP8_PRECISIONS = ("fp8", "fp8_scaled")  # --save_precision values stored as float8_e4m3fn
 FP8_LAYOUTS = {"comfy": "fp8_tensor_scaled", "plain": "fp8", "block64": "fp8_scaled"}  # --fp8_layout -> fp8.MODES
 GGUF_PRECISIONS = ("gguf_q8_0", "gguf_q5_1", "gguf_q5_0", "gguf_q4_1", "gguf_q4_0")  # gguf_writer.WRITE_TYPES
 
 
+# sd-scripts' and musubi-tuner's LoRA-merge scripts' flags -> ours (a model's own, --<name>_model: its spec's)
+PEER_FLAGS = {"--dit": "--model", "--models": "--lora PATH:RATIO ...", "--ratios": "--lora PATH:RATIO ...",
+              "--lora_weight": "--lora PATH:RATIO ...", "--lora_multiplier": "--lora PATH:RATIO ...",
+              "--save_merged_model": "--save_to"}
+
+
+def peer_flags() -> dict[str, str]:
+    models = [spec.peer_models.get("sd-scripts") for spec in arch_specs().values()]
+    return {**PEER_FLAGS, **{k: v for m in models if m is not None for k, v in m.merge_flags.items()}}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], peer_flags=peer_flags())
     parser.add_argument("--model", required=True, help="base checkpoint: file or folder")
     parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio]")
     parser.add_argument("--save_to", required=True, help="output file (file base) or folder (folder base)")
@@ -132,7 +143,6 @@ from library.precision import fp8  # noqa: E402
 from library.precision.gguf_writer import GgufEntry, output_type, save_precision_type, write_gguf_streaming  # noqa: E402
 from library.atomic_files import write_text  # noqa: E402
 from library.io import ST_DTYPES, atomic_folder, atomic_path  # noqa: E402
-from library.models.registry import arch_specs  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from networks.lora_files import MODELSPEC_HASH, LoRAWeights, input_files, merge_into_weight  # noqa: E402
 from tools.cli import LoRASpec, parse_lora_spec  # noqa: E402,F401 (parse_lora_spec: merge_lora's callers use it)

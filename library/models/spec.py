@@ -412,6 +412,8 @@ class SdScriptsModels:
     models: dict[str, dict[str, str]]  # its --model_type values -> our keys (model_type)
     default: str = ""  # its --model_type default where it is one of these (every spec that lists sd-scripts: one)
     draws: tuple[str, ...] = ()  # its timestep_sampling values named after this model: our draws of the same name
+    # its LoRA-merge script's flags named after this model -> ours (tools/merge_lora.py names them for the user)
+    merge_flags: dict[str, str] = field(default_factory=dict)
 
 
 # ----------------------------------------------------------------------------------------------

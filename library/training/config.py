@@ -204,7 +204,11 @@ class _Parser(argparse.ArgumentParser):
     flags) and the error beneath it."""
 
     def error(self, message):
-        raise ConfigError(f"command line: {message} (python train_lora.py --help lists the keys)")
+        hint = ""
+        if message.startswith("unrecognized arguments:"):  # a peer's flags (--dit): the command translating them
+            from library.training.peers import peer_flag_hint
+            hint = peer_flag_hint(message.split(":", 1)[1].split())
+        raise ConfigError(f"command line: {message}{hint or ' (python train_lora.py --help lists the keys)'}")
 
 
 def build_parser() -> argparse.ArgumentParser:

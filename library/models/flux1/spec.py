@@ -175,7 +175,8 @@ MUSUBI = S.MusubiModels(
 # chroma/spec.py) as --model_type flux, its default, with networks.lora_flux; its timestep_sampling flux_shift
 # is ours (the resolution shift with FLUX.1-dev's constants).
 SD_SCRIPTS = S.SdScriptsModels(script="flux_train_network.py", lora_module="networks.lora_flux",
-                               models={"flux": {"model_type": "flux"}}, default="flux", draws=("flux_shift",))
+                               models={"flux": {"model_type": "flux"}}, default="flux", draws=("flux_shift",),
+                               merge_flags={"--flux_model": "--model"})  # networks/flux_merge_lora.py
 
 
 SPEC = S.ArchSpec(

@@ -35,13 +35,30 @@ def peers_of(key: str, peers=TOML_PEERS) -> list[str]:
     return found
 
 
+def _peers_having(keys: list[str]) -> list[str]:
+    """The peers whose keys these are: one that has them all, else each peer that has one."""
+    found = {key: peers_of(key) for key in keys}
+    names = [name for name in TOML_PEERS if all(name in peers for peers in found.values())]
+    return names or list(dict.fromkeys(name for peers in found.values() for name in peers))
+
+
 def peer_key_hint(keys: list[str], path: str) -> str:
     """The end of config.py's unknown-key line when the keys are a peer's: which peer, and the command
     that translates the file ('' when none is)."""
-    found = {key: peers_of(key) for key in keys}
-    names = [name for name in TOML_PEERS if all(name in peers for peers in found.values())]  # one that has them all
-    names = names or list(dict.fromkeys(name for peers in found.values() for name in peers))
+    names = _peers_having(keys)
     if not names:
         return ""
     return (f" ({' / '.join(names)} key{'s' if len(keys) > 1 else ''}: `python tools/convert_config.py {path}` "
             f"writes the config as ours and says what each key became)")
+
+
+def peer_flag_hint(arguments: list[str]) -> str:
+    """The end of train_lora.py's unrecognized-arguments line when the flags are a peer's (a musubi-tuner
+    command line's --dit, --vae): which peer, and the command that translates that command line ('' when none)."""
+    keys = [a[2:].split("=", 1)[0] for a in arguments if a.startswith("--")]
+    theirs = [key for key in keys if peers_of(key)]
+    names = _peers_having(theirs) if theirs else []
+    if not names:
+        return ""
+    return (f" ({' / '.join(names)} flags: `python tools/convert_config.py --command \"<the whole command line>\"` "
+            f"writes it as our config and says what each flag became)")
