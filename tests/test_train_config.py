@@ -376,6 +376,15 @@ def test_llm_keys_that_pretraining_or_sampling_would_ignore_or_crash_on_are_refu
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
 
 
+def test_a_peers_lora_module_names_the_command_that_converts_the_config(tmp_path):
+    """network_module = "networks.lora_flux" (sd-scripts' / musubi-tuner's) was "not supported" alone."""
+    cfg = write(tmp_path, BASE + 'network_module = "networks.lora_flux"\n')
+    with pytest.raises(ConfigError) as e:
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+    assert str(e.value).endswith("(supported: networks.lora, lycoris.kohya): sd-scripts / musubi-tuner's LoRA module, "
+                                 f"ours networks.lora; `python tools/convert_config.py {cfg}` writes that config as ours")
+
+
 def test_a_bad_flag_is_one_line_not_the_usage(capsys):
     """The old line printed argparse's usage (every key: ~80 lines) above the error."""
     import train_lora

@@ -43,6 +43,19 @@ def sd_scripts_config(tiny_set, folder, **extra) -> str:
     return str(path)
 
 
+def test_a_peer_toml_whose_keys_are_all_ours_too_is_told_by_its_network_module():
+    """An sd-scripts config of keys ours has too (fp8_base, ae, clip_l, ...) loaded unconverted: Validate asked
+    for model_type, then refused networks.lora_flux, and nothing said convert it. Its LoRA module tells it now."""
+    from library.ui.peer_configs import is_peer_config
+
+    theirs = toml.dumps({"pretrained_model_name_or_path": "flux1-dev.safetensors", "ae": "ae.safetensors",
+                         "clip_l": "clip_l.safetensors", "t5xxl": "t5xxl.safetensors", "fp8_base": True,
+                         "network_module": "networks.lora_flux"})
+    assert is_peer_config("sd run.toml", theirs)
+    assert not is_peer_config("ours.toml", theirs.replace("networks.lora_flux", "networks.lora"))
+    assert not is_peer_config("ours.toml", theirs.replace("networks.lora_flux", "lycoris.kohya"))
+
+
 def test_an_sd_scripts_toml_is_converted_beside_it_and_the_editor_gets_ours_which_validates(checked_ui, tiny_set,
                                                                                               tmp_path):
     """Old: the TOML loaded as it is and Validate said "unknown keys ... `python tools/convert_config.py FILE`"."""

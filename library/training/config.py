@@ -469,7 +469,13 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
     try:  # an unknown value used to train a plain LoRA silently
         check_network_module(args.network_module)
     except ValueError as e:
-        raise ConfigError(f"{origins.get('network_module', where)}: {e}") from None
+        from library.training.peers import peer_lora_modules
+
+        source = origins.get("network_module", where)
+        peer = peer_lora_modules().get(args.network_module)
+        hint = (f": {peer}'s LoRA module, ours networks.lora; `python tools/convert_config.py {source}` writes "
+                f"that config as ours" if peer and source != "command line" else "")
+        raise ConfigError(f"{source}: {e}{hint}") from None
     _validate_dim_from_weights(args, origins, where)
     _validate_input_paths(args, origins, where)
     _validate_output(args, origins, where)

@@ -11,7 +11,7 @@ import os
 
 from library.text_files import toml_loads
 from library.training.config_schema import SCHEMA
-from library.training.peers import peers_of
+from library.training.peers import peer_lora_modules, peers_of
 from library.training.peers.rules import flatten_tables
 from library.ui import commands
 from library.ui.files import Roots
@@ -35,12 +35,15 @@ def toml_keys(text: str) -> dict | None:
 
 def is_peer_config(path: str, text: str) -> bool:
     """ai-toolkit's YAML, or a training TOML with a key ours does not have and sd-scripts or musubi-tuner
-    documents. A dataset TOML ([[datasets]]: ours, or a peer's, whose keys are sd-scripts' arguments too) is
-    none: it loads as it is (the converter would take it for a training config)."""
+    documents, or with their network_module (an sd-scripts config can have only keys ours has too: it loaded
+    unconverted until 2026-11-30). A dataset TOML ([[datasets]]: ours, or a peer's, whose keys are
+    sd-scripts' arguments too) is none: it loads as it is (the converter would take it for a training config)."""
     if path.lower().endswith(YAML_SUFFIXES):
         return True
     keys = toml_keys(text)
-    return keys is not None and "datasets" not in keys and any(peers_of(key) for key in keys if key not in SCHEMA)
+    if keys is None or "datasets" in keys:
+        return False
+    return keys.get("network_module") in peer_lora_modules() or any(peers_of(k) for k in keys if k not in SCHEMA)
 
 
 # ai-toolkit's dataset keys naming folders: the converter reads folder_path's captions (is the trigger word in

@@ -35,6 +35,17 @@ def peers_of(key: str, peers=TOML_PEERS) -> list[str]:
     return found
 
 
+def peer_lora_modules() -> dict[str, str]:
+    """{a peer's LoRA network_module: the peers naming it ("sd-scripts / musubi-tuner")}: sd-scripts' one and
+    musubi-tuner's, one per model. A config naming one is a peer's even where every key of it is ours too."""
+    from library.training.peers import musubi_models, sd_scripts_models
+
+    peers: dict[str, list[str]] = {sd_scripts_models.lora_module(): ["sd-scripts"]}
+    for module in musubi_models.lora_modules():
+        peers.setdefault(module, []).append("musubi-tuner")
+    return {module: " / ".join(names) for module, names in peers.items()}
+
+
 def _peers_having(keys: list[str]) -> list[str]:
     """The peers whose keys these are: one that has them all, else each peer that has one."""
     found = {key: peers_of(key) for key in keys}
