@@ -381,8 +381,9 @@ def test_a_peers_lora_module_names_the_command_that_converts_the_config(tmp_path
     cfg = write(tmp_path, BASE + 'network_module = "networks.lora_flux"\n')
     with pytest.raises(ConfigError) as e:
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
-    assert str(e.value).endswith("(supported: networks.lora, lycoris.kohya): sd-scripts / musubi-tuner's LoRA module, "
-                                 f"ours networks.lora; `python tools/convert_config.py {cfg}` writes that config as ours")
+    assert str(e.value).endswith("(supported: networks.lora, lycoris.kohya): sd-scripts / musubi-tuner's LoRA "
+                                 f"module, ours networks.lora; `python tools/convert_config.py {cfg}` writes that "
+                                 f"config as ours")
 
 
 def test_a_bad_flag_is_one_line_not_the_usage(capsys):
