@@ -415,6 +415,23 @@ def test_a_root_below_another_lists_its_files_once(tmp_path):
     assert roots.listing((".toml",)) == [os.path.join("data", "other.toml"), os.path.join("data", "set", "dataset.toml")]
 
 
+def test_a_picker_over_its_limit_lists_the_newest_files(tmp_path):
+    """Old: the first 400 files in walk order, the jobs folder (the last root) last: 150 jobs' LoRAs listed up to
+    job 117, the newest jobs' none, without a word."""
+    from library.ui.files import Roots
+
+    for i in range(6):
+        (tmp_path / "data").mkdir(exist_ok=True), (tmp_path / "jobs" / f"job-{i}").mkdir(parents=True)
+        (tmp_path / "data" / f"old-{i}.safetensors").write_text("")
+        os.utime(tmp_path / "data" / f"old-{i}.safetensors", (1e9 + i, 1e9 + i))
+        (tmp_path / "jobs" / f"job-{i}" / "lora.safetensors").write_text("")
+        os.utime(tmp_path / "jobs" / f"job-{i}" / "lora.safetensors", (2e9 + i, 2e9 + i))
+    roots = Roots(["data", "jobs"], str(tmp_path))
+    assert len(roots.listing((".safetensors",))) == 12
+    assert roots.listing((".safetensors",), limit=4) == [os.path.join("jobs", f"job-{i}", "lora.safetensors")
+                                                          for i in (2, 3, 4, 5)]
+
+
 def finished_job(ui):
     job = ui.store.create("a", {"output_name": "lora"}, 5, queue=True)
     ui.store.claim_next("cpu")

@@ -21,6 +21,16 @@ def within(real: str, root: str) -> bool:
     return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
 
 
+WALK_LIMIT = 20_000  # entries a picker's walk collects before it keeps the newest of them
+
+
+def _modified(path: str) -> float:
+    try:
+        return os.stat(path).st_mtime
+    except OSError:  # gone since the walk, a link to nothing
+        return 0.0
+
+
 class OutsideRoots(ValueError):
     """A path outside the configured roots; the message names it and the roots."""
 
@@ -43,9 +53,9 @@ class Roots:
     def listing(self, suffixes: tuple[str, ...] = (), folders: bool = False, limit: int = 400,
                 depth: int = 5) -> list[str]:
         """Files with one of `suffixes` (and/or folders) under the roots, as the picker's choices:
-        relative to the working folder where they lie under it."""
-        found: list[str] = []
-        seen: set[str] = set()  # a root below another (--root data --root data/set) is walked twice
+        relative to the working folder where they lie under it. Over `limit`, the newest `limit` of them (the
+        first 400 in walk order left out the LoRAs of the newest jobs: the jobs folder is the last root)."""
+        found: dict[str, str] = {}  # shown -> path; a root below another (--root data --root data/set) walked twice
         for root in self.roots:
             base = root.count(os.sep)
             for folder, dirs, files in os.walk(root):
@@ -55,13 +65,13 @@ class Roots:
                 names = sorted(dirs) if folders else []
                 names += sorted(f for f in files if f.endswith(suffixes)) if suffixes else []
                 for name in names:
-                    if (shown := self.shown(os.path.join(folder, name))) in seen:
-                        continue
-                    seen.add(shown)
-                    found.append(shown)
-                    if len(found) >= limit:
-                        return found
-        return found
+                    found.setdefault(self.shown(os.path.join(folder, name)), os.path.join(folder, name))
+                if len(found) >= WALK_LIMIT:  # a root of "/": the walk itself stops
+                    break
+        if len(found) <= limit:
+            return list(found)
+        kept = set(sorted(found, key=lambda shown: _modified(found[shown]), reverse=True)[:limit])
+        return [shown for shown in found if shown in kept]
 
     def shown(self, path: str) -> str:
         real = os.path.realpath(path)
