@@ -129,19 +129,24 @@ def test_a_full_size_preset_needs_swap_on_a_small_card(capsys):
     low-bit rows below 16 GiB: the tiny config's test above)."""
     from tools import plan_memory
 
-    swaps = {}
+    swaps, held = {}, {}
     for base in ("bf16", "fp8_scaled"):
         assert plan_memory.main(["--preset", "flux1-schnell", "--vram", "12", "--resolution", "512",
                                  "--base_precision", base]) == 0
         out = capsys.readouterr().out
         row = next(line for line in out.splitlines() if line.split()[:1] == [base] and "checkpointing=true :" in line)
         swaps[base] = int(row.split("blocks_to_swap = ")[1].split()[0])
+        # the swapped blocks' host memory (was said nowhere): a 12 GiB card's Qwen-Image swap needs 33 GiB of RAM
+        held[base] = float(row.split("its swapped blocks hold ")[1].split()[0])
         # FLUX.1 trains its gates: the rows with checkpoint_saves_projections, each needing at least as much swap
         for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):  # (and attention, as any family)
             saved = [line for line in out.splitlines() if f"{key} = true (+" in line]
             assert [line.split()[0] for line in saved] == [base], out
             assert int(saved[0].split("blocks_to_swap = ")[1].split()[0]) >= swaps[base]
     assert 0 < swaps["fp8_scaled"] < swaps["bf16"]  # 11.9 B parameters: 22 GiB in bf16, 11.5 GiB in fp8 on 12 GiB
+    # the last 46 of the 57 blocks in run order (19 double of 0.63 GiB, 38 single of 0.26 GiB in bf16): 8 + 38
+    assert swaps["bf16"] == 46 and held["bf16"] == round((8 * 339_831_296 + 38 * 141_591_808) * 2 / 2**30, 1)
+    assert 0 < held["fp8_scaled"] < held["bf16"] / 2 + 0.5
 
 
 # ----------------------------------------------------------------------------------------------

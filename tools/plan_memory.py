@@ -405,17 +405,24 @@ def sample_size_of(cli, run, size: tuple[int, int]) -> tuple[int, int] | None:
 TILES_SAID = " (decoded in tiles: vae_tiling)"  # a card row whose samples decode in tiles ends so
 
 
+def swapped_host_bytes(plan, blocks_to_swap: int | None) -> int:
+    """The swapped blocks' weights, which live in host memory (pinned on a GPU) for the whole run (block_swap.py)."""
+    return sum(plan.block_bytes[len(plan.block_bytes) - blocks_to_swap:]) if blocks_to_swap else 0
+
+
 def fit_text(fit: int | None, peak: int, sample: tuple[int, bool] | None = None,
-             sample_size: tuple[int, int] | None = None) -> str:
-    """A card row's verdict, as the web UI reads it (library/ui/commands.py PLAN_ROW), and its samples' peak
-    (sampling_peak's (peak, in tiles))."""
+             sample_size: tuple[int, int] | None = None, host: int = 0) -> str:
+    """A card row's verdict, as the web UI reads it (library/ui/commands.py PLAN_ROW), the host memory its swapped
+    blocks hold (swapped_host_bytes: a 12 GiB card's Qwen-Image swaps 33 GiB of bf16 blocks to the host, which a
+    32 GB machine lacks) and its samples' peak (sampling_peak's (peak, in tiles))."""
     samples = ""
     if sample is not None:
         tiles = TILES_SAID if sample[1] else ""
         samples = f"; samples at {sample_size[0]}x{sample_size[1]} peak at {sample[0] / GiB:.1f} GiB{tiles}"
     if fit is None:
         return "does not fit" + (" with its samples" if sample is not None else "")
-    return f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB)" + samples
+    held = f"; its swapped blocks hold {host / GiB:.1f} GiB of host memory" if host else ""
+    return f"fits with blocks_to_swap = {fit} (peak {peak / GiB:.1f} GiB){held}" + samples
 
 
 def caching_advice(family, run, step: LargestStep, vram_gib: float, caching) -> str | None:
@@ -498,8 +505,9 @@ def kept_tensor_rows(family, args, step: LargestStep, vram_gib: float, planned: 
             samples = extras[base, True] if extras else None
             fit = fewest_swaps(plan, vram_gib, samples)
             sample = None if samples is None else sampling_peak(plan, fit or 0, samples, usable(vram_gib))
+            verdict = fit_text(fit, plan.phase(fit or 0).peak, sample, sample_size, swapped_host_bytes(plan, fit))
             rows.append(f"  {base:10s} gradient_checkpointing=true with {key} = true (+{extra / GiB:.2f} GiB, {gain}): "
-                        f"{fit_text(fit, plan.phase(fit or 0).peak, sample, sample_size)}")
+                        f"{verdict}")
     if rows and any(getattr(args, key) is None for key in KEEPING_KEYS):
         rows.append(f"  (a key left unset: train_lora.py turns it on where the step with it fits the card, "
                     f"{KEEPING_MARGIN - 1:.0%} to spare)")
@@ -541,7 +549,8 @@ def report(args, family, run, step: LargestStep) -> None:
     print(f"\nOn a {args.vram:g} GiB card (usable {usable(args.vram) / GiB:.1f} GiB), training"
           + (f" and samples of {samples[0]}x{samples[1]}:" if samples else ":"))
     extras = sampling_extras(family, run, planned, samples, step.references)
-    rows = [f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: {fit_text(fit, peak, sample, samples)}"
+    rows = [f"  {base:10s} gradient_checkpointing={str(ckpt).lower():5s}: "
+            f"{fit_text(fit, peak, sample, samples, swapped_host_bytes(planned[base, ckpt], fit))}"
             for base, ckpt, fit, peak, sample in fitting_settings(family, run, step, args.vram, planned, extras)]
     rows += [f"  {base:10s} left out: {why.removeprefix(f'{run.config_file}: ')}"
              for base, why in refused_bases(family, run, card_bases(family, run, args.vram, args.base_precision)).items()]
