@@ -413,7 +413,7 @@ def swapped_host_bytes(plan, blocks_to_swap: int | None) -> int:
 def fit_text(fit: int | None, peak: int, sample: tuple[int, bool] | None = None,
              sample_size: tuple[int, int] | None = None, host: int = 0) -> str:
     """A card row's verdict, as the web UI reads it (library/ui/commands.py PLAN_ROW), the host memory its swapped
-    blocks hold (swapped_host_bytes: a 12 GiB card's Qwen-Image swaps 33 GiB of bf16 blocks to the host, which a
+    blocks hold (swapped_host_bytes: on a 12 GiB card a 20 B model swaps 33 GiB of bf16 blocks to the host, which a
     32 GB machine lacks) and its samples' peak (sampling_peak's (peak, in tiles))."""
     samples = ""
     if sample is not None:
