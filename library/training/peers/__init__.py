@@ -47,7 +47,9 @@ def peer_lora_modules() -> dict[str, str]:
 
 
 def _peers_having(keys: list[str]) -> list[str]:
-    """The peers whose keys these are: one that has them all, else each peer that has one."""
+    """The peers whose keys these are: one that has them all, else each peer that has one (none for no keys)."""
+    if not keys:
+        return []
     found = {key: peers_of(key) for key in keys}
     names = [name for name in TOML_PEERS if all(name in peers for peers in found.values())]
     return names or list(dict.fromkeys(name for peers in found.values() for name in peers))
@@ -67,8 +69,7 @@ def peer_flag_hint(arguments: list[str]) -> str:
     """The end of train_lora.py's unrecognized-arguments line when the flags are a peer's (a musubi-tuner
     command line's --dit, --vae): which peer, and the command that translates that command line ('' when none)."""
     keys = [a[2:].split("=", 1)[0] for a in arguments if a.startswith("--")]
-    theirs = [key for key in keys if peers_of(key)]
-    names = _peers_having(theirs) if theirs else []
+    names = _peers_having([key for key in keys if peers_of(key)])
     if not names:
         return ""
     return (f" ({' / '.join(names)} flags: `python tools/convert_config.py --command \"<the whole command line>\"` "
