@@ -32,6 +32,7 @@ import io
 import logging
 import os
 import re
+import sys
 
 import torch
 import torch.nn as nn
@@ -103,15 +104,25 @@ def _fp8_views(model: nn.Module):
             parent._modules[name] = layer
 
 
+# LoHa's and LoKr's modules print this once per module (hundreds of lines at full size) whenever `dropout` is set,
+# though their bypass forward, the only one check_lycoris_args lets dropout train with, does apply it.
+_FALSE_DROPOUT_WARNING = "[WARN]LoHa/LoKr haven't implemented normal dropout yet."
+
+
 @contextlib.contextmanager
 def _quiet_lycoris():
+    """LyCORIS' info logging off, and its false dropout print dropped; any other line it prints passes through."""
     logger = logging.getLogger("LyCORIS")
     level = logger.level
     logger.setLevel(logging.WARNING)
+    printed = io.StringIO()
     try:
-        yield
+        with contextlib.redirect_stdout(printed):
+            yield
     finally:
         logger.setLevel(level)
+        kept = [line for line in printed.getvalue().splitlines(keepends=True) if line.strip() != _FALSE_DROPOUT_WARNING]
+        sys.stdout.write("".join(kept))
 
 
 def check_lycoris_args(args: dict, arch: str | None = None, base_precision: str = "bf16",

@@ -72,6 +72,33 @@ def test_lokr_adapts_our_lora_targets_with_lycoris_keys():
         f"lora_unet_single_blocks_{i}_{n}" for i in range(3) for n in ("linear1", "linear2", "modulation_lin")}
 
 
+@pytest.mark.parametrize("algo_args", [LOKR, {"algo": "loha"}])
+def test_lycoris_dropout_trains_without_its_false_per_module_warning(algo_args, capsys):
+    """LoHa's / LoKr's modules printed "haven't implemented normal dropout yet" once per module (29 lines here,
+    hundreds at full size), though the bypass forward, the only one dropout is allowed with, applies it."""
+    model = tiny_flux()
+    net = LycorisNetwork(model, "flux", 4, 2.0, network_args={**algo_args, "dropout": 0.5})
+    assert "dropout" not in capsys.readouterr().out
+    randomize(net)
+    net.apply()
+    net.train()
+    x = flux_inputs()
+    with torch.no_grad():
+        assert not torch.equal(model(*x), model(*x))  # dropout applied: two training forwards differ
+    net.eval()
+    with torch.no_grad():
+        assert torch.equal(model(*x), model(*x))
+
+
+def test_quiet_lycoris_passes_other_printed_lines_through(capsys):
+    from networks.lycoris_network import _quiet_lycoris
+
+    with _quiet_lycoris():
+        print("[WARN]LoHa/LoKr haven't implemented normal dropout yet.")
+        print("Unused state dict key: x")
+    assert capsys.readouterr().out == "Unused state dict key: x\n"
+
+
 @pytest.mark.parametrize("args", [{**LOKR, "dora_wd": True}, {"algo": "loha", "dora_wd": True}, {"algo": "full"}])
 def test_a_lycoris_network_that_copies_target_weights_builds_on_a_meta_model(args):
     """dora_wd and algo=full copy each target weight to the CPU as LyCORIS builds: on the meta model of the
