@@ -212,9 +212,10 @@ def test_blocks_to_swap_out_of_range_is_one_clear_error():
     assert enable_block_swap(model, 0, "cpu") is None and model.block_swap is None
 
 
-def test_train_lora_with_blocks_to_swap_equals_the_run_without(tiny_set, tmp_path):
+def test_train_lora_with_blocks_to_swap_equals_the_run_without(tiny_set, tmp_path, capsys):
     """The whole trainer (fp8_scaled base, checkpointing, DoRA, a sample at the end) with the last
-    3 of 4 FLUX blocks swapped writes the same LoRA, bit for bit, and the same sample image."""
+    3 of 4 FLUX blocks swapped writes the same LoRA, bit for bit, and the same sample image. On the CPU one
+    line says swapping saves nothing there."""
     import train_lora
     from safetensors.torch import load_file
     from test_train_lora import flux_args
@@ -227,6 +228,8 @@ def test_train_lora_with_blocks_to_swap_equals_the_run_without(tiny_set, tmp_pat
                                          "--network_args", "dora=True", "--sample_bf16_reference", "true"))
         assert code == 0
         files[swap] = (load_file(str(out / "tiny_flux_lora.safetensors")), sample_png(out, "tiny_flux_lora", "final").read_bytes())
+        said = "blocks_to_swap = 3 on the CPU saves no memory" in capsys.readouterr().err
+        assert said == (swap == "3")
     assert files["0"][0].keys() == files["3"][0].keys() and any(k.endswith("dora_scale") for k in files["0"][0])
     assert all(torch.equal(files["0"][0][k], files["3"][0][k]) for k in files["0"][0])
     assert files["0"][1] == files["3"][1]

@@ -209,6 +209,7 @@ class DiffusionTask:
         self.family = get_family(args)
         self.stored_precision, self.widened_precision = check_before_caching(args, self.family)
         self._say_unreferenced_samples()
+        self._say_idle_block_swap()
         self.compute_dtype = compute_dtype(args)
         self.blueprint = load_dataset_config(args.dataset_config)
         self._refuse_output_in_image_dirs()
@@ -265,6 +266,14 @@ class DiffusionTask:
             self.accelerator.print(f"samples render on the {self.stored_precision} base alone: no bf16 reference beside "
                                    f"it (sample_bf16_reference), {self.args.pretrained_model_name_or_path} is stored "
                                    f"pre-quantized and has no bf16 base to load")
+
+    def _say_idle_block_swap(self):
+        """On the CPU the swapped blocks' weights sit in the same host memory as the rest: swapping saves nothing
+        and its copies cost time every step; said before caching."""
+        if self.args.blocks_to_swap and self.device.type == "cpu":
+            self.accelerator.print(f"{where_set(self.args, 'blocks_to_swap')}: blocks_to_swap = "
+                                   f"{self.args.blocks_to_swap} on the CPU saves no memory (its weights are in host "
+                                   f"memory either way) and costs time every step; 0 trains the same", file=sys.stderr)
 
     def _read_images(self, limit: TokenLimit | None, largest: tuple[int, int] | None) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every
