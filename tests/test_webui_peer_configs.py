@@ -75,6 +75,8 @@ def test_an_sd_scripts_toml_is_converted_beside_it_and_the_editor_gets_ours_whic
     answer = checked_ui.check(text, fields)
     assert answer["ok"] is True and answer["max_steps"] == 2, answer
     assert checked_ui.load_config(ours)[2] == ""  # ours, loaded again: no conversion
+    # picked, then Load beside the picker: the same report (old: "converted before", the lost keys never shown)
+    assert checked_ui.load_config(path) == (text, fields, note)
     # the peer's config picked again: the earlier conversion, edited since, is loaded, not written over (old: lost)
     with open(ours, "a") as f:
         f.write("# my edit\n")

@@ -97,6 +97,9 @@ def convert(roots: Roots, real: str, text: str, python: str, helper=None) -> tup
     out = os.path.splitext(source)[0] + "_converted.toml"  # the tool's default, given: the UI says where it writes
     earlier = roots.resolve(out, "converted config")
     if os.path.exists(earlier):  # converted before, and maybe edited since: loaded, never written over
+        written = _NOTES.get(earlier)
+        if written and written[0] == _stamp(earlier):  # this process wrote it and no one since: its report still holds
+            return earlier, written[1]
         return earlier, (f"`{out}` was converted from `{source}` before (and may hold your edits since): loaded as it "
                          f"is; delete it, or rename it, to convert `{source}` again")
     result = commands.run_tool("convert_config.py", [source, "--out", out], roots.workdir, python, timeout=120,
@@ -105,7 +108,21 @@ def convert(roots: Roots, real: str, text: str, python: str, helper=None) -> tup
         errors = [line for line in result.output.splitlines() if line.startswith("error: ")]
         raise ValueError(errors[-1][len("error: "):] if errors
                          else f"convert_config.py {source}: {' '.join(result.output.split())[-300:]}")
-    return roots.resolve(out, "converted config"), conversion_note(result.stdout)
+    written, note = roots.resolve(out, "converted config"), conversion_note(result.stdout)
+    _NOTES[written] = (_stamp(written), note)
+    return written, note
+
+
+# The note of each config this process converted, with the file's stamp then: picking a peer's config converts it
+# and Load beside the picker converts again; the second found the file and said "converted before (and may hold your
+# edits since)" in place of the report, whose lost keys the user had not read yet.
+_NOTES: dict[str, tuple[tuple[int, int], str]] = {}
+
+
+def _stamp(path: str) -> tuple[int, int]:
+    """The file's (mtime in ns, size): a write since changes it."""
+    st = os.stat(path)
+    return st.st_mtime_ns, st.st_size
 
 
 def conversion_note(report: str) -> str:
