@@ -415,7 +415,7 @@ def test_a_root_below_another_lists_its_files_once(tmp_path):
     assert roots.listing((".toml",)) == [os.path.join("data", "other.toml"), os.path.join("data", "set", "dataset.toml")]
 
 
-def test_a_picker_over_its_limit_lists_the_newest_files(tmp_path):
+def test_a_picker_over_its_limit_lists_the_newest_files(tmp_path, monkeypatch):
     """Old: the first 400 files in walk order, the jobs folder (the last root) last: 150 jobs' LoRAs listed up to
     job 117, the newest jobs' none, without a word."""
     from library.ui.files import Roots
@@ -430,6 +430,10 @@ def test_a_picker_over_its_limit_lists_the_newest_files(tmp_path):
     assert len(roots.listing((".safetensors",))) == 12
     assert roots.listing((".safetensors",), limit=4) == [os.path.join("jobs", f"job-{i}", "lora.safetensors")
                                                           for i in (2, 3, 4, 5)]
+    # a huge first root ("/", a folder of 20k images) stops its own walk: old, the jobs root after it was cut
+    # to its first folder, and no job's LoRA was listed
+    monkeypatch.setattr("library.ui.files.WALK_LIMIT", 6)
+    assert sum(shown.startswith("jobs") for shown in roots.listing((".safetensors",))) == 6
 
 
 def finished_job(ui):

@@ -21,7 +21,7 @@ def within(real: str, root: str) -> bool:
     return real == root or real.startswith(root.rstrip(os.sep) + os.sep)
 
 
-WALK_LIMIT = 20_000  # entries a picker's walk collects before it keeps the newest of them
+WALK_LIMIT = 20_000  # entries a picker's walk collects in each root before it keeps the newest of them
 
 
 def _modified(path: str) -> float:
@@ -57,7 +57,7 @@ class Roots:
         first 400 in walk order left out the LoRAs of the newest jobs: the jobs folder is the last root)."""
         found: dict[str, str] = {}  # shown -> path; a root below another (--root data --root data/set) walked twice
         for root in self.roots:
-            base = root.count(os.sep)
+            base, before = root.count(os.sep), len(found)
             for folder, dirs, files in os.walk(root):
                 dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d != "__pycache__")
                 if folder.count(os.sep) - base >= depth:
@@ -66,7 +66,7 @@ class Roots:
                 names += sorted(f for f in files if f.endswith(suffixes)) if suffixes else []
                 for name in names:
                     found.setdefault(self.shown(os.path.join(folder, name)), os.path.join(folder, name))
-                if len(found) >= WALK_LIMIT:  # a root of "/": the walk itself stops
+                if len(found) - before >= WALK_LIMIT:  # a root of "/" stops its own walk, not the roots after it
                     break
         if len(found) <= limit:
             return list(found)
