@@ -51,7 +51,9 @@ def one_of_each(root) -> str:
     image(a, "small.png", 1, 1)  # warning: size
     (a / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\nnot an image")  # error: image (unreadable)
     truncated_jpeg(a / "truncated.jpg")  # error: image (does not decode)
-    Image.new("RGB", (64, 48), (5, 200, 5)).convert("CMYK").save(a / "cmyk.jpg")  # note: CMYK
+    upside_down = Image.Exif()
+    upside_down[0x0112] = 3  # EXIF orientation: shown turned 180 degrees (its size and bucket unchanged)
+    Image.new("RGB", (64, 48), (5, 200, 5)).convert("CMYK").save(a / "cmyk.jpg", exif=upside_down.tobytes())  # notes
     (a / "cmyk.txt").write_text("a green field")
     Image.new("L", (64, 48), 255).save(masks / "cmyk.png")
     png16(a / "grey16.png", np.full((48, 64), MID_GREY_16, dtype=np.uint16))  # note: 16-bit
@@ -120,6 +122,7 @@ def test_check_finds_one_of_each_problem(tmp_path):
     assert a.buckets == {"80x48": 13, "64x64": 1} and a.sizes == {"64x48": 13, "1x1": 1}  # the 1x1 is upscaled
     notes = {what.split(",")[0]: [os.path.basename(f) for f in files] for what, files in a.notes.items()}
     assert notes == {"CMYK images": ["cmyk.jpg"], "16-bit grey images": ["grey16.png"],
+                     "images turned upright by their EXIF orientation": ["cmyk.jpg"],
                      "images with transparent pixels": ["transparent.png"], "captions of several lines": ["two_lines.txt"]}
     messages = {p.kind + os.path.basename(p.message.split(": ")[0]): p.message for p in report.problems()}
     assert messages["tokenslong_caption.txt"].endswith(": caption is 40 whitespace tokens; the encoder keeps 16, the rest is cut")

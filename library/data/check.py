@@ -16,7 +16,8 @@ Severities:
   trained and held out for validation (one line for all of them), regularization images past the
   training images' count (dataset.reg_repeats' line: never drawn, counted as not drawn, not as trained),
   caption files of another extension beside images trained on class_tokens (image_folders.unread_caption_files);
-- note: handled, counted per subset: CMYK converted to RGB, 16-bit grey scaled to 8 bits
+- note: handled, counted per subset: images turned upright by their EXIF orientation (the peers train them as
+  stored), CMYK converted to RGB, 16-bit grey scaled to 8 bits
   (images.to_8_bit), no caption file of any common extension (trains on class_tokens), no alpha channel with alpha_mask,
   transparent pixels without it (trained as stored), captions of several lines (trained whole);
   and one line for the images enlarged to their bucket (upscaled: how many, by up to how much),
@@ -47,8 +48,8 @@ from library.data.image_folders import (bad_size, dataset_buckets, folders_read,
                                         refuse_large_buckets, subset_images, unread_caption_files)
 from library.data.dataset import reg_repeats
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
-from library.data.images import (WIDE_GREY_MODES, is_image_name, load_rgb, stem_collisions, upscale_factor,
-                                 verified_image_size)
+from library.data.images import (WIDE_GREY_MODES, exif_orientation, is_image_name, load_rgb, stem_collisions,
+                                 upscale_factor, verified_image_size)
 from library.data.layers import check_layers, split_layers
 from library.data.masks import find_mask, has_alpha
 
@@ -398,6 +399,9 @@ def check_pixels(report: SubsetReport, path: str, alpha_dropped: bool = True) ->
     except ValueError as e:  # each names the file
         report.add("error", "image", str(e))
         return None
+    if exif_orientation(path) in range(2, 9):
+        report.note("images turned upright by their EXIF orientation, as viewers show them (sd-scripts and "
+                    "musubi-tuner train the pixels as stored: a phone photo sideways)", path)
     if mode == "CMYK":
         report.note("CMYK images, converted to RGB (without their colour profile)", path)
     elif mode in WIDE_GREY_MODES:
