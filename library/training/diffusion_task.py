@@ -8,7 +8,6 @@ fill the caches, and freed before the transformer is loaded.
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib.util
 import os
 import sys
@@ -20,7 +19,7 @@ import torch.nn as nn
 
 from library.data.captions import drops_captions, tag_frequency
 from library.data.caches import (cache_empty_caption, cache_folder, cache_latents, cache_prompts, cache_text,
-                                 hold_cache_folders, loaded_on_first_call, remove_unused_caches)
+                                 hold_cache_folders, loaded_on_first_call, release_freed_memory, remove_unused_caches)
 from library.data.check import TokenLimit, refuse_long_captions, training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import (caption_as_written, largest_step, refuse_large_buckets, scan_images,
@@ -379,7 +378,7 @@ class DiffusionTask:
             prompt_files = self._cache_prompt_texts(encode_text, text_key, sees)
         del encode_text  # the encoders go before the transformer loads
         self._remove_unused_caches(items, prompt_files)
-        gc.collect()
+        release_freed_memory()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
 
