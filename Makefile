@@ -34,7 +34,7 @@ demo: $(STAMP)
 # runs (2936 tests, 22 of them skipped; one flipped-target control trimmed, ~23 s); 697-795 s in stop 91's four
 # (2945-2948 tests); 829-887 s in stop 92's three quiet ones (2976 tests), on a slower machine again (tests it
 # did not touch ran 10-20% slower than in stop 91), the slowest 13 s under the target; 823 s in stop 93 (2986
-# tests) and 785 s in stop 94 (2989 tests, 18 of them skipped), each one quiet clean-clone run.
+# tests, one run) and 785 and 618 s in stop 94's two clean-clone runs (2989-2990 tests, 18 skipped).
 # The longest are multi-process (web UI, DDP / FSDP launches) and the full-size planner's tests (~90
 # worker-seconds).
 # PYTHONDONTWRITEBYTECODE (set on the CI machines) is cleared for the suite: each worker collecting the ~200 test
