@@ -394,12 +394,13 @@ def check_pixels(report: SubsetReport, path: str, alpha_dropped: bool = True) ->
         size = verified_image_size(path)
         with Image.open(path) as img:
             mode, alpha = img.mode, "A" in img.getbands() or "transparency" in img.info
+            turned = exif_orientation(img, path) in range(2, 9)
         # the whole decode, as caching does: a truncated file or refused pixels fail here
         pixels = load_rgb(path, "RGBA" if alpha and alpha_dropped else "RGB")
     except ValueError as e:  # each names the file
         report.add("error", "image", str(e))
         return None
-    if exif_orientation(path) in range(2, 9):
+    if turned:
         report.note("images turned upright by their EXIF orientation, as viewers show them (sd-scripts and "
                     "musubi-tuner train the pixels as stored: a phone photo sideways)", path)
     if mode == "CMYK":

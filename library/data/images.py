@@ -113,20 +113,15 @@ def verified_image_size(path: str) -> tuple[int, int]:
             img.verify()
         with Image.open(path) as img:
             w, h = img.size
-            rotated = _orientation(img, path) in (5, 6, 7, 8)  # EXIF orientation: 90/270 degrees
+            rotated = exif_orientation(img, path) in (5, 6, 7, 8)  # 90/270 degrees
     except Exception as e:  # PIL raises many kinds for broken files
         raise ValueError(f"{path}: cannot be read as an image ({type(e).__name__}: {e})") from None
     return (h, w) if rotated else (w, h)
 
 
-def exif_orientation(path: str) -> int:
-    """The EXIF orientation load_rgb turns the image upright by (1: as stored; 2-8: flipped or turned); a file
-    verified_image_size read."""
-    with Image.open(path) as img:
-        return _orientation(img, path)
-
-
-def _orientation(img: Image.Image, path: str) -> int:
+def exif_orientation(img: Image.Image, path: str) -> int:
+    """The EXIF orientation load_rgb turns the open image `img` (the file `path`) upright by (1: as stored; 2-8:
+    flipped or turned)."""
     exif = img.getexif() if _metadata_after_pixels(img, path) else Image.Image.getexif(img)
     return exif.get(0x0112, 1)
 
