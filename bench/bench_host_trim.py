@@ -34,14 +34,16 @@ def rss_gib() -> float:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**30
 
 
-def build_vae(name: str) -> tuple[torch.nn.Module, bool]:
-    """(the VAE, whether it takes a frame axis)."""
+def build_vae(name: str, folder: str | None = None) -> tuple[torch.nn.Module, bool]:
+    """(the VAE, whether it takes a frame axis): read from `folder` where given, else built."""
     if name == "qwen_image":
         from diffusers import AutoencoderKLQwenImage
 
-        return AutoencoderKLQwenImage(), True
+        return (AutoencoderKLQwenImage.from_pretrained(folder) if folder else AutoencoderKLQwenImage()), True
     from diffusers import AutoencoderKL
 
+    if folder:
+        return AutoencoderKL.from_pretrained(folder), False
     return AutoencoderKL(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
                          down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4,
                          layers_per_block=2, use_quant_conv=False, use_post_quant_conv=False), False
@@ -55,21 +57,16 @@ def main(argv=None) -> int:
     p.add_argument("--saved", action="store_true", help="load the VAE from a file written first")
     args = p.parse_args(argv)
     torch.manual_seed(0)
-    vae, video = build_vae(args.vae)
-    if args.saved:
-        folder = tempfile.mkdtemp(prefix="bench_host_trim_")
-        vae.save_pretrained(folder)
-        del vae
-        gc.collect()
+    folder = tempfile.mkdtemp(prefix="bench_host_trim_") if args.saved else None
+    if folder:  # written and freed before the first mark
+        built, _ = build_vae(args.vae)
+        built.save_pretrained(folder)
+        del built
         release_freed_memory()
     marks = {"start": rss_gib()}
-    if args.saved:
-        from diffusers import AutoencoderKL, AutoencoderKLQwenImage
-
-        vae = (AutoencoderKLQwenImage if video else AutoencoderKL).from_pretrained(folder)
+    vae, video = build_vae(args.vae, folder)
+    if folder:
         shutil.rmtree(folder)
-    else:
-        vae, video = build_vae(args.vae)
     vae.eval()
     marks["loaded"] = rss_gib()
     shape = (1, 3, 1, args.size, args.size) if video else (1, 3, args.size, args.size)

@@ -136,7 +136,7 @@ def test_a_full_size_caption_and_latent_are_what_the_docs_say():
 
 def test_the_heap_caching_freed_goes_back_to_the_kernel_before_the_base_loads(tiny_set, tmp_path, monkeypatch):
     """glibc kept the freed pages of the VAE's and text encoders' tensors under its grown mmap threshold: a Qwen-Image
-    VAE's two 512 px encodes left 0.33 GiB in the process after it was freed (bench/bench_host_trim.py), beside the
+    VAE's two 512 px encodes left 0.24-0.33 GiB in the process after it was freed (bench/bench_host_trim.py), beside the
     base that loads next. Caching now ends with malloc_trim(0), before the transformer loads."""
     from types import SimpleNamespace
 

@@ -403,7 +403,7 @@ def release_freed_memory() -> None:
     """Collects garbage, then hands the freed heap pages back to the kernel (glibc's malloc_trim; nothing
     elsewhere). glibc keeps the pages of freed tensors under 32 MiB (its mmap threshold grows to the largest
     freed): the VAE's conv buffers and the text encoder's activations stayed in the process after caching, beside
-    the base that loads next (a 3-D VAE's two 512 px encodes on the CPU: 0.33 GiB; bench/bench_host_trim.py)."""
+    the base that loads next (a 3-D VAE's two 512 px encodes on the CPU: 0.24-0.33 GiB; bench/bench_host_trim.py)."""
     gc.collect()
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
