@@ -767,6 +767,24 @@ def test_images_of_a_type_not_read_are_said_not_skipped_silently(tmp_path):
         D.ImageDataset(bp)
 
 
+def test_caption_files_without_an_image_of_their_name_are_said(tmp_path):
+    """A dataset moved from Windows: Photo.JPG's caption photo.txt paired there, not here, and Photo.JPG
+    trained on class_tokens without a word; a caption left by a deleted image was passed over silently too."""
+    make_image(tmp_path / "img" / "Photo.JPG", 32, 32)
+    make_image(tmp_path / "img" / "b.png", 32, 32)
+    (tmp_path / "img" / "c.heic").write_bytes(b"not read")  # not read: said by its own line, its caption not again
+    for name in ("photo.txt", "b.txt", "c.txt", "gone.txt", "notes.caption", ".hidden.txt"):
+        (tmp_path / "img" / name).write_text("a caption")
+    bp = blueprint(tmp_path / "img", class_tokens="x", resolution=32)
+    with pytest.warns(UserWarning) as caught:
+        assert len(D.ImageDataset(bp).items) == 2
+    said = [str(w.message) for w in caught if "caption files" in str(w.message)]
+    assert said == [f"{tmp_path / 'img'}: 2 .txt caption files have no image of their name (e.g. gone.txt); photo.txt "
+                    "and Photo.JPG differ only in case, and file names are case-sensitive here: rename one"]
+    from library.data.check import check_dataset
+    assert [p.message for p in check_dataset(bp).problems() if "caption files" in p.message] == said
+
+
 def test_a_caption_saved_by_notepad_with_a_bom_and_crlf_reads_as_its_text(tmp_path):
     make_image(tmp_path / "img" / "a.png", 32, 32)
     (tmp_path / "img" / "a.txt").write_bytes("\ufeffa red square, photo\r\n".encode("utf-8"))

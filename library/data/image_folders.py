@@ -370,7 +370,8 @@ def subset_images(subset: SubsetSpec, folders_read=()) -> tuple[list[str], dict[
     layer files beside an image are its layers, not images of their own (library/data/layers.py).
     folders_read: the folders other subsets read (folders_read(blueprint)), whose images are not said
     'not trained' where they lie below image_dir."""
-    paths = _image_files(subset.image_dir, (subset.control_directory, subset.mask_dir, *folders_read))
+    paths = _image_files(subset.image_dir, (subset.control_directory, subset.mask_dir, *folders_read),
+                         caption_extension=subset.caption_extension)
     return split_layers(paths) if subset.multiple_target else (paths, {})
 
 
@@ -388,10 +389,11 @@ def check_image_dir(folder: str) -> None:
         raise ValueError(f"{folder}: image_dir does not exist or is not a folder{relative}")
 
 
-def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
+def _image_files(folder: str, other_folders=(), warn: bool = True, caption_extension: str = "") -> list[str]:
     """The images at the top of `folder` (image_dir is not searched recursively, as in sd-scripts and
     musubi-tuner); images in its subfolders other than `other_folders` (the folders the config reads:
-    subset_images) are said: with none at the top an error, else (`warn`) a warning (they are not trained)."""
+    subset_images) are said: with none at the top an error, else (`warn`) a warning (they are not trained),
+    as are caption files of `caption_extension` that no file's name pairs (_unpaired_captions)."""
     check_image_dir(folder)
     names = sorted(os.listdir(folder))
     files, unread = [f for f in names if is_image_name(f)], _unread_images(names)
@@ -407,6 +409,8 @@ def _image_files(folder: str, other_folders=(), warn: bool = True) -> list[str]:
         warnings.warn(f"{folder}: {below} images are not trained: {not_searched}", stacklevel=2)
     if unread and warn:
         warnings.warn(f"{folder}: {unread}", stacklevel=2)
+    if (unpaired := _unpaired_captions(names, files, caption_extension)) and warn:
+        warnings.warn(f"{folder}: {unpaired}", stacklevel=2)
     images_by_stem(folder, files)  # two of one name would share one caption file and one cache file
     return [os.path.join(folder, f) for f in files]
 
@@ -419,6 +423,24 @@ def _unread_images(names: list[str]) -> str:
     kinds = sorted({os.path.splitext(n)[1].lower() for n in unread})
     return (f"{len(unread)} files of a type not read ({', '.join(kinds)}; e.g. {unread[0]}) are not trained: convert "
             f"them to {', '.join(IMAGE_EXTENSIONS)}")
+
+
+def _unpaired_captions(names: list[str], images: list[str], extension: str) -> str:
+    """What a folder's caption files of `extension` without a file of their stem are ("" without any): a
+    renamed or deleted image, or a name that differs only in case (Photo.JPG, photo.txt pair on Windows,
+    not here), whose image trains without its caption."""
+    if not extension:
+        return ""
+    stems = {os.path.splitext(n)[0] for n in names if not n.lower().endswith(extension.lower())}
+    unpaired = [n for n in names
+                if n.endswith(extension) and not n.startswith(".") and n[:-len(extension)] not in stems]
+    if not unpaired:
+        return ""
+    by_lower = {os.path.splitext(n)[0].lower(): n for n in images}
+    cased = [(n, by_lower[n[:-len(extension)].lower()]) for n in unpaired if n[:-len(extension)].lower() in by_lower]
+    case = (f"; {cased[0][0]} and {cased[0][1]} differ only in case, and file names are case-sensitive here: "
+            "rename one" if cased else "")
+    return f"{len(unpaired)} {extension} caption files have no image of their name (e.g. {unpaired[0]}){case}"
 
 
 def _images_in_subfolders(folder: str, other_folders) -> tuple[int, str]:
