@@ -27,9 +27,25 @@ def target_stems(paths: list[str]) -> frozenset[str]:
     return frozenset(os.path.splitext(os.path.basename(p))[0] for p in paths)
 
 
-def control_files(folder: str) -> dict[str, str]:
+class ControlFiles(dict):
+    """stem -> file name of a control_directory's images, with the numbered ones (`cat_0`, `cat_01`) indexed
+    by the stem before their number: find_controls looks one target's up instead of matching every file of
+    the folder against it (4000 pairs took 4.3 s, a 20000-pair folder minutes, at every run's start)."""
+
+    def numbered(self) -> dict[str, list[tuple[str, int]]]:
+        """base stem -> [(stem, number)] in stem order: the split at the last '_' before digits is the one way
+        `<base>_<digits>` reads, so each stem is listed under one base."""
+        if not hasattr(self, "_numbered"):
+            self._numbered: dict[str, list[tuple[str, int]]] = {}
+            for stem in sorted(self):
+                if m := re.fullmatch(r"(.*)_(\d+)", stem, re.DOTALL):
+                    self._numbered.setdefault(m.group(1), []).append((stem, int(m.group(2))))
+        return self._numbered
+
+
+def control_files(folder: str) -> ControlFiles:
     """stem -> file name of every image in a control_directory (read once per subset; two of one stem: an error)."""
-    return images_by_stem(folder, os.listdir(folder), "control_directory images")
+    return ControlFiles(images_by_stem(folder, os.listdir(folder), "control_directory images"))
 
 
 def find_controls(image_path: str, folder: str, files: dict[str, str], targets: frozenset[str] = frozenset()) -> list[str]:
@@ -39,10 +55,12 @@ def find_controls(image_path: str, folder: str, files: dict[str, str], targets: 
     the numbering are errors."""
     stem = os.path.splitext(os.path.basename(image_path))[0]
     expected = f"expected '{stem}.<ext>' or '{stem}_0.<ext>', '{stem}_1.<ext>', ..."
+    files = files if isinstance(files, ControlFiles) else ControlFiles(files)
     numbered: dict[int, str] = {}
-    for s, f in sorted(files.items()):
-        if s not in targets and (m := re.fullmatch(re.escape(stem) + r"_(\d+)", s)):
-            if (n := int(m.group(1))) in numbered:  # a_1 and a_01: one would silently replace the other
+    for s, n in files.numbered().get(stem, ()):
+        if s not in targets:
+            f = files[s]
+            if n in numbered:  # a_1 and a_01: one would silently replace the other
                 raise ValueError(f"{image_path}: control_directory {folder} has '{numbered[n]}' and '{f}', both "
                                  f"reference {n}; {expected}")
             numbered[n] = f
