@@ -93,14 +93,17 @@ def test_qwen_image_edit_lora_loss_falls_with_references_in_every_step(edit_set,
     assert (run("with", "--lora", str(lora)) - run("without")).abs().mean() > 1.0
 
 
-def two_reference_set(edit_set, tmp_path):
-    """The edit set with each target's reference given twice (name_0, name_1)."""
+def two_reference_set(edit_set, tmp_path, every: int = 1):
+    """The edit set with each target's reference given twice (name_0, name_1); every: only each every-th
+    target's (the others keep their one)."""
     control = tmp_path / "control2"
     control.mkdir()
-    for name in os.listdir(edit_set["edit_control_dir"]):
+    for i, name in enumerate(sorted(os.listdir(edit_set["edit_control_dir"]))):
         stem, ext = os.path.splitext(name)
-        for k in range(2):
+        for k in range(2) if i % every == 0 else ():
             shutil.copy(os.path.join(edit_set["edit_control_dir"], name), control / f"{stem}_{k}{ext}")
+        if i % every:
+            shutil.copy(os.path.join(edit_set["edit_control_dir"], name), control / name)
     ds = tmp_path / "ds2.toml"
     with open(edit_set["edit_dataset_config"]) as f:
         ds.write_text(f.read().replace(edit_set["edit_control_dir"], str(control)))
@@ -113,6 +116,22 @@ def test_edit_version_refuses_two_references_in_one_line(edit_set, tmp_path, cap
     assert train_lora.main(args) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "model_type qwen_image_edit takes at most 1 reference image(s)" in err[0], err
+
+
+def test_targets_with_one_and_two_references_train_in_batches_of_one_count(edit_set, tmp_path, monkeypatch):
+    """musubi-tuner trains such a folder; ours refused it ("every image of a subset needs the same number")."""
+    counts = []
+    real = QwenImageEditFamily.loss_at
+
+    def recording(self, model, latents, text, *args, control=None, **kwargs):
+        counts.append(len(control))
+        return real(self, model, latents, text, *args, control=control, **kwargs)
+
+    monkeypatch.setattr(QwenImageEditFamily, "loss_at", recording)
+    args = edit_args(edit_set, tmp_path / "run", "--max_train_steps", "4", "--sample_prompts", "",
+                     "--dataset_config", str(two_reference_set(edit_set, tmp_path, every=2)))
+    assert train_lora.main(args) == 0
+    assert sorted(set(counts)) == [1, 2] and len(counts) == 4, counts  # batch 2, 4 batches an epoch
 
 
 def test_unpaired_dataset_is_refused_in_one_line(edit_set, tmp_path, capsys):

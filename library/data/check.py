@@ -42,7 +42,7 @@ from typing import Callable
 from PIL import Image
 
 from library.data.captions import caption_variants, fixed_caption
-from library.data.controls import check_control_count, check_family_takes, control_files, find_controls, target_stems
+from library.data.controls import check_family_takes, control_files, find_controls, target_stems
 from library.data.image_folders import (bad_size, dataset_buckets, folders_read, held_out_count, held_out_paths,
                                         image_bucket, no_held_out, other_caption_file, read_caption,
                                         refuse_large_buckets, subset_images, unread_caption_files)
@@ -336,7 +336,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     except (ValueError, OSError) as e:  # two references of one name (a.png, a.jpg), or no such folder
         report.add("error", "reference", str(e) if isinstance(e, ValueError) else f"{subset.control_directory}: {e.strerror}")
         controls = None
-    buckets, readable, first_paired, targets = dataset_buckets(ds), [], None, target_stems(paths)
+    buckets, readable, targets = dataset_buckets(ds), [], target_stems(paths)
     placed, used = [], []  # the images given a bucket, for the upscale line; the images training uses
     for path in paths:
         # With alpha_mask the alpha is the loss mask, with multiple_target it is trained: else it is dropped.
@@ -364,7 +364,7 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         check_mask(report, path, subset, size)
         references = [path] if subset.multiple_target else []  # the composite is its own (scan_images)
         if controls is not None:
-            first_paired, references = check_references(report, path, subset, controls, first_paired, targets)
+            references = check_references(report, path, subset, controls, targets)
         if takes is not None and references is not None:
             try:
                 model_type, fewest, most, layered_ok = takes
@@ -445,20 +445,18 @@ def check_mask(report: SubsetReport, path: str, subset: SubsetSpec, size: tuple[
         report.note("images without an alpha channel (alpha_mask): trained everywhere", path)
 
 
-def check_references(report: SubsetReport, path: str, subset: SubsetSpec, controls: dict, first, targets=frozenset()):
-    """An edit dataset's references of `path`: found, readable, as many as the subset's first
-    image has. Returns (the subset's first paired image, what the others are compared with; the
-    reference paths of `path`, None when they are in error)."""
+def check_references(report: SubsetReport, path: str, subset: SubsetSpec, controls: dict,
+                     targets=frozenset()) -> list[str] | None:
+    """An edit dataset's references of `path`, found and readable; None when they are in error."""
     try:
-        paired = SimpleNamespace(image_path=path, control_paths=find_controls(path, subset.control_directory, controls, targets))
-        for reference in paired.control_paths:
+        references = find_controls(path, subset.control_directory, controls, targets)
+        for reference in references:
             verified_image_size(reference)
             load_rgb(reference)  # the whole decode, as caching does: a truncated JPEG passes verify()
-        check_control_count(paired, first or paired)
     except ValueError as e:
         report.add("error", "reference", str(e))
-        return first, None
-    return first or paired, paired.control_paths
+        return None
+    return references
 
 
 # ----------------------------------------------------------------------------------------------

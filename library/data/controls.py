@@ -5,10 +5,12 @@ reference image(s) of each target image, matched by file stem:
                        or  control_directory/cat_0.png, cat_1.png, ...     (several, in order)
 
 A numbered name that is the stem of another target (photo_1.png beside photo.png) is that target's
-reference. Any image extension works on either side. Every target of a subset needs the same number of
-references (a batch stacks them), and no more than the model takes. How large a reference is
-encoded is the family's rule (DiffusionFamily.control_bucket: by default the target's bucket). The reference latents are cached in the target's latent cache file, and its content
-hash covers the reference files, so changing a reference re-encodes (library/data/caches.py).
+reference. Any image extension works on either side. Targets may have different numbers of references,
+as in musubi-tuner (a batch holds one count: batches group by the references' buckets), each no more
+than the model takes. How large a reference is encoded is the family's rule
+(DiffusionFamily.control_bucket: by default the target's bucket). The reference latents are cached in the
+target's latent cache file, and its content hash covers the reference files, so changing a reference
+re-encodes (library/data/caches.py).
 """
 
 from __future__ import annotations
@@ -88,14 +90,6 @@ def scan_controls(image_path: str, folder: str, files: dict[str, str], bucket: t
     (DiffusionFamily.control_bucket); targets: find_controls'."""
     paths = find_controls(image_path, folder, files, targets)
     return paths, [tuple(control_bucket(bucket, verified_image_size(p), resolution)) for p in paths]
-
-
-def check_control_count(item, first) -> None:
-    """Every target of a subset has as many references as its first one (ImageItems)."""
-    if len(item.control_paths) != len(first.control_paths):
-        raise ValueError(f"{item.image_path}: {len(item.control_paths)} reference image(s) in control_directory, but "
-                         f"{os.path.basename(first.image_path)} of the same subset has {len(first.control_paths)}; "
-                         f"every image of a subset needs the same number")
 
 
 def check_family_takes(items, model_type: str, max_controls: int, min_controls: int = 0,

@@ -17,7 +17,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from library.data.controls import check_control_count, control_files, find_controls, scan_controls, target_stems
+from library.data.controls import control_files, find_controls, scan_controls, target_stems
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec, make_buckets
 from library.data.images import (IMAGE_EXTENSIONS, UNREAD_IMAGE_EXTENSIONS, header_size, images_by_stem,
                                  is_image_name, upscale_factor, verified_image_size)
@@ -167,7 +167,6 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                 warnings.warn(unread, stacklevel=2)
             controls = control_files(subset.control_directory) if subset.control_directory else None
             targets = target_stems(paths)
-            first_paired = None  # the subset's first image: every other needs as many references
             for path, size in _usable_images(paths, ds, subset):
                 bucket = image_bucket(path, size, ds, buckets)
                 item = ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir,
@@ -177,8 +176,6 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                         path, subset.control_directory, controls, bucket, control_bucket or (lambda b, *_: b),
                         ds.resolution, targets)
                     item.controls_stretched, item.controls_mode = stretch_controls, control_mode
-                    first_paired = first_paired or item
-                    check_control_count(item, first_paired)
                 if subset.multiple_target:  # the composite is its own reference (the condition image)
                     check_layers(path, layers.get(path), first_layered, size)
                     first_layered = first_layered or (path, len(layers[path]))
@@ -189,9 +186,8 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
 
 
 def reference_count(blueprint: DatasetBlueprint) -> int:
-    """The most reference images a training image of `blueprint` has, read from each subset's first
-    image (scan_images holds every image of a subset to as many), without opening an image. A layered
-    (multiple_target) image has one: its composite is its own reference (scan_images)."""
+    """The most reference images a training image of `blueprint` has, from the file names alone (no image
+    opened). A layered (multiple_target) image has one: its composite is its own reference (scan_images)."""
     counts = [0]
     for ds in blueprint.datasets:
         for subset in ds.subsets:
@@ -199,8 +195,8 @@ def reference_count(blueprint: DatasetBlueprint) -> int:
                 counts.append(1)
             elif subset.control_directory:
                 paths = _image_files(subset.image_dir, (subset.control_directory, subset.mask_dir), warn=False)
-                counts.append(len(find_controls(paths[0], subset.control_directory, control_files(subset.control_directory),
-                                                target_stems(paths))))
+                files, targets = control_files(subset.control_directory), target_stems(paths)
+                counts += [len(find_controls(path, subset.control_directory, files, targets)) for path in paths]
     return max(counts)
 
 
