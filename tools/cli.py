@@ -76,15 +76,24 @@ def check_command_line(build_parser: Callable[[], argparse.ArgumentParser]) -> N
     bad flag prints one line and exits 2. main() parses the same arguments again afterwards. Its
     warnings print as one line each from here on. Output into a pipe its reader closed (`| head`) ends the
     script as it ends `cat`, by SIGPIPE, where Python's default printed a BrokenPipeError traceback (after a
-    tool's file was written, say) and exited 1."""
+    tool's file was written, say) and exited 1. SIGTERM (the web UI's Stop, `kill`) exits 143 through the
+    script's clean-ups (exit_on_sigterm)."""
     if hasattr(signal, "SIGPIPE"):  # POSIX
         signal.signal(signal.SIGPIPE, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     one_line_warnings()
     try:
         build_parser().parse_args()
     except ValueError as e:  # Parser's errors (a plain argparse parser exits by itself)
         print(one_line(e), file=sys.stderr)
         sys.exit(2)
+
+
+def exit_on_sigterm(signum, frame) -> None:
+    """SIGTERM as sys.exit(128 + 15): the `finally` clauses run, so a half-written output's temporary is
+    removed (library/atomic_files.atomic_path); Python's default ended the process where it stood and left
+    it, hidden (`.merged.safetensors.x1y2.tmp`, a whole checkpoint's size)."""
+    raise SystemExit(128 + signum)
 
 
 def command_line_scripts() -> list[str]:
