@@ -14,7 +14,7 @@ import toml
 
 from library.ui.config_check import ConfigChecker
 from library.ui.files import OutsideRoots
-from library.ui.handlers import WebUI
+from library.ui.handlers import KEEP_PRECISION, WebUI
 
 
 @pytest.fixture()
@@ -748,7 +748,49 @@ def test_the_merge_forms_precisions_are_the_tools(ui):
 
     precision = next(b for b in build_app(ui).blocks.values() if isinstance(b, gr.Dropdown) and b.label == "save precision")
     choices = next(a.choices for a in build_parser()._actions if a.dest == "save_precision")
-    assert sorted(value for _, value in precision.choices) == sorted(choices)
+    assert sorted(value for _, value in precision.choices) == sorted([*choices, KEEP_PRECISION])
+    assert precision.value == KEEP_PRECISION  # merge_lora.py's default
+
+
+def test_the_merge_form_keeps_the_bases_dtypes_unless_told(ui, tmp_path, monkeypatch):
+    """Old: the form had no choice without --save_precision, and its bf16 default dequantized an fp8 base (3.7 MB
+    where merge_lora.py's default kept 2.1 MB of fp8 weights)."""
+    from library.ui import commands
+
+    ran = []
+    monkeypatch.setattr(commands, "run_tool", lambda script, args, *rest, **keywords: ran.append(args) or
+                        commands.Result(True, "merged"))
+    lora = str(tmp_path / "data" / "a.safetensors")
+    for precision in (KEEP_PRECISION, "fp8_scaled"):
+        assert ui.lora_tool("merge_lora", {"model": lora, "lora": lora, "weight": 1.0, "save_to": "m.safetensors",
+                                           "save_precision": precision})["ok"]
+    assert "--save_precision" not in ran[0] and ran[1][-2:] == ["--save_precision", "fp8_scaled"]
+
+
+def test_stop_ends_a_running_tool_through_its_clean_ups(ui, tmp_path):
+    """A tool run had no Stop and was SIGKILLed after 900 s (a full-size merge or GGUF quantization may need
+    longer), its hidden temporary left behind. Now no time limit, and Stop sends SIGTERM (tools exit 143 through
+    their clean-ups: tests/test_crash_safety.py)."""
+    import threading
+
+    python = tmp_path / "slow_python"  # stands in for the interpreter: a tool that runs until stopped
+    python.write_text("#!/bin/sh\ntrap 'kill $!; exit 143' TERM\nsleep 600 >/dev/null 2>&1 & wait\n")
+    python.chmod(0o755)
+    ui.python = str(python)
+    lora = str(tmp_path / "data" / "a.safetensors")
+    answers = []
+    worker = threading.Thread(target=lambda: answers.append(ui.lora_tool("convert_lora", {
+        "lora": lora, "save_to": "c.safetensors", "to": "comfy"})))
+    worker.start()
+    deadline = time.monotonic() + 30  # a safeguard against a hang, not a timing assertion
+    while not ui.tool_runs.processes:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert ui.stop_tools() == "stopping 1 tool run"
+    worker.join(30)
+    assert answers == [{"ok": False, "output": "convert_lora.py was stopped (Stop): its output was not written",
+                        "image": None}]
+    assert ui.stop_tools() == "no tool is running" and not ui.tool_runs.processes and not ui.tool_runs.stopped
 
 
 def test_the_live_view_empties_when_its_job_is_deleted(ui):

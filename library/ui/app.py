@@ -11,8 +11,8 @@ import pandas as pd
 from library.models.registry import arch_specs
 from library.text_files import toml_dumps
 from library.ui.files import OutsideRoots
-from library.ui.handlers import (BASE_PRECISIONS, FORM_KEYS, MODEL_TYPES, OPTIMIZERS, PLOT_COLUMNS, WebUI, form_values_of,
-                                job_number)
+from library.ui.handlers import (BASE_PRECISIONS, FORM_KEYS, KEEP_PRECISION, MODEL_TYPES, OPTIMIZERS, PLOT_COLUMNS,
+                                WebUI, form_values_of, job_number)
 from library.ui.jobs import JobError
 from library.ui.peer_configs import CONFIG_SUFFIXES
 
@@ -27,8 +27,8 @@ FIELD_OF = {"fp8_base": "base_precision", "fp8_scaled": "base_precision", "optim
 REFRESH_SECONDS = 2.0
 # merge_lora.py's --save_precision choices, bf16 (the form's default) first (tests/test_webui_handlers.py checks them
 # against its parser)
-MERGE_PRECISIONS = ("bf16", "fp16", "fp32", "fp8", "fp8_scaled", "gguf_q8_0", "gguf_q5_1", "gguf_q5_0", "gguf_q4_1",
-                    "gguf_q4_0")
+MERGE_PRECISIONS = (KEEP_PRECISION, "bf16", "fp16", "fp32", "fp8", "fp8_scaled", "gguf_q8_0", "gguf_q5_1", "gguf_q5_0",
+                    "gguf_q4_1", "gguf_q4_0")
 # Asked before the actions that remove a job's files, each naming the job ({job}) and what goes.
 CONFIRM_QUESTIONS = {
     "retry": "Retry **{job}** from the start? Its LoRAs, samples, saved state and logs are removed (its config "
@@ -485,6 +485,7 @@ def _saved(ui: WebUI, dataset: str, image: str, caption: str, shown: str | None)
 def tools_tab(ui: WebUI) -> None:
     loras = (".safetensors",)
     out = gr.Textbox(label="output", lines=12, elem_id="tool-output")
+    gr.Button("Stop the running tool", size="sm").click(ui.stop_tools, [], [out], api_name="stop_tools")
     with gr.Accordion("lora_info: what a LoRA file holds", open=True):
         info_path = file_picker(ui, loras, "LoRA")
         gr.Button("Inspect").click(lambda p: ui.lora_tool("lora_info", {"lora": p})["output"], [info_path], [out],
@@ -493,7 +494,7 @@ def tools_tab(ui: WebUI) -> None:
         src = file_picker(ui, loras, "LoRA")
         dst = gr.Textbox(label="save to (a name goes to the jobs folder's tools/)")
         to = gr.Dropdown(["kohya", "diffusers", "comfy", "peft"], value="diffusers", label="convert to")
-        rank = gr.Number(4, label="new rank", precision=0)
+        rank = gr.Number(4, label="new rank")  # precision=0 rounded 2.5 to 2 in the page: whole_number refuses it
         with gr.Row():
             gr.Button("Convert").click(lambda s, d, t: ui.lora_tool("convert_lora", {"lora": s, "save_to": d, "to": t})
                                        ["output"], [src, dst, to], [out], api_name="convert_lora")
@@ -505,7 +506,7 @@ def tools_tab(ui: WebUI) -> None:
         ratio = gr.Slider(-2, 2, 1.0, step=0.05, label="weight")
         merged = gr.Textbox(label="save to")
         # merge_lora.py's --save_precision choices: GGUF writes one ComfyUI-GGUF .gguf file (save to a .gguf name)
-        precision = gr.Dropdown(MERGE_PRECISIONS, value="bf16", label="save precision")
+        precision = gr.Dropdown(MERGE_PRECISIONS, value=KEEP_PRECISION, label="save precision")
         gr.Button("Merge").click(lambda m, l, w, s, p: ui.lora_tool("merge_lora", {"model": m, "lora": l, "weight": w,
                                                                                    "save_to": s, "save_precision": p})
                                  ["output"], [model, merge_lora, ratio, merged, precision], [out], api_name="merge_lora")

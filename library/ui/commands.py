@@ -10,7 +10,8 @@ import os
 import re
 import subprocess
 import sys
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 
 from library.models.registry import BASE_PRECISIONS
 from library.ui.config_check import TOOLS_IN_HELPER
@@ -27,21 +28,61 @@ class Result:
     stdout: str = ""
 
 
-def run_tool(script: str, args: list[str], workdir: str, python: str = sys.executable, timeout: float = 900,
-             helper=None) -> Result:
+@dataclass
+class ToolRuns:
+    """The tool processes running for the UI's forms, so that Stop ends them (a merge or a GGUF quantization of a
+    full-size base runs for many minutes; it was cut at 900 s, SIGKILLed, its temporary left behind)."""
+
+    processes: set = field(default_factory=set)
+    stopped: set = field(default_factory=set)  # the pids Stop ended
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def stop(self, grace: float = 30) -> int:
+        """SIGTERM to each (the tools exit 143 through their clean-ups: tools/cli.exit_on_sigterm), SIGKILL to
+        any still running `grace` s later; run_tool's thread reads their output meanwhile. Returns how many ran."""
+        with self.lock:
+            running = [p for p in self.processes if p.poll() is None]
+            self.stopped.update(p.pid for p in running)
+        for proc in running:
+            proc.terminate()
+            killer = threading.Timer(grace, lambda p=proc: p.poll() is None and p.kill())
+            killer.daemon = True  # the UI's own exit does not wait for it
+            killer.start()
+        return len(running)
+
+
+def run_tool(script: str, args: list[str], workdir: str, python: str = sys.executable, timeout: float | None = 900,
+             helper=None, runs: ToolRuns | None = None) -> Result:
     """`helper`: a ConfigChecker (library/ui/config_check.py); where its process is up (the UI starts it with
     itself), it runs TOOLS_IN_HELPER with torch and the library imported already (a fresh process spent ~15 s
-    importing them on 2 cores). Otherwise a fresh process."""
+    importing them on 2 cores). Otherwise a fresh process, listed in `runs` while it runs (ToolRuns.stop);
+    timeout None: as long as it takes."""
     if helper is not None and helper.running() and script in TOOLS_IN_HELPER:
         done = helper.run_tool(script, args, timeout)
         return printed(done["returncode"], done["stdout"], done["stderr"])
     command = [python, os.path.join(ROOT, "tools", script), *map(str, args)]
-    try:
-        done = subprocess.run(command, cwd=workdir, capture_output=True, text=True, timeout=timeout,
-                              stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return Result(False, f"{script} ran past {timeout:.0f} s and was stopped")
-    return printed(done.returncode, done.stdout, done.stderr)
+    runs = runs or ToolRuns()
+    with subprocess.Popen(command, cwd=workdir, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          stdin=subprocess.DEVNULL) as proc:
+        with runs.lock:
+            runs.processes.add(proc)
+        try:
+            stdout, stderr = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.terminate()  # as Stop does: the tool's clean-ups run
+            try:
+                proc.communicate(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+            return Result(False, f"{script} ran past {timeout:.0f} s and was stopped")
+        finally:
+            with runs.lock:
+                runs.processes.discard(proc)
+    if proc.pid in runs.stopped:
+        runs.stopped.discard(proc.pid)
+        return Result(False, f"{script} was stopped (Stop): its output was not written")
+    return printed(proc.returncode, stdout, stderr)
 
 
 def printed(returncode: int, stdout: str, stderr: str) -> Result:

@@ -33,6 +33,7 @@ FORM_KEYS = ("model_type", "pretrained_model_name_or_path", "ae", "dataset_confi
 OPTIMIZERS = ("AdamW", "AdamW8bit", "Prodigy", "AdamWScheduleFree")
 MODEL_TYPES = SCHEMA["model_type"].choices  # every family and the LLM mode, as train_lora.py accepts them
 PLOT_COLUMNS = ["step", "value", "series"]
+KEEP_PRECISION = "keep the base's"  # the merge form's choice without --save_precision (its dtypes, its fp8 layout)
 MAX_INT = 10**15  # beyond any real count or seed, and well inside SQLite's (and torch's) 64-bit integers
 # The actions that remove a job's files: done only when confirmed (a Retry on a done job removed its LoRA at once).
 CONFIRM_TO = {"delete": "delete it and its folder",
@@ -238,6 +239,7 @@ class WebUI:
         self.roots = Roots([*roots, self.store.root], self.workdir)
         self.runner = Runner(self.store, self.workdir, devices, python)
         self.checker = ConfigChecker(self.workdir, python)
+        self.tool_runs = commands.ToolRuns()
 
     def start(self) -> None:
         self.runner.start()
@@ -246,6 +248,7 @@ class WebUI:
     def close(self) -> None:
         self.runner.close()
         self.checker.close()
+        self.tool_runs.stop()  # a tool outliving the UI wrote its file where no page would say so
 
     # -- the job form ------------------------------------------------------------------------
     def load_config(self, path: str, convert: bool = True) -> tuple[str, dict, str]:
@@ -601,12 +604,18 @@ class WebUI:
             args, output = self._tool_args(tool, values)
         except (OutsideRoots, JobError, ValueError) as e:  # a field's bad value: one line
             return {"ok": False, "output": str(e), "image": None}
-        result = commands.run_tool(f"{tool}.py", args, self.workdir, self.python)
+        # No time limit: a full-size merge or GGUF quantization runs for many minutes; Stop ends it (stop_tools).
+        result = commands.run_tool(f"{tool}.py", args, self.workdir, self.python, timeout=None, runs=self.tool_runs)
         image = None
         if tool == "generate" and result.ok:
             pngs = [os.path.join(output, f) for f in os.listdir(output) if f.endswith(".png")]
             image = max(pngs, key=os.path.getmtime) if pngs else None
         return {"ok": result.ok, "output": result.output, "image": image}
+
+    def stop_tools(self) -> str:
+        """Stop the LoRA tools running for the forms (each exits through its clean-ups: no partial output)."""
+        count = self.tool_runs.stop()
+        return f"stopping {count} tool run{'s' if count > 1 else ''}" if count else "no tool is running"
 
     def _tool_args(self, tool: str, v: dict) -> tuple[list, str | None]:
         lora = lambda key="lora": self.roots.resolve(v[key], "LoRA")  # noqa: E731
@@ -619,8 +628,10 @@ class WebUI:
                     "--new_rank", whole_number(v["new_rank"], "new rank")], None
         if tool == "merge_lora":
             weight = finite_number(v["weight"], "weight")
+            keep = v["save_precision"] in (None, "", KEEP_PRECISION)  # merge_lora.py's default: the base's dtypes
             return ["--model", self.roots.resolve(v["model"], "model"), "--lora", f"{lora()}:{weight}",
-                    "--save_to", self.tool_output(v["save_to"], "output"), "--save_precision", v["save_precision"]], None
+                    "--save_to", self.tool_output(v["save_to"], "output"),
+                    *([] if keep else ["--save_precision", v["save_precision"]])], None
         if tool == "generate":  # with a job's models
             job = self.store.get(job_number(v["job_id"]))
             config = toml_loads(job.config)
