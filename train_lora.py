@@ -47,7 +47,7 @@ from library.io import CheckpointError  # noqa: E402
 from library.training import fsdp, run_locks, tracking  # noqa: E402
 from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix, step_ds  # noqa: E402
 from library.training.config import ConfigError, load_config, optimizer_kwargs  # noqa: E402
-from library.training.output_names import step_tag  # noqa: E402
+from library.training.output_names import sample_tag  # noqa: E402
 from library.training.run_length import check_planned_steps, epoch_steps, plan_steps, warmup_steps  # noqa: E402
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
@@ -290,9 +290,9 @@ class Trainer:
                     self.epoch += 1
                     if args.save_every_n_epochs and self.epoch % args.save_every_n_epochs == 0 and self.step < self.max_steps:
                         self.save_intermediate()
-                    if (args.sample_every_n_epochs and self.epoch % args.sample_every_n_epochs == 0
-                            and self.step < self.max_steps):  # the last epoch's are the final samples
-                        self.render_samples(f"epoch{self.epoch:04d}")
+                    if tag := sample_tag(args.sample_every_n_steps, args.sample_every_n_epochs, self.step,
+                                         self.max_steps, self.epoch):
+                        self.render_samples(tag)
                     self.clock.restart()
             self.check_finite()  # the last update's weights, before they are saved as the result
         except StopTraining as stop:
@@ -548,9 +548,8 @@ class Trainer:
         # An LLM's eval and sample: with sample_with_ema on the EMA weights, as its final one.
         with self.sampling() if self.task.evaluates_after(self.step) else self.evaluating():
             self.task.after_step(self.step, args.output_dir)
-        if args.sample_every_n_steps and self.step % args.sample_every_n_steps == 0 and self.step < self.max_steps:
-            # (the last step's samples are the final ones, rendered after the final save)
-            self.render_samples(step_tag(self.step))
+        if tag := sample_tag(args.sample_every_n_steps, args.sample_every_n_epochs, self.step, self.max_steps):
+            self.render_samples(tag)
         if args.save_every_n_steps and self.step % args.save_every_n_steps == 0 and self.step < self.max_steps:
             self.save_intermediate()
         requested = self.interrupt_requested()

@@ -205,6 +205,19 @@ def test_each_key_says_what_it_became(config, key, verdict, ours):
         assert t.config[key] == ours
 
 
+def test_sample_intervals_are_both_kept_as_musubi_tuner_renders_both(tmp_path):
+    """musubi-tuner's should_sample_images fires on either interval; the steps' were dropped "(with
+    sample_every_n_epochs musubi-tuner renders the epochs' samples only)", sd-scripts' reading. sd-scripts' still."""
+    from library.training.peers import sd_scripts
+
+    (tmp_path / "p.txt").write_text("a cat --w 64 --h 64\n")
+    given = {"sample_prompts": str(tmp_path / "p.txt"), "sample_every_n_steps": 100, "sample_every_n_epochs": 1}
+    t = musubi_tuner.translate({**given, "network_module": "networks.lora_zimage"}, "c.toml")
+    assert (t.config["sample_every_n_steps"], t.config["sample_every_n_epochs"]) == (100, 1)
+    t = sd_scripts.translate({**given, "network_train_unet_only": True}, "c.toml")
+    assert "sample_every_n_steps" not in t.config and verdict_of(t, "sample_every_n_steps")[0] == DROPPED
+
+
 @pytest.mark.parametrize("config", [{"network_module": "networks.lora_flux"}, {"model_version": "dev"}])
 def test_guidance_scale_is_dropped_where_its_training_feeds_the_guidance_embedding_1(config):
     """musubi-tuner's FLUX.1 Kontext and FLUX.2 [dev] training pass guidance 1.0 and only write guidance_scale into the

@@ -84,7 +84,7 @@ CASES = {
     "prompt_flow_shift_nan": lambda tmp, tiny: (["--prompt", "a cat --fs nan"], ["--prompt: --fs must be a number > 0"]),
     "width_negative": lambda tmp, tiny: (["--width", "-64"], ["--width -64: expected at least 16 pixels"]),
     "seed_too_large": lambda tmp, tiny: (["--seed", str(2**64)], [f"--seed {2**64}: expected 0 to 2^64 - 1"]),
-    "prompt_seed_negative": lambda tmp, tiny: (["--prompt", "a cat --d -1"], ["--prompt: seed -1: expected 0 to 2^64 - 1"]),
+    "prompt_seed_negative": lambda tmp, tiny: (["--prompt", "a cat --d -2"], ["--prompt: seed -2: expected 0 to 2^64"]),
     "blocks_to_swap_too_many": lambda tmp, tiny: (["--blocks_to_swap", "99"], [
         "--blocks_to_swap must be between 1 and ", "got 99"]),
     "prompt_width_8": lambda tmp, tiny: (["--prompt", "a cat --w 8"], ["--prompt: width 8: expected at least 16 pixels"]),

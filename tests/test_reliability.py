@@ -273,12 +273,6 @@ def dim_from_weights_with_a_selection(ts, tmp):  # sd-scripts ignores them: the 
                                       "network holds network_weights' modules at their ranks"])
 
 
-def samples_every_steps_and_epochs(ts, tmp):  # both fired: a step ending an epoch rendered twice
-    return (["--sample_every_n_steps", "2", "--sample_every_n_epochs", "1", "--sample_prompts", ts["sample_prompts"]],
-            ["key 'sample_every_n_steps' does nothing with sample_every_n_epochs = 1 (sd-scripts renders the epochs' "
-             "samples only); keep one"])
-
-
 def seed_beyond_torch(ts, tmp):  # was "error: Overflow when unpacking long long", naming nothing
     return ["--seed", str(2**64)], [f"command line: key 'seed' must be 0 to 2^64 - 1, got {2**64}"]
 
@@ -324,7 +318,6 @@ CASES = {
     "empty_paths": empty_paths,
     "dataset_config_a_folder": dataset_config_a_folder,
     "seed_beyond_torch": seed_beyond_torch,
-    "samples_every_steps_and_epochs": samples_every_steps_and_epochs,
     "dim_from_weights_without_network_weights": dim_from_weights_without_network_weights,
     "dim_from_weights_with_a_selection": dim_from_weights_with_a_selection,
     "ema_start_after_the_epochs_steps": ema_start_after_the_epochs_steps,

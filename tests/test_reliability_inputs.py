@@ -348,6 +348,16 @@ def test_a_prompt_line_reads_sd_scripts_l_scale_and_flags_in_any_case():
     assert line == SamplePrompt("a cat", 512, 256, 3, None, 6.5, "blurry")
 
 
+def test_seed_minus_one_is_a_random_seed():
+    """The "random" of UIs' seed boxes (sd-scripts' --d reads no sign: no seed, so random): was refused."""
+    from library.data.prompts import parse_prompt_line
+
+    assert parse_prompt_line("a cat --d -1", "p.txt:1").seed is None
+    assert parse_prompt_line("a cat --d 7", "p.txt:1").seed == 7
+    with pytest.raises(ValueError, match="seed -2: expected 0 to 2"):
+        parse_prompt_line("a cat --d -2", "p.txt:1")
+
+
 def test_musubi_tuners_fs_flag_is_a_prompts_flow_shift_and_ideogram4_warns_it_unread(tmp_path):
     """musubi-tuner's prompt files set a flow shift with --fs ("unknown flag '--fs'" until 2026-11-30); a shift that is
     not a number > 0 is one line naming the file and line; Ideogram 4, whose schedule is no shift, warns it unread."""

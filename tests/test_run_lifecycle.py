@@ -467,7 +467,8 @@ def test_save_state_on_train_end_saves_the_state_with_the_final_lora_only(tiny_s
 def test_epochs_with_accumulation_samples_and_an_unusual_output_dir(tiny_set, tmp_path):
     """max_train_epochs 2 with gradient_accumulation_steps 3 over 4 batches an epoch: sd-scripts'
     2 x ceil(4 / 3) = 4 optimizer steps; sample_at_first and sample_every_n_epochs 1 render at the
-    start and after epoch 1 (epoch 2's are the final ones); an output_dir with a space and non-ASCII
+    start and after epoch 1 (epoch 2's are the final ones), sample_every_n_steps 3 after step 3 (both
+    intervals fire, as in musubi-tuner; the pair was refused); an output_dir with a space and non-ASCII
     letters takes every file."""
     from safetensors import safe_open
 
@@ -477,14 +478,24 @@ def test_epochs_with_accumulation_samples_and_an_unusual_output_dir(tiny_set, tm
     assert train_lora.main(flux_args(tiny_set, out, "--max_train_epochs", "2", "--gradient_accumulation_steps", "3",
                                      "--sample_prompts", str(prompts), "--sample_bf16_reference", "false",
                                      "--sample_at_first", "true", "--sample_every_n_epochs", "1",
-                                     "--save_every_n_epochs", "1")) == 0
+                                     "--sample_every_n_steps", "3", "--save_every_n_epochs", "1")) == 0
     tags = sorted(p.name.split("_")[3] for p in out.glob("tiny_flux_lora_*_00_*.png"))
-    assert tags == ["epoch0001", "final", "start"], tags
+    assert tags == ["epoch0001", "final", "start", "step000003"], tags
     with safe_open(str(out / "tiny_flux_lora.safetensors"), "pt") as f:
         assert f.metadata()["ss_steps"] == "4" and f.metadata()["ss_num_epochs"] == "2", f.metadata()
     with safe_open(str(out / "tiny_flux_lora-step000002.safetensors"), "pt") as f:  # save_every_n_epochs' save
         # sd-scripts' meaning: the epochs planned, and the epoch the save falls in (ss_num_epochs was the ones done)
         assert (f.metadata()["ss_num_epochs"], f.metadata()["ss_epoch"]) == ("2", "1"), f.metadata()
+
+
+def test_a_step_ending_an_epoch_renders_once_when_both_intervals_fire_there():
+    """musubi-tuner renders such a step twice (its step's check and its epoch's); here once, as the step's."""
+    from library.training.output_names import sample_tag
+
+    every_2_steps_and_epoch = [(sample_tag(2, 1, step, 10), sample_tag(2, 1, step, 10, epoch=step // 3))
+                               for step in (2, 3, 6, 10)]  # 3 steps an epoch: epochs end at steps 3, 6, 9
+    assert every_2_steps_and_epoch == [("step000002", None), (None, "epoch0001"), ("step000006", None), (None, None)]
+    assert sample_tag(0, 2, 6, 10, epoch=2) == "epoch0002" and sample_tag(0, 2, 3, 10, epoch=1) is None
 
 
 def test_a_state_resumed_on_another_diffusers_base_with_the_same_transformer_folder_name_is_refused(tmp_path):

@@ -3,7 +3,8 @@
     a photo of a cat --w 1024 --h 1024 --s 20 --d 42 --g 3.5 --n blurry, lowres
 
 Flags: --w width, --h height (each rounded down to a multiple of 16 with a warning, as sd-scripts'
-samples are: the size a model renders; below 16 is an error), --s steps, --d seed, --g guidance (the
+samples are: the size a model renders; below 16 is an error), --s steps, --d seed (-1: a random one, as
+without --d), --g guidance (the
 embedded guidance of a guidance-distilled model, the CFG scale of a true-CFG one), --l sd-scripts' CFG
 scale (a CFG model's guidance, winning over a --g beside it; unread by a model without CFG), --n
 negative prompt, --ci a reference (control) image for edit models (musubi-tuner's flag; repeat it for
@@ -114,7 +115,9 @@ def _checked(prompt: str, fields: dict, controls: list[str], where: str, default
         raise ValueError(f"{where}: steps must be >= 1")
     if "guidance" in fields:
         check_guidance(f"{where}: guidance", fields["guidance"])
-    if "seed" in fields:
+    if fields.get("seed") == -1:  # the "random" of UIs' seed boxes; sd-scripts' --d reads no sign, so no seed
+        fields["seed"] = None
+    if "seed" in fields and fields["seed"] is not None:
         check_seed(f"{where}: seed", fields["seed"])
     if "flow_shift" in fields:
         check_flow_shift(f"{where}: --fs", fields["flow_shift"])

@@ -100,10 +100,6 @@ def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where:
             shown = " and ".join(_shown(other, value) for other, value in zip(others, values))
             raise ConfigError(f"{blame(origins, where, key, *others)}: key '{key}' does nothing with {shown}; "
                               f"it needs {needs}")
-    if args.sample_every_n_steps and args.sample_every_n_epochs:  # sd-scripts renders the epochs' only; both fired here
-        raise ConfigError(f"{blame(origins, where, 'sample_every_n_steps', 'sample_every_n_epochs')}: key "
-                          f"'sample_every_n_steps' does nothing with sample_every_n_epochs = {args.sample_every_n_epochs} "
-                          f"(sd-scripts renders the epochs' samples only); keep one")
     sampling = [k for k in ("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first") if getattr(args, k)]
     if args.model_type != "llm" and sampling and args.sample_prompts is None:  # "" is an explicit "no samples"
         raise ConfigError(f"{blame(origins, where, sampling[0])}: key '{sampling[0]}' renders the prompts of "

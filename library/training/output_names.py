@@ -20,6 +20,21 @@ def step_tag(step: int) -> str:
     return f"step{step:06d}"
 
 
+def sample_tag(sample_every_n_steps: int, sample_every_n_epochs: int, step: int, max_steps: int,
+               epoch: int | None = None) -> str | None:
+    """The tag of the samples rendered after optimizer step `step` (epoch None) or at the end of epoch `epoch`
+    (its last step `step`), None where none render. Either interval fires, as in musubi-tuner (sd-scripts
+    reads the epochs' alone); a step that ends an epoch renders once, as that step's (musubi-tuner renders it
+    twice). The last step's are the final samples, rendered after the final save."""
+    if step >= max_steps:
+        return None
+    by_steps = bool(sample_every_n_steps) and step % sample_every_n_steps == 0
+    if epoch is None:
+        return step_tag(step) if by_steps else None
+    by_epochs = bool(sample_every_n_epochs) and epoch % sample_every_n_epochs == 0
+    return f"epoch{epoch:04d}" if by_epochs and not by_steps else None
+
+
 def lora_save_name(output_name: str, step: int | None = None) -> str:
     """A save's name before its suffix: <output_name> (the final one), <output_name>-stepNNNNNN (a step's)."""
     return output_name if step is None else f"{output_name}-{step_tag(step)}"

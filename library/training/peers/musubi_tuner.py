@@ -338,7 +338,7 @@ def _save_last_n(t: Translation, key: str, value: Any, run: Run) -> None:
 
 
 def _sample_when(t: Translation, key: str, value: Any, run: Run) -> None:
-    sample_when(t, key, value, run.flat)
+    sample_when(t, key, value, run.flat, epochs_only=False)  # should_sample_images: either interval
 
 
 # musubi-tuner's prompt flags ours does not read: video frames, I2V images, control videos, FramePack's one-frame

@@ -214,12 +214,13 @@ def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[s
     t.files[key] = ("_prompts.txt", text if text.endswith("\n") else text + "\n")
 
 
-def sample_when(t: Translation, key: str, value: Any, given: dict[str, Any]) -> None:
+def sample_when(t: Translation, key: str, value: Any, given: dict[str, Any], epochs_only: bool = True) -> None:
     """sample_every_n_steps / _epochs / sample_at_first as sd-scripts and musubi-tuner read them (`given`: the
-    peer's keys): nothing renders without sample_prompts, and with both intervals only the epochs' samples."""
+    peer's keys): nothing renders without sample_prompts; with both intervals sd-scripts renders the epochs'
+    samples only (`epochs_only`), musubi-tuner both, as ours does."""
     if not given.get("sample_prompts"):
         t.drop(key, value, f"no sample_prompts: {t.peer} renders none")
-    elif key == "sample_every_n_steps" and given.get("sample_every_n_epochs"):
+    elif key == "sample_every_n_steps" and given.get("sample_every_n_epochs") and epochs_only:
         t.drop(key, value, f"with sample_every_n_epochs {t.peer} renders the epochs' samples only")
     else:
         t.set(key, value, key, value)
