@@ -29,7 +29,7 @@ import os
 import re
 import secrets
 import warnings
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 
 import toml
 
@@ -48,6 +48,7 @@ class SamplePrompt:
     negative: str = ""
     control_images: tuple[str, ...] = ()  # --ci paths, in order
     flow_shift: float | None = None  # --fs: a fixed shift of the sigmas; None: the release's own schedule
+    source: str = field(default="", compare=False)  # where read_prompt_file read it: "p.txt:5", "p.json: prompt 2"
 
 
 FLAGS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int), "g": ("guidance", float),
@@ -262,7 +263,7 @@ def read_prompt_file(path: str, defaults: SamplePrompt | None = None, decode: bo
         decode_references(found)
     refuse_long_prompts(found, token_limit, negatives)
     refuse_large_prompts(found, largest)
-    return [prompt for _, prompt in found]
+    return [replace(prompt, source=where) for where, prompt in found]
 
 
 def prompt_lines(text: str) -> list[str]:

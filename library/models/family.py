@@ -577,16 +577,20 @@ class DiffusionFamily:
         return None
 
 
-# how a prompt sets each option
+# how a prompt sets each option: a line's flag (generate.py's option), a .json / .toml prompt object's key
 PROMPT_FLAGS = {"negative": "--n (--negative)", "guidance": "--g (--guidance)", "flow_shift": "--fs (--flow_shift)"}
+PROMPT_KEYS = {"negative": "negative_prompt", "guidance": "guidance_scale", "flow_shift": "flow_shift"}
 
 
 def warn_unread_prompt_options(family: DiffusionFamily, prompts, where: str) -> None:
     """One warning line per option the sample prompts set and the model would not read (as the
-    prompt flags are a file's, shared between models, they are warned about, not refused)."""
+    prompt flags are a file's, shared between models, they are warned about, not refused), naming the
+    prompt's line or object where it was read from a file (its source), else `where`."""
     for prompt in prompts:
+        source = getattr(prompt, "source", "") or where
+        names = PROMPT_KEYS if ": prompt " in source else PROMPT_FLAGS
         for option, why in family.unread_prompt_options(prompt.negative, prompt.guidance, prompt.flow_shift).items():
-            warnings.warn(f"{where}: {PROMPT_FLAGS[option]} is not read: {why}", stacklevel=2)
+            warnings.warn(f"{source}: {names[option]} is not read: {why}", stacklevel=2)
 
 
 def control_kwargs(control: list[torch.Tensor] | None) -> dict:
