@@ -413,6 +413,8 @@ def test_a_root_below_another_lists_its_files_once(tmp_path):
     (tmp_path / "data" / "other.toml").write_text("")
     roots = Roots(["data", "data/set"], str(tmp_path))
     assert roots.listing((".toml",)) == [os.path.join("data", "other.toml"), os.path.join("data", "set", "dataset.toml")]
+    # a default root given again with --root: named twice in the "outside the folders" line
+    assert Roots(["data", str(tmp_path / "data"), "data/"], str(tmp_path)).roots == [str(tmp_path / "data")]
 
 
 def test_a_picker_over_its_limit_lists_the_newest_files(tmp_path, monkeypatch):

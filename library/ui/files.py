@@ -38,7 +38,8 @@ class OutsideRoots(ValueError):
 class Roots:
     def __init__(self, roots: list[str], workdir: str):
         self.workdir = os.path.realpath(workdir)
-        self.roots = [os.path.realpath(os.path.join(self.workdir, r)) for r in roots]
+        # each once: a default root given again with --root was listed (and walked) twice
+        self.roots = list(dict.fromkeys(os.path.realpath(os.path.join(self.workdir, r)) for r in roots))
 
     def resolve(self, path: str, what: str = "path") -> str:
         """The real path of `path` (relative to the working folder), if inside a root; else OutsideRoots."""
