@@ -290,10 +290,12 @@ def pipeline_condition_size(target, size):
 @pytest.mark.parametrize("target, size", [
     ((64, 64), (128, 64)), ((1024, 1024), (768, 512)), ((1024, 1024), (100, 72)), ((1024, 1024), (512, 512)),
     ((1024, 1024), (2048, 1536)), ((768, 1344), (1500, 1000)), ((1344, 768), (1025, 1024)), ((512, 512), (1030, 1100))])
-def test_omni_sample_references_are_sized_as_the_pipeline(target, size):
-    """References smaller than 1 MP keep their size (floored to 16), larger ones take the target's area."""
+def test_omni_references_are_sized_as_the_pipeline_in_training_and_samples(target, size):
+    """References smaller than 1 MP keep their size (floored to 16), larger ones take the target's area. Training
+    scaled every one to its target's area (1024 x 1024 for a 512 x 512 one), where samples and the pipeline keep it."""
     family = ZImageOmniFamily.__new__(ZImageOmniFamily)  # the rule reads no files
     assert family.sample_control_bucket(target, size) == pipeline_condition_size(target, size)
+    assert family.control_bucket(target, size) == pipeline_condition_size(target, size)
 
 
 def test_fp8_base_keeps_the_siglip_embedder(tiny_set):

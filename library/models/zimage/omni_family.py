@@ -159,22 +159,20 @@ class ZImageOmniFamily(ZImageFamily):
 
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
                        resolution: tuple[int, int] | None = None) -> tuple[int, int]:
-        """A reference keeps its aspect ratio at the target bucket's area, sides floored to multiples of
-        16 (the pipeline keeps a reference at its own size, at most 1024 x 1024 pixels, and makes the
-        output that size: the target's area stands for it)."""
-        scale = math.sqrt(bucket[0] * bucket[1] / (size[0] * size[1]))
-        return (max(VAE_MULTIPLE, int(size[0] * scale) // VAE_MULTIPLE * VAE_MULTIPLE),
-                max(VAE_MULTIPLE, int(size[1] * scale) // VAE_MULTIPLE * VAE_MULTIPLE))
-
-    def sample_control_bucket(self, target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
-        """Samples: ZImageOmniPipeline's size for a condition image. One of at most 1024 x 1024 pixels
-        keeps its size, a larger one is scaled to the target's area (int() of each side, as
-        Flux2ImageProcessor._resize_to_target_area, which is control_bucket's rule); then each side
-        is floored to a multiple of 16."""
+        """ZImageOmniPipeline's size for a condition image when the output is `bucket` (a training pair's target,
+        a sample's size): one of at most 1024 x 1024 pixels keeps its size, a larger one is scaled to the output's
+        area (int() of each side, as Flux2ImageProcessor._resize_to_target_area); then each side is floored to a
+        multiple of 16. Until 2026-12-01 training scaled every reference to its target's area: a 512 x 512 one
+        beside a 1024 x 1024 target trained on a 128 x 128 latent, sampled (as the pipeline runs it) on 64 x 64."""
         if size[0] * size[1] > PIPELINE_KEEP_AREA:
-            return self.control_bucket(target, size)
+            scale = math.sqrt(bucket[0] * bucket[1] / (size[0] * size[1]))
+            size = (int(size[0] * scale), int(size[1] * scale))
         return (max(VAE_MULTIPLE, size[0] // VAE_MULTIPLE * VAE_MULTIPLE),
                 max(VAE_MULTIPLE, size[1] // VAE_MULTIPLE * VAE_MULTIPLE))
+
+    def largest_reference(self, bucket: tuple[int, int]) -> tuple[int, int]:
+        """The planner's reference without files: up to 1024 x 1024 pixels at its own size, or the bucket's area."""
+        return bucket if bucket[0] * bucket[1] >= PIPELINE_KEEP_AREA else (1024, 1024)
 
     def sample_references(self, paths, width: int, height: int) -> tuple[int, int, list[torch.Tensor]]:
         """ZImageOmniPipeline's pixels of each condition image, at sample_control_bucket's size: one over 1024 x
