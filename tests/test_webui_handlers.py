@@ -776,7 +776,8 @@ def test_stop_ends_a_running_tool_through_its_clean_ups(ui, tmp_path):
     import threading
 
     python = tmp_path / "slow_python"  # stands in for the interpreter: a tool that runs until stopped
-    python.write_text("#!/bin/sh\ntrap 'kill $!; exit 143' TERM\nsleep 600 >/dev/null 2>&1 & wait\n")
+    python.write_text("#!/bin/sh\ntrap 'kill $!; exit 143' TERM\ntouch \"$0.ready\"\n"
+                      "sleep 600 >/dev/null 2>&1 & wait\n")
     python.chmod(0o755)
     ui.python = str(python)
     lora = str(tmp_path / "data" / "a.safetensors")
@@ -785,14 +786,31 @@ def test_stop_ends_a_running_tool_through_its_clean_ups(ui, tmp_path):
         "lora": lora, "save_to": "c.safetensors", "to": "comfy"})))
     worker.start()
     deadline = time.monotonic() + 30  # a safeguard against a hang, not a timing assertion
-    while not ui.tool_runs.processes:
+    while not os.path.exists(f"{python}.ready"):  # its trap set
         assert time.monotonic() < deadline
+        time.sleep(0.01)
+    os.remove(f"{python}.ready")
+    assert ui.stop_tools() == "stopping 1 tool run"
+    worker.join(30)
+    assert answers == [{"ok": False, "output": "convert_lora.py was stopped (Stop) before it finished: a file it was "
+                                               "still writing is not left behind; one it had finished stays",
+                        "image": None}]
+    assert ui.stop_tools() == "no tool is running" and not ui.tool_runs.processes and not ui.tool_runs.stopped
+
+    # Stop landing while a tool that finished exits: its own output, not "stopped" (it said "its output was not
+    # written" of a merge it had written)
+    python.write_text("#!/bin/sh\ntrap 'kill $!; echo wrote c.safetensors; exit 0' TERM\ntouch \"$0.ready\"\n"
+                      "sleep 600 >/dev/null 2>&1 & wait\n")
+    answers.clear()
+    worker = threading.Thread(target=lambda: answers.append(ui.lora_tool("convert_lora", {
+        "lora": lora, "save_to": "c.safetensors", "to": "comfy"})))
+    worker.start()
+    while not os.path.exists(f"{python}.ready"):  # its trap set (before it, SIGTERM would end the shell with 143)
+        assert time.monotonic() < deadline + 30
         time.sleep(0.01)
     assert ui.stop_tools() == "stopping 1 tool run"
     worker.join(30)
-    assert answers == [{"ok": False, "output": "convert_lora.py was stopped (Stop): its output was not written",
-                        "image": None}]
-    assert ui.stop_tools() == "no tool is running" and not ui.tool_runs.processes and not ui.tool_runs.stopped
+    assert answers == [{"ok": True, "output": "wrote c.safetensors", "image": None}]
 
 
 def test_the_live_view_empties_when_its_job_is_deleted(ui):

@@ -79,9 +79,13 @@ def run_tool(script: str, args: list[str], workdir: str, python: str = sys.execu
         finally:
             with runs.lock:
                 runs.processes.discard(proc)
-    if proc.pid in runs.stopped:
+    with runs.lock:
+        stopped = proc.pid in runs.stopped
         runs.stopped.discard(proc.pid)
-        return Result(False, f"{script} was stopped (Stop): its output was not written")
+    if stopped and proc.returncode != 0:  # 0: it had finished (Stop met its exit), its own lines say what it wrote
+        said = printed(proc.returncode, stdout, stderr).output
+        return Result(False, f"{script} was stopped (Stop) before it finished: a file it was still writing is not "
+                             f"left behind; one it had finished stays" + (f"\n{said}" if said else ""))
     return printed(proc.returncode, stdout, stderr)
 
 
