@@ -189,25 +189,38 @@ def test_sigkill_while_merging_into_a_file_keeps_the_previous_merge(tiny_set, tm
     assert len(after[leftovers[0]]) < len(before[out.name])  # cut off mid-way
 
 
-def test_sigterm_while_merging_removes_the_temporary_and_keeps_the_previous_merge(tiny_set, tmp_path):
-    """The web UI's Stop and `kill` send SIGTERM: the tool's command line exits 143 through its clean-ups. Python's
-    default ended it where it stood, leaving the hidden temporary (a whole checkpoint's size at full size)."""
-    lora = lora_for(load_flux(tiny_set["flux_bfl"]), "flux", tmp_path / "lora.safetensors")
-    out = tmp_path / "merged" / "flux-merged.safetensors"
-    assert merge_lora.main(["--model", tiny_set["flux_bfl"], "--lora", f"{lora}:0.5", "--save_to", str(out)]) == 0
-    before = snapshot(out.parent)
+# Child: a tool's command line (tools/cli.check_command_line, as every tool's) writing a file through atomic_path,
+# 1 MiB per 50 ms; argv: the file's path.
+TOOL_WRITER = r"""
+import argparse, sys, time
+from library.atomic_files import atomic_path
+from tools.cli import check_command_line
+path, sys.argv = sys.argv[1], sys.argv[:1]
+check_command_line(argparse.ArgumentParser)
+with atomic_path(path) as tmp, open(tmp, "wb") as f:
+    for _ in range(600):
+        f.write(b"x" * (1 << 20))
+        f.flush()
+        time.sleep(0.05)
+"""
 
-    log = tmp_path / "merge.log"
-    as_run = SLOW_MERGE.replace("sys.exit(", "from tools.cli import check_command_line\n"
-                                             "check_command_line(merge_lora.build_parser)\nsys.exit(")
-    child = start(as_run, "--model", tiny_set["flux_bfl"], "--lora", f"{lora}:1.0", "--save_to", out, log=log)
+
+def test_sigterm_while_a_tool_writes_removes_the_temporary_and_keeps_the_previous_file(tmp_path):
+    """The web UI's Stop and `kill` send SIGTERM: a tool's command line exits 143 through its clean-ups. Python's
+    default ended it where it stood, leaving the hidden temporary (a merged checkpoint's size at full size; the
+    same for tools/merge_lora.py's safetensors and GGUF writes, checked by hand in the web UI)."""
+    out = tmp_path / "merged.safetensors"
+    out.write_bytes(b"the previous merge")
+    before = snapshot(tmp_path)
+    log = tmp_path.parent / f"{tmp_path.name}.log"
+    child = start(TOOL_WRITER, out, log=log)
     deadline = time.monotonic() + 120  # a safeguard against a hang, not a timing assertion
-    while not any(past_header(t) for t in temporaries(out.parent, out.name)):
+    while not any(os.path.getsize(t) >= 2 << 20 for t in temporaries(tmp_path, out.name)):
         assert child.poll() is None and time.monotonic() < deadline, open(log).read()[-2000:]
         time.sleep(0.002)
     child.send_signal(signal.SIGTERM)
     assert child.wait() == 143, open(log).read()[-2000:]
-    assert snapshot(out.parent) == before  # no temporary left, the previous merge untouched
+    assert snapshot(tmp_path) == before  # no temporary left, the previous file untouched
 
 
 def test_sigkill_while_merging_into_a_folder_keeps_the_previous_merge(tiny_set, tmp_path):
