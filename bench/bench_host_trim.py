@@ -1,5 +1,5 @@
 """What caching leaves in the process's memory after its encoder is freed, and what
-library.data.caches.release_freed_memory (gc, then glibc's malloc_trim) hands back to the kernel.
+library.training.host_memory.release_freed_memory (gc, then glibc's malloc_trim) hands back to the kernel.
 
 A VAE at its released size (random weights; --vae qwen_image: diffusers' AutoencoderKLQwenImage, flux:
 AutoencoderKL at FLUX.1's config) encodes --encodes images of --size px on the CPU in float32, is deleted, and
@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from library.data.caches import release_freed_memory  # noqa: E402
+from library.training.host_memory import release_freed_memory  # noqa: E402
 
 
 def rss_gib() -> float:

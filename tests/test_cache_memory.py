@@ -145,7 +145,9 @@ def test_the_heap_caching_freed_goes_back_to_the_kernel_before_the_base_loads(ti
     from tests.test_train_lora import flux_args
 
     events, load_base = [], DiffusionTask._load_base
-    monkeypatch.setattr(caches, "ctypes", SimpleNamespace(CDLL=lambda name: SimpleNamespace(
+    from library.training import host_memory
+
+    monkeypatch.setattr(host_memory, "ctypes", SimpleNamespace(CDLL=lambda name: SimpleNamespace(
         malloc_trim=lambda pad: events.append((name, pad)))))
     monkeypatch.setattr(DiffusionTask, "_load_base", lambda self: (events.append("load"), load_base(self))[1])
     assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--max_train_steps", "1")) == 0

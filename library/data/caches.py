@@ -8,9 +8,7 @@ way (cache_prompts), and after caching the files no entry uses are removed (remo
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
-import gc
 import hashlib
 import os
 import re
@@ -397,18 +395,6 @@ def plan_in_memory_caches(blueprint: DatasetBlueprint, latent_per_pixel: float, 
             images, texts = images + len(paths), texts + len(paths) * (1 + augmented)
             variants += len(paths) * augmented
     return InMemoryCaches(images, texts, variants, int(latents), texts * text_bytes)
-
-
-def release_freed_memory() -> None:
-    """Collects garbage, then hands the freed heap pages back to the kernel (glibc's malloc_trim; nothing
-    elsewhere). glibc keeps the pages of freed tensors under 32 MiB (its mmap threshold grows to the largest
-    freed): the VAE's conv buffers and the text encoder's activations stayed in the process after caching, beside
-    the base that loads next (a 3-D VAE's two 512 px encodes on the CPU: 0.24-0.33 GiB; bench/bench_host_trim.py)."""
-    gc.collect()
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # no glibc (macOS, Windows, musl)
-        pass
 
 
 def memory_available() -> int | None:

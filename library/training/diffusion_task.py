@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from library.data.captions import drops_captions, tag_frequency
 from library.data.caches import (cache_empty_caption, cache_folder, cache_latents, cache_prompts, cache_text,
-                                 hold_cache_folders, loaded_on_first_call, release_freed_memory, remove_unused_caches)
+                                 hold_cache_folders, loaded_on_first_call, remove_unused_caches)
 from library.data.check import TokenLimit, refuse_long_captions, training_warnings, upscaled, warn
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import (caption_as_written, largest_step, refuse_large_buckets, scan_images,
@@ -30,6 +30,7 @@ from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import Preservation, get_family, stack_text, warn_unread_prompt_options
 from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan, preservation
+from library.training.host_memory import release_freed_memory
 from library.training.config import (ConfigError, base_precision, check_fp8_compute_layout, check_stored_precision,
                                      compute_dtype, lora_network_args, network_modules_from, where_set)
 from library.training.config_schema import KEEPING_KEYS, SCHEMA
