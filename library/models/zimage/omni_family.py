@@ -37,6 +37,16 @@ SIGLIP_PLAN_GRID = (16, 16)  # planner: SigLIP patches of a reference (Siglip2Im
 DEFAULT_SHIFT = 6.0  # no scheduler config: Z-Image Base's constant shift (Omni samples like Base: CFG, 50 steps)
 
 
+def pipeline_resized(target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+    """The (w, h) ZImageOmniPipeline resizes a condition image of `size` to for a `target` (w, h) output: over
+    PIPELINE_KEEP_AREA pixels the target's area, int() of each side (Flux2ImageProcessor._resize_to_target_area);
+    else its own size."""
+    if size[0] * size[1] <= PIPELINE_KEEP_AREA:
+        return size
+    scale = math.sqrt(target[0] * target[1] / (size[0] * size[1]))
+    return int(size[0] * scale), int(size[1] * scale)
+
+
 class ZImageOmniFamily(ZImageFamily):
     name = "zimage_omni"
     arch = "zimage"  # Z-Image's transformer: its LoRA targets, fp8 rules and layouts
@@ -164,11 +174,9 @@ class ZImageOmniFamily(ZImageFamily):
         area (int() of each side, as Flux2ImageProcessor._resize_to_target_area); then each side is floored to a
         multiple of 16. Until 2026-12-01 training scaled every reference to its target's area: a 512 x 512 one
         beside a 1024 x 1024 target trained on a 128 x 128 latent, sampled (as the pipeline runs it) on 64 x 64."""
-        if size[0] * size[1] > PIPELINE_KEEP_AREA:
-            scale = math.sqrt(bucket[0] * bucket[1] / (size[0] * size[1]))
-            size = (int(size[0] * scale), int(size[1] * scale))
-        return (max(VAE_MULTIPLE, size[0] // VAE_MULTIPLE * VAE_MULTIPLE),
-                max(VAE_MULTIPLE, size[1] // VAE_MULTIPLE * VAE_MULTIPLE))
+        width, height = pipeline_resized(bucket, size)
+        return (max(VAE_MULTIPLE, width // VAE_MULTIPLE * VAE_MULTIPLE),
+                max(VAE_MULTIPLE, height // VAE_MULTIPLE * VAE_MULTIPLE))
 
     def largest_reference(self, bucket: tuple[int, int]) -> tuple[int, int]:
         """The planner's reference without files: up to 1024 x 1024 pixels at its own size, or the bucket's area."""
@@ -185,10 +193,9 @@ class ZImageOmniFamily(ZImageFamily):
         references = []
         for path in paths:
             img = load_rgb(path, self.reference_mode)
-            if img.width * img.height > PIPELINE_KEEP_AREA:  # Flux2ImageProcessor._resize_to_target_area
-                scale = math.sqrt(width * height / (img.width * img.height))
-                img = img.resize((int(img.width * scale), int(img.height * scale)), Image.Resampling.LANCZOS)
-            w, h = self.sample_control_bucket((width, height), img.size)  # the size as it is now: floored to 16
+            w, h = self.sample_control_bucket((width, height), img.size)  # resized (or not), then floored to 16
+            if (resized := pipeline_resized((width, height), img.size)) != img.size:
+                img = img.resize(resized, Image.Resampling.LANCZOS)
             left, top = (img.width - w) // 2, (img.height - h) // 2
             references.append(to_pixels(img.crop((left, top, left + w, top + h)))[None])
         return width, height, references
