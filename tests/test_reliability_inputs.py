@@ -376,7 +376,9 @@ def test_musubi_tuners_fs_flag_is_a_prompts_flow_shift_and_ideogram4_warns_it_un
     # the line (the file alone until 2026-12-01), and in a .json the key written, not the line's flag
     (tmp_path / "p.json").write_text('[{"prompt": "a cat"}, {"prompt": "a dog", "flow_shift": 2.2}]')
     with pytest.warns(UserWarning) as caught:
-        warn_unread_prompt_options(Ideogram4Family("unused"), prompts + read_prompt_file(str(tmp_path / "p.json")), "x")
+        warn_unread_prompt_options(Ideogram4Family("unused"), prompts, str(path))
+        warn_unread_prompt_options(Ideogram4Family("unused"), read_prompt_file(str(tmp_path / "p.json")),
+                                   str(tmp_path / "p.json"))
     why = ("is not read: Ideogram 4 samples on its pipeline's logit-normal schedule at the image's resolution, "
            "not a shifted one")
     assert [str(w.message) for w in caught] == [f"{path}:1: --fs (--flow_shift) {why}",

@@ -586,9 +586,9 @@ def warn_unread_prompt_options(family: DiffusionFamily, prompts, where: str) -> 
     """One warning line per option the sample prompts set and the model would not read (as the
     prompt flags are a file's, shared between models, they are warned about, not refused), naming the
     prompt's line or object where it was read from a file (its source), else `where`."""
+    names = PROMPT_KEYS if where.lower().endswith((".json", ".toml")) else PROMPT_FLAGS  # read_prompt_file's kinds
     for prompt in prompts:
         source = getattr(prompt, "source", "") or where
-        names = PROMPT_KEYS if ": prompt " in source else PROMPT_FLAGS
         for option, why in family.unread_prompt_options(prompt.negative, prompt.guidance, prompt.flow_shift).items():
             warnings.warn(f"{source}: {names[option]} is not read: {why}", stacklevel=2)
 
