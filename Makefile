@@ -36,7 +36,8 @@ demo: $(STAMP)
 # did not touch ran 10-20% slower than in stop 91), the slowest 13 s under the target; 823 s in stop 93 (2986
 # tests, one run); 618-925 s in stop 94's three clean-clone runs (2989-2990 tests, 18 skipped): the 925 s one
 # over the target on a slower hour (its slowest tests 1.5-1.8x the 618 s run's, the code the same but for a mend);
-# 879 and 922 s in stop 95's two (2981 tests, 17 skipped), the second with a 24 s test trimmed: machine variance.
+# 879, 922 and 887 s in stop 95's three (2981 tests, 17 skipped), the second with a 24 s test trimmed: machine
+# variance.
 # The longest are multi-process (web UI, DDP / FSDP launches) and the full-size planner's tests (~90
 # worker-seconds).
 # PYTHONDONTWRITEBYTECODE (set on the CI machines) is cleared for the suite: each worker collecting the ~200 test
