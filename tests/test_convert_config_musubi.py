@@ -131,6 +131,25 @@ def test_control_resolution_is_carried_where_it_is_the_resolutions_area(tmp_path
     assert t.dataset["datasets"][0]["subsets"][0]["control_directory"] == "c"
 
 
+@pytest.mark.parametrize("keys, verdicts", [
+    ({}, {}), ({"no_resize_control": True}, {"no_resize_control": DROPPED}),
+    ({"control_resolution": [1024, 1024], "no_resize_control": True},
+     {"control_resolution": DROPPED, "no_resize_control": DROPPED}),
+    ({"control_resolution": [512, 512]}, {"control_resolution": NOT_CARRIED})])
+def test_flux2_references_keep_their_size_up_to_1_mp(keys, verdicts):
+    """FLUX.2 trains on control_directory (was refused: "this model takes none here"); ours keeps a reference's own
+    size up to 1 MP (the pipelines'), its default fits it to the target: said on the folder's line."""
+    dataset = {"general": {"resolution": [512, 512]}, "datasets": [{"image_directory": "i", "control_directory": "c",
+                                                                   **keys}]}
+    t = musubi_tuner.translate({"network_module": "networks.lora_flux_2", "model_version": "klein-base-4b"}, "c.toml",
+                               dataset=dataset, dataset_source="d.toml")
+    assert t.dataset["datasets"][0]["subsets"][0]["control_directory"] == "c"
+    line = [line for line in t.lines if line.key == "datasets[0].control_directory"][0]
+    assert ("1024 x 1024" in line.note) == (not keys), line.note
+    for key, verdict in verdicts.items():
+        assert verdict_of(t, f"datasets[0].{key}")[0] == verdict
+
+
 def test_command_tells_the_model_from_the_script(tmp_path):
     command = ("accelerate launch src/musubi_tuner/flux_kontext_train_network.py --dit flux1-kontext-dev.safetensors "
                "--vae ae.safetensors --text_encoder1 t5xxl_fp16.safetensors --text_encoder2 clip_l.safetensors "

@@ -386,7 +386,8 @@ class MusubiModels:
     version_switches: dict[str, str] = field(default_factory=dict)
     versions_unread: str = ""  # why a version without our model_version is left to ours ("" : model_type says it)
     # our model_types that train on its control_directory -> how ours sizes a reference: "target" (to its target's
-    # bucket, musubi-tuner's default there), "area" (at the resolution's area, its own aspect)
+    # bucket, musubi-tuner's default there), "area" (at the resolution's area, its own aspect), "own" (its own size
+    # up to 1 MP)
     references: dict[str, str] = field(default_factory=dict)
     layered: dict[str, str] = field(default_factory=dict)  # our model_types that train on its multiple_target -> name
     # its per-model dataset keys it renames (load_user_config) -> the name it reads them by

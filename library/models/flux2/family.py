@@ -10,6 +10,13 @@ none is [klein] (4B / 9B by width); [dev] encodes prompts with the language mode
   (`is_distilled` in the pipeline's model_index.json) never do;
 - [dev] (Flux2Pipeline): the guidance value goes through the guidance embedding, no CFG.
 Positions: image tokens (0, row, col, 0), text tokens (0, 0, 0, index), int64 (model.py).
+
+References (multi-reference editing, both variants): a target may carry reference images (a subset's
+control_directory, a sample prompt's --ci), none for text-to-image. As the pipelines run them, each reference's
+latent is packed like the target's and appended after the target's tokens, reference k at positions
+(10 + 10 k, row, col, 0) (Flux2Pipeline._prepare_image_ids); the prediction is the target's tokens (the loss is
+on them only), and CFG's negative pass keeps the references. The text encoder never sees them. A reference is
+encoded at its own size up to ~1 MP (references.py: the pipelines' rule), in training and samples alike.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ class Flux2Family(DiffusionFamily):
     sample_guidance = SPEC.sample_guidance["klein base"]  # the pipelines' default guidance_scale ([dev]'s is the same)
     true_cfg = True  # klein base: negative prompt encoded for samples (guided_velocity decides)
     latent_channels = 32
+    max_controls = 4  # the pipelines take any number, each a further frame on the t axis; four as the other edit models
+    plan_controls = 0  # a text-to-image model first: presets plan none, a dataset's references are counted
 
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.flux2.checkpoint import load_flux2
@@ -185,8 +194,30 @@ class Flux2Family(DiffusionFamily):
                     return bool(json.load(f).get("is_distilled", False))
         return False
 
-    def predict(self, model, x_t, sigmas, text, h, w, guidance):
-        from library.models.flux2.model import make_img_ids
+    # -- references ----------------------------------------------------------------------------
+    def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
+                       resolution: tuple[int, int] | None = None) -> tuple[int, int]:
+        """The pipelines' size for a reference, whatever the target's: its own up to 1024 x 1024 pixels (larger
+        ones scaled to that area), sides floored to 16 (references.py). musubi-tuner fits references to the
+        target's bucket by default; ai-toolkit and the pipelines keep their size."""
+        from library.models.flux2.references import condition_size
+
+        return condition_size(size)
+
+    def largest_reference(self, bucket: tuple[int, int]) -> tuple[int, int]:
+        """The planner's reference without files: one of 1024 x 1024 pixels, the most a reference keeps."""
+        return 1024, 1024
+
+    def sample_references(self, paths, width: int, height: int) -> tuple[int, int, list[torch.Tensor]]:
+        """The pipelines' pixels of each --ci image (references.py condition_pixels); the sample keeps --w x --h."""
+        from library.models.flux2.references import condition_pixels
+
+        return width, height, [condition_pixels(p, mode=self.reference_mode) for p in paths]
+
+    # -- the denoiser --------------------------------------------------------------------------
+    def predict(self, model, x_t, sigmas, text, h, w, guidance, control: list[torch.Tensor] | None = None):
+        """x_t: the packed noisy target [B, h*w, 128]; control: reference latents [B, 32, H_k, W_k] (float32,
+        BN-normalised as the target's). Returns the target tokens' velocity [B, h*w, 128]."""
         from library.models.flux2.text_encoder import klein_text_ids
 
         b, device = x_t.shape[0], x_t.device
@@ -194,15 +225,17 @@ class Flux2Family(DiffusionFamily):
         g = None
         if model.guidance_in is not None:
             g = torch.full((b,), 1.0 if guidance is None else float(guidance), dtype=torch.float32, device=device)
-        return model(img=x_t, img_ids=make_img_ids(b, h, w, device=device), txt=txt,
-                     txt_ids=klein_text_ids(b, txt.shape[1], device), timesteps=sigmas, guidance=g)
+        img, img_ids = reference_tokens(x_t, h, w, control or [])
+        out = model(img=img, img_ids=img_ids, txt=txt, txt_ids=klein_text_ids(b, txt.shape[1], device),
+                    timesteps=sigmas, guidance=g)
+        return out[:, : x_t.shape[1]]
 
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance):
-        cond = self.predict(model, x, s, text, h, w, guidance).float()
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
+        cond = self.predict(model, x, s, text, h, w, guidance, control).float()
         cfg = model.guidance_in is None and negative_text is not None and guidance is not None and guidance > self.cfg_above
         if not cfg or self.is_distilled:
             return cond
-        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance, control).float()  # the references kept
         return uncond + guidance * (cond - uncond)
 
     def initial_noise(self, batch, lh, lw, generator):
@@ -211,3 +244,24 @@ class Flux2Family(DiffusionFamily):
 
         return unpatchify(torch.randn(batch, 4 * self.latent_channels, lh // 2, lw // 2, generator=generator,
                                       dtype=torch.float32))
+
+
+REFERENCE_T_STEP = 10  # reference k sits at t = 10 + 10 k (Flux2Pipeline._prepare_image_ids' scale)
+
+
+def reference_tokens(x_t: torch.Tensor, h: int, w: int,
+                     control: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens [B, L, 128], ids [B, L, 4] int64): the packed target x_t (h x w patches) at t = 0, then each
+    reference latent [B, 32, H_k, W_k] packed the same way at (10 + 10 k, row, col, 0)."""
+    from library.models.flux2.model import make_img_ids
+    from library.models.latents import pack_latents
+
+    b, device = x_t.shape[0], x_t.device
+    tokens, ids = [x_t], [make_img_ids(b, h, w, device=device)]
+    for k, ref in enumerate(control):
+        if ref.ndim != 4 or ref.shape[0] != b or ref.shape[1] != 32 or ref.shape[2] % 2 or ref.shape[3] % 2:
+            raise ValueError(f"reference latent {k} has shape {tuple(ref.shape)}; expected [{b}, 32, h, w] with even "
+                             f"h and w (2x2 patches)")
+        tokens.append(pack_latents(ref.to(device=device, dtype=x_t.dtype)))
+        ids.append(make_img_ids(b, ref.shape[2] // 2, ref.shape[3] // 2, t=REFERENCE_T_STEP * (k + 1), device=device))
+    return torch.cat(tokens, dim=1), torch.cat(ids, dim=1)

@@ -138,6 +138,7 @@ MUSUBI = S.MusubiModels(
     versions_unread="ours tells FLUX.2 [dev] / [klein] 4B / 9B and a distilled [klein] from the checkpoint",
     swap_scale=2,
     token_grid=True,
+    references={"flux2": "own"},  # each keeps its own size up to 1 MP (the pipelines'); its default fits the target's
     draws={"flux2_shift": S.PeerDraw("flux_shift", note="its flux2_shift is FLUX.1's mu line at the token count: "
                                                         "ours' flux_shift (our flux2_shift is the empirical mu)",
                                      elsewhere="on this model its flux2_shift counts 4x the tokens")},

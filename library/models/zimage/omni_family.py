@@ -20,31 +20,17 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 
 import torch
-from PIL import Image
 
 from library.models.family import ModelFile, file_fingerprint, fp8_prepare
 from library.models.zimage.family import ZImageFamily
 from library.models.zimage.spec import SPEC
 
 OMNI = "zimage-omni"
-VAE_MULTIPLE = 16  # the pipeline floors a condition image's sides to multiples of vae_scale_factor * 2
-PIPELINE_KEEP_AREA = 1024 * 1024  # the pipeline keeps a condition image of at most this many pixels at its size
 SIGLIP_PLAN_GRID = (16, 16)  # planner: SigLIP patches of a reference (Siglip2ImageProcessor's max_num_patches 256)
 DEFAULT_SHIFT = 6.0  # no scheduler config: Z-Image Base's constant shift (Omni samples like Base: CFG, 50 steps)
-
-
-def pipeline_resized(target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
-    """The (w, h) ZImageOmniPipeline resizes a condition image of `size` to for a `target` (w, h) output: over
-    PIPELINE_KEEP_AREA pixels the target's area, int() of each side (Flux2ImageProcessor._resize_to_target_area);
-    else its own size."""
-    if size[0] * size[1] <= PIPELINE_KEEP_AREA:
-        return size
-    scale = math.sqrt(target[0] * target[1] / (size[0] * size[1]))
-    return int(size[0] * scale), int(size[1] * scale)
 
 
 class ZImageOmniFamily(ZImageFamily):
@@ -170,35 +156,29 @@ class ZImageOmniFamily(ZImageFamily):
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
                        resolution: tuple[int, int] | None = None) -> tuple[int, int]:
         """ZImageOmniPipeline's size for a condition image when the output is `bucket` (a training pair's target,
-        a sample's size): one of at most 1024 x 1024 pixels keeps its size, a larger one is scaled to the output's
-        area (int() of each side, as Flux2ImageProcessor._resize_to_target_area); then each side is floored to a
-        multiple of 16. Until 2026-12-01 training scaled every reference to its target's area: a 512 x 512 one
-        beside a 1024 x 1024 target trained on a 128 x 128 latent, sampled (as the pipeline runs it) on 64 x 64."""
-        width, height = pipeline_resized(bucket, size)
-        return (max(VAE_MULTIPLE, width // VAE_MULTIPLE * VAE_MULTIPLE),
-                max(VAE_MULTIPLE, height // VAE_MULTIPLE * VAE_MULTIPLE))
+        a sample's size): its Flux2ImageProcessor's rule (library/models/flux2/references.py) with the output's
+        area for one over 1024 x 1024 pixels. Until 2026-12-01 training scaled every reference to its target's
+        area: a 512 x 512 one beside a 1024 x 1024 target trained on a 128 x 128 latent, sampled (as the pipeline
+        runs it) on 64 x 64."""
+        from library.models.flux2.references import condition_size
+
+        return condition_size(size, bucket[0] * bucket[1])
 
     def largest_reference(self, bucket: tuple[int, int]) -> tuple[int, int]:
         """The planner's reference without files: up to 1024 x 1024 pixels at its own size, or the bucket's area."""
-        return bucket if bucket[0] * bucket[1] >= PIPELINE_KEEP_AREA else (1024, 1024)
+        from library.models.flux2.references import KEEP_AREA
+
+        return bucket if bucket[0] * bucket[1] >= KEEP_AREA else (1024, 1024)
 
     def sample_references(self, paths, width: int, height: int) -> tuple[int, int, list[torch.Tensor]]:
-        """ZImageOmniPipeline's pixels of each condition image, at sample_control_bucket's size: one over 1024 x
-        1024 pixels resized (Lanczos) to the output's area first, then centre-cropped, never resized, to its
-        sides floored to 16, as its Flux2ImageProcessor crops (the other families' cover-and-shrink left a 100 x
-        72 reference up to 0.69 from the pipeline's pixels)."""
-        from library.data.images import load_rgb, to_pixels, verified_image_size
+        """ZImageOmniPipeline's pixels of each condition image (condition_pixels: one over 1024 x 1024 pixels
+        resized to the output's area, then centre-cropped, never resized, to sides floored to 16; the other
+        families' cover-and-shrink left a 100 x 72 reference up to 0.69 from the pipeline's pixels)."""
+        from library.data.images import verified_image_size
+        from library.models.flux2.references import condition_pixels
 
         width, height = self.sample_size(width, height, [verified_image_size(p) for p in paths])
-        references = []
-        for path in paths:
-            img = load_rgb(path, self.reference_mode)
-            w, h = self.sample_control_bucket((width, height), img.size)  # resized (or not), then floored to 16
-            if (resized := pipeline_resized((width, height), img.size)) != img.size:
-                img = img.resize(resized, Image.Resampling.LANCZOS)
-            left, top = (img.width - w) // 2, (img.height - h) // 2
-            references.append(to_pixels(img.crop((left, top, left + w, top + h)))[None])
-        return width, height, references
+        return width, height, [condition_pixels(p, width * height, self.reference_mode) for p in paths]
 
     def sample_text_size(self, paths, width: int, height: int) -> tuple[int, int] | None:
         """Given a size, ZImageOmniPipeline shows SigLIP a condition image over 1024 x 1024 pixels at the

@@ -120,9 +120,13 @@ def _references(t: Translation, label: str, key: str, value: Any, entry: dict, p
     if key == "control_directory":
         subset[key] = value
         sized = "control_resolution" in entry or entry.get("no_resize_control")
-        note = ("" if sizing != "area" or sized else "it fits each reference to its target's size "
-                "here; ours encodes it at the resolution's area, its own aspect (the pipelines' rule)")
+        ours = {"area": "encodes it at the resolution's area, its own aspect",
+                "own": "keeps its own size up to 1024 x 1024 pixels"}.get(sizing)
+        note = ("" if ours is None or sized else f"it fits each reference to its target's size here; ours {ours} "
+                f"(the pipelines' rule)")
         t.lines.append(Line(label, value, KEPT, note=note))
+    elif sizing == "own":
+        _own_size(t, label, key, value, entry)
     elif key == "no_resize_control":
         (t.drop if is_off(value) else t.refuse)(label, value, "ours resizes every reference (the model's rule)")
     elif sizing == "target":  # control_resolution
@@ -131,6 +135,19 @@ def _references(t: Translation, label: str, key: str, value: Any, entry: dict, p
         t.drop(label, value, "ours encodes references at the resolution's area, their own aspect: the same")
     else:
         t.refuse(label, value, "ours encodes references at the dataset resolution's area: set resolution to it")
+
+
+def _own_size(t: Translation, label: str, key: str, value: Any, entry: dict) -> None:
+    """no_resize_control / control_resolution where ours keeps a reference's own size up to 1 MP (a spec's "own"
+    references)."""
+    if key == "no_resize_control":
+        t.drop(label, value, "ours keeps each reference's own size too (up to 1024 x 1024 pixels, the pipelines' cap)"
+               if not is_off(value) else "ours keeps each reference's own size up to 1024 x 1024 pixels")
+    elif _area(value, label) == 1024 * 1024:
+        t.drop(label, value, "ours scales references over 1024 x 1024 pixels to that area, their own aspect" +
+               ("" if entry.get("no_resize_control") else ", and enlarges none (the pipelines' rule)"))
+    else:
+        t.refuse(label, value, "ours keeps each reference's own size up to 1024 x 1024 pixels (the pipelines' rule)")
 
 
 def _area(resolution: Any, key: str = "resolution") -> int:

@@ -66,7 +66,7 @@ def logsnr_draws() -> tuple[str, ...]:
 
 
 def references() -> dict[str, str]:
-    """Our model_types that train on its control_directory -> how ours sizes a reference ("target" / "area")."""
+    """Our model_types that train on its control_directory -> how ours sizes a reference ("target" / "area" / "own")."""
     return {t: sizing for m in every_model() for t, sizing in m.references.items()}
 
 
