@@ -677,3 +677,19 @@ def test_a_caption_whose_augmented_variants_are_too_long_is_refused_before_cachi
     limit.refuses = False
     assert check.training_warnings(scan_images(bp), [], limit)[0].message == message.replace(
         "takes at most 25 and refuses longer ones", "keeps 25, the rest is cut")
+
+
+def test_a_file_name_that_is_no_utf8_is_one_line_naming_it_before_caching(tiny_set, tmp_path, capsys):
+    """café.png written in Latin-1 (a copy from an older system): training cached every latent, then stopped on
+    "'utf-8' codec can't encode character '\\udce9' ..." naming no file; the check said nothing."""
+    def latin1(images):
+        name = os.fsdecode(bytes(images / "caf") + b"\xe9")
+        Image.new("RGB", (40, 32), (200, 40, 40)).save(name + ".png")
+        shutil.copy(images / "000.txt", name + ".txt")
+
+    toml = copy_dataset(tiny_set, tmp_path / "data", latin1)
+    assert check_dataset.main([toml]) == 1
+    assert "b'caf\\xe9.png' (images) is not a UTF-8 file name" in capsys.readouterr().err
+    line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml)))
+    assert "b'caf\\xe9.png' (images) is not a UTF-8 file name" in line and "latents:" not in line
+    assert not os.path.exists(tmp_path / "data" / "images" / "cache") or not os.listdir(tmp_path / "data" / "images" / "cache")

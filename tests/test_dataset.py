@@ -773,16 +773,20 @@ def test_caption_files_without_an_image_of_their_name_are_said(tmp_path):
     make_image(tmp_path / "img" / "Photo.JPG", 32, 32)
     make_image(tmp_path / "img" / "b.png", 32, 32)
     (tmp_path / "img" / "c.heic").write_bytes(b"not read")  # not read: said by its own line, its caption not again
-    for name in ("photo.txt", "b.txt", "c.txt", "gone.txt", "notes.caption", ".hidden.txt"):
+    make_image(tmp_path / "img" / "k.png", 32, 32)  # its caption k.TXT: the extension in another case (not said before)
+    for name in ("photo.txt", "b.txt", "c.txt", "gone.txt", "notes.caption", ".hidden.txt", "k.TXT"):
         (tmp_path / "img" / name).write_text("a caption")
     bp = blueprint(tmp_path / "img", class_tokens="x", resolution=32)
     with pytest.warns(UserWarning) as caught:
-        assert len(D.ImageDataset(bp).items) == 2
+        assert len(D.ImageDataset(bp).items) == 3
     said = [str(w.message) for w in caught if "caption files" in str(w.message)]
-    assert said == [f"{tmp_path / 'img'}: 2 .txt caption files have no image of their name (e.g. gone.txt); photo.txt "
-                    "and Photo.JPG differ only in case, and file names are case-sensitive here: rename one"]
+    assert said == [f"{tmp_path / 'img'}: 3 .txt caption files have no image of their name (e.g. gone.txt); k.TXT "
+                    "is not read as k.png's caption (file names are case-sensitive here; it reads k.txt): rename it"]
     from library.data.check import check_dataset
     assert [p.message for p in check_dataset(bp).problems() if "caption files" in p.message] == said
+    with pytest.raises(ValueError, match=re.escape("Photo.JPG: no caption file 'Photo.txt' and no class_tokens for its "
+                                                   "subset; 'photo.txt' is beside it, and file names are case-sensitive")):
+        D.ImageDataset(blueprint(tmp_path / "img", resolution=32))  # without class_tokens: the error names it too
 
 
 def test_a_caption_saved_by_notepad_with_a_bom_and_crlf_reads_as_its_text(tmp_path):

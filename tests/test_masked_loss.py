@@ -115,6 +115,11 @@ def test_alpha_mask_reads_a_grey_pngs_transparent_value_at_8_and_16_bits(tmp_pat
     Image.fromarray(grey).save(path, transparency=key)
     mask = load_mask(path, None, (128, 64), flip=False)
     assert torch.equal(mask[0, :, :8], torch.ones(8, 8)) and torch.equal(mask[0, :, 8:], torch.zeros(8, 8))
+    # Its RGBA view has that alpha too (the check's transparency note; the 16-bit one read opaque, 2026-12-01)
+    from library.data.images import load_rgb
+
+    alpha = np.asarray(load_rgb(path, "RGBA"))[..., 3]
+    assert (alpha[:, :64] == 255).all() and (alpha[:, 64:] == 0).all()
 
 
 def test_masks_are_cached_with_the_latents_and_a_changed_mask_recomputes(tmp_path):

@@ -109,6 +109,8 @@ def main(argv=None) -> int:
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(one_line(e), file=sys.stderr)
         return 2
+    if hasattr(sys.stdout, "reconfigure"):  # a file name that is no UTF-8 (refused, but named in other lines too)
+        sys.stdout.reconfigure(errors="backslashreplace")  # printed escaped, where a UTF-8 terminal raised
     print(json.dumps(report.to_json(), indent=2) if args.json else report_text(report))
     problems = [p for p in report.problems() if args.strict or p.severity == "error"]
     if problems:  # an error stops training; with --strict a warning fails the check too

@@ -298,10 +298,12 @@ def held_out_count(images: int, spec: DatasetSpec) -> int:
 def held_out_paths(paths: list[str], subset: SubsetSpec, spec: DatasetSpec) -> list[str]:
     """The images of one subset (its trained ones) that split_validation holds out: the
     held_out_count(len(paths), spec) whose sha256(validation_seed | path inside the subset) ranks lowest."""
-    def rank(path: str) -> str:
-        return hashlib.sha256(f"{spec.validation_seed}|{os.path.relpath(path, subset.image_dir)}".encode()).hexdigest()
+    def rank(path: str) -> str:  # a name that is no UTF-8 (a Latin-1 copy) as its bytes on disk, not an error
+        name = f"{spec.validation_seed}|{os.path.relpath(path, subset.image_dir)}"
+        return hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()
 
-    return sorted(paths, key=rank)[:held_out_count(len(paths), spec)]
+    count = held_out_count(len(paths), spec)
+    return sorted(paths, key=rank)[:count] if count else []
 
 
 def no_held_out(source: str, index: int, spec: DatasetSpec) -> str:
@@ -422,20 +424,21 @@ def _unread_images(names: list[str]) -> str:
 
 
 def _unpaired_captions(names: list[str], images: list[str], extension: str) -> str:
-    """What a folder's caption files of `extension` without a file of their stem are ("" without any): a
-    renamed or deleted image, or a name that differs only in case (Photo.JPG, photo.txt pair on Windows,
-    not here), whose image trains without its caption."""
+    """What a folder's caption files of `extension` (in any case) that no file's name pairs are ("" without any): a
+    renamed or deleted image, or a name that differs only in case (Photo.JPG, photo.txt or photo.JPG, photo.TXT
+    pair on Windows, not here), whose image trains without its caption."""
     if not extension:
         return ""
+    cut = len(extension)
     stems = {os.path.splitext(n)[0] for n in names if not n.lower().endswith(extension.lower())}
-    unpaired = [n for n in names
-                if n.endswith(extension) and not n.startswith(".") and n[:-len(extension)] not in stems]
+    unpaired = [n for n in names if n.lower().endswith(extension.lower()) and not n.startswith(".")
+                and not (n.endswith(extension) and n[:-cut] in stems)]
     if not unpaired:
         return ""
     by_lower = {os.path.splitext(n)[0].lower(): n for n in images}
-    cased = [(n, by_lower[n[:-len(extension)].lower()]) for n in unpaired if n[:-len(extension)].lower() in by_lower]
-    case = (f"; {cased[0][0]} and {cased[0][1]} differ only in case, and file names are case-sensitive here: "
-            "rename one" if cased else "")
+    cased = [(n, by_lower[n[:-cut].lower()]) for n in unpaired if n[:-cut].lower() in by_lower]
+    case = (f"; {cased[0][0]} is not read as {cased[0][1]}'s caption (file names are case-sensitive here; it reads "
+            f"{os.path.splitext(cased[0][1])[0]}{extension}): rename it" if cased else "")
     return f"{len(unpaired)} {extension} caption files have no image of their name (e.g. {unpaired[0]}){case}"
 
 
@@ -501,9 +504,17 @@ def read_caption(image_path: str, subset: SubsetSpec) -> str:
     else:  # an sd-scripts dataset's .caption files (its default extension) get the key that reads them
         other = _other_extension(image_path, subset.caption_extension)
         hint = f"; a {other} one is beside it: set caption_extension = \"{other}\" in its subset" if other else ""
+        if cased := _other_case(caption_path):
+            hint = f"; '{cased}' is beside it, and file names are case-sensitive here: rename it"
         raise ValueError(f"{image_path}: no caption file '{os.path.basename(caption_path)}' "
                          f"and no class_tokens for its subset{hint}")
     return " ".join(part for part in (subset.caption_prefix, caption, subset.caption_suffix) if part)
+
+
+def _other_case(path: str) -> str | None:
+    """The name of a file beside `path` that differs from its name only in case (k.TXT for k.txt); None if none."""
+    folder, name = os.path.split(path)
+    return next((n for n in sorted(os.listdir(folder or ".")) if n.lower() == name.lower() and n != name), None)
 
 
 def caption_as_written(caption: str, subset: SubsetSpec) -> str:

@@ -24,10 +24,26 @@ WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
 def images_by_stem(folder: str, names, what: str = "images") -> dict[str, str]:
     """File stem -> name of the images among `names` (sorted) in `folder`. Two of one stem (a.png and
     a.jpg) are an error naming both: an image's caption, cache, reference or mask is found by its stem,
-    and which of the two is meant is unknown (a mask folder kept the last one sorted, silently)."""
-    if collisions := stem_collisions(folder, names, what):
+    and which of the two is meant is unknown (a mask folder kept the last one sorted, silently). A name that is
+    no UTF-8 is an error naming it (undecodable_names)."""
+    if collisions := stem_collisions(folder, names, what) + undecodable_names(folder, names, what):
         raise ValueError(collisions[0])
     return {os.path.splitext(name)[0]: name for name in sorted(n for n in names if is_image_name(n))}
+
+
+def undecodable_names(folder: str, names, what: str = "images") -> list[str]:
+    """The error line for every image among `names` whose name is no UTF-8 (Python holds its bytes as surrogates:
+    a folder copied from an older system in Latin-1 or cp1252): its digests, cache keys and the LoRA's metadata
+    cannot hold it, and training stopped after caching on a line naming no file."""
+    lines = []
+    for name in sorted(n for n in names if is_image_name(n)):
+        try:
+            name.encode("utf-8")
+        except UnicodeEncodeError:
+            shown = name.encode("utf-8", "surrogateescape")
+            lines.append(f"{folder}: {shown!r} ({what}) is not a UTF-8 file name (another system's encoding, e.g. "
+                         f"Latin-1): rename it (convmv -f latin1 -t utf8 --notest <folder>/*)")
+    return lines
 
 
 def stem_collisions(folder: str, names, what: str = "images") -> list[str]:
@@ -47,7 +63,9 @@ def stem_collisions(folder: str, names, what: str = "images") -> list[str]:
 def to_8_bit(img: Image.Image, path: str) -> Image.Image:
     """16-bit grey pixels scaled to 8-bit grey ("L", round(value / 257)); other modes unchanged
     (Pillow opens 16-bit RGB(A) PNGs as 8-bit RGB(A) itself, keeping the high byte). Values beyond
-    16 bits and float pixels are one ValueError naming the file."""
+    16 bits and float pixels are one ValueError naming the file. A 16-bit grey PNG's transparent value (its tRNS
+    key) becomes alpha ("LA"): a new image dropped it, and its RGBA view (the check's transparency note, an RGBA
+    family's references) read it opaque."""
     if img.mode == "F":
         raise ValueError(f"{path}: floating-point pixels (mode F); expected an 8- or 16-bit image")
     if img.mode not in WIDE_GREY_MODES:
@@ -56,7 +74,11 @@ def to_8_bit(img: Image.Image, path: str) -> Image.Image:
     lo, hi = int(values.min()), int(values.max())
     if lo < 0 or hi > 65535:
         raise ValueError(f"{path}: pixel values {lo}..{hi} do not fit 16 bits; expected an 8- or 16-bit image")
-    return Image.fromarray(((values + 128) // 257).astype(np.uint8))
+    grey = Image.fromarray(((values + 128) // 257).astype(np.uint8))
+    if (key := img.info.get("transparency")) is None:
+        return grey
+    alpha = Image.fromarray(np.where(values == key, 0, 255).astype(np.uint8))
+    return Image.merge("LA", (grey, alpha))
 
 
 def load_rgb(path: str, mode: str = "RGB") -> Image.Image:
