@@ -692,4 +692,5 @@ def test_a_file_name_that_is_no_utf8_is_one_line_naming_it_before_caching(tiny_s
     assert "b'caf\\xe9.png' (images) is not a UTF-8 file name" in capsys.readouterr().err
     line = one_error_line(capsys, train_lora.main(flux_args(tiny_set, tmp_path / "out", "--dataset_config", toml)))
     assert "b'caf\\xe9.png' (images) is not a UTF-8 file name" in line and "latents:" not in line
-    assert not os.path.exists(tmp_path / "data" / "images" / "cache") or not os.listdir(tmp_path / "data" / "images" / "cache")
+    cache = tmp_path / "data" / "images" / "cache"
+    assert not os.path.exists(cache) or not os.listdir(cache)

@@ -784,8 +784,9 @@ def test_caption_files_without_an_image_of_their_name_are_said(tmp_path):
                     "is not read as k.png's caption (file names are case-sensitive here; it reads k.txt): rename it"]
     from library.data.check import check_dataset
     assert [p.message for p in check_dataset(bp).problems() if "caption files" in p.message] == said
-    with pytest.raises(ValueError, match=re.escape("Photo.JPG: no caption file 'Photo.txt' and no class_tokens for its "
-                                                   "subset; 'photo.txt' is beside it, and file names are case-sensitive")):
+    expected = ("Photo.JPG: no caption file 'Photo.txt' and no class_tokens for its subset; 'photo.txt' is beside it, "
+                "and file names are case-sensitive")
+    with pytest.raises(ValueError, match=re.escape(expected)):
         D.ImageDataset(blueprint(tmp_path / "img", resolution=32))  # without class_tokens: the error names it too
 
 
