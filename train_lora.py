@@ -53,8 +53,8 @@ from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
 from library.training.schedule_free import OptimizerModes  # noqa: E402
-from library.training.state import (SavedState, check_trainable_fit, item_digests, load_state,  # noqa: E402
-                                    restore_rng, rng_states, sample_seed)
+from library.training.state import (SavedState, check_no_unfinished_state, check_trainable_fit, item_digests,  # noqa: E402
+                                    load_state, restore_rng, rng_states, sample_seed)
 from library.training.saves import Saver, earlier_emas, resumed_saves, saves_at  # noqa: E402
 from library.training.task import Task  # noqa: E402
 
@@ -181,6 +181,8 @@ class Trainer:
         accelerator.wait_for_everyone()
         # Read and checked before the models load: a damaged or foreign state fails in seconds.
         state = load_state(args.resume, args) if args.resume else None
+        if state is None:
+            check_no_unfinished_state(args)  # a forgotten --resume: before this run replaces it
         earlier = earlier_emas(args)
         os.makedirs(args.output_dir, exist_ok=True)
         self.task = task = build_task(args, accelerator, state, held)
@@ -254,7 +256,10 @@ class Trainer:
         if self.ema is not None:
             self.ema.load_state_tensors(state.ema, folder)
         restore_rng(state.rng)
-        self.accelerator.print(f"resumed from {folder} at step {self.step} (epoch {self.epoch})")
+        # epochs counted from 1, as ss_epoch: "(epoch 1)" was step 6, in the second, and step 8, after the second
+        where = (f"epoch {self.epoch + 1}, {self.batches_done} of its batches done" if self.batches_done
+                 else f"after epoch {self.epoch}" if self.epoch else "at the start")
+        self.accelerator.print(f"resumed from {folder} at step {self.step} ({where})")
 
     def run(self) -> int:
         args = self.args

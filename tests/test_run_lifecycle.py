@@ -122,6 +122,35 @@ def resume_mid_epoch(tiny_set, out, capsys, dataset_config: str, *first_args):
     return state, code, capsys.readouterr().err
 
 
+def test_a_run_that_does_not_resume_an_unfinished_state_in_its_output_dir_is_refused(tiny_set, tmp_path, capsys):
+    """The state is one folder, replaced at every save: a run started without --resume over a stopped run's state
+    replaced it at its first save without a word (a forgotten --resume lost the only point to continue from). Now
+    one line before caching; --resume continues it (the line counts epochs from 1, as ss_epoch: "(epoch 0)" was
+    said 2 batches into the first epoch); --resume at the output folder names the state inside it."""
+    import json
+
+    from tests.test_reliability import copy_dataset
+
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "2", "--save_state", "true")) == 0
+    state = out / "tiny_flux_lora-state"
+    written = json.loads((state / "train_state.json").read_text())
+    (state / "train_state.json").write_text(json.dumps({**written, "max_steps": 4}))  # as a run of 4 stopped at 2
+    before = (state / "trainable.safetensors").read_bytes()
+    capsys.readouterr()
+    data = copy_dataset(tiny_set, tmp_path / "data")
+    fresh = flux_args(tiny_set, out, "--max_train_steps", "4", "--dataset_config", data)
+    assert train_lora.main(fresh) == 2
+    assert capsys.readouterr().err == (f"error: {state}: the state of an unfinished run (step 2 of 4); this run does "
+                                       f"not resume it and would replace it at its first save: continue it with "
+                                       f"--resume {state}, or remove it (or set another output_name) to start over\n")
+    assert cache_files(tmp_path / "data") == [] and (state / "trainable.safetensors").read_bytes() == before
+    assert train_lora.main([*fresh, "--resume", str(out)]) == 2
+    assert capsys.readouterr().err.endswith(f"{out}: not a training state (no train_state.json); it holds {state}\n")
+    assert train_lora.main([*fresh, "--resume", str(state)]) == 0
+    assert f"resumed from {state} at step 2 (epoch 1, 2 of its batches done)" in capsys.readouterr().out
+
+
 def test_resume_inside_an_epoch_with_other_data_is_refused(tiny_set, tmp_path, capsys):
     """A state written 2 of 4 batches into epoch 0 resumed on the set repeated twice (8 batches per
     epoch) skipped 2 batches of the new set's order and trained the rest: other images than the

@@ -136,13 +136,36 @@ class SavedState(NamedTuple):
     ema: dict[str, torch.Tensor] | None  # with ema_decay set
 
 
+def check_no_unfinished_state(args) -> None:
+    """A run that does not resume, in an output_dir that holds <output_name>-state of an unfinished run: one line.
+    The state is one folder, replaced at each save: a forgotten --resume replaced it at the new run's first save
+    without a word, and the run it could continue could continue no more. A finished run's state (or one written
+    before max_steps was kept, or a damaged one) is replaced, as sd-scripts replaces its own."""
+    folder = os.path.join(args.output_dir, f"{args.output_name}-state")
+    path = os.path.join(folder, "train_state.json")
+    if not os.path.isfile(path):
+        return
+    try:
+        progress = read_progress(path)
+    except CheckpointError:
+        return
+    step, total = progress["step"], progress.get("max_steps")
+    if isinstance(total, int) and step < total:
+        raise ValueError(f"{folder}: the state of an unfinished run (step {step} of {total}); this run does not resume "
+                         f"it and would replace it at its first save: continue it with --resume {folder}, or remove "
+                         f"it (or set another output_name) to start over")
+
+
 def load_state(folder: str, args) -> SavedState:
     """Every file of the state, read and checked before anything is built from it. Refuses a state
     written by a run with other settings, naming the first setting that differs, and a damaged
     file, naming it."""
     path = os.path.join(folder, "train_state.json")
     if not os.path.exists(path):
-        raise ValueError(f"{folder}: not a training state (no train_state.json)")
+        inside = sorted(d for d in (os.listdir(folder) if os.path.isdir(folder) else [])
+                        if os.path.isfile(os.path.join(folder, d, "train_state.json")))
+        hint = f"; it holds {', '.join(os.path.join(folder, d) for d in inside)}" if inside else ""
+        raise ValueError(f"{folder}: not a training state (no train_state.json){hint}")
     progress = read_progress(path)
     saved, current = progress.pop("run"), json.loads(json.dumps(run_digest(args), default=str))
     # A state with an EMA resumed with it off: the EMA would be dropped and its old _ema file left stale.

@@ -455,7 +455,7 @@ RULES: dict[str, Rule] = {
     "save_n_epoch_ratio": unsupported("ours saves every save_every_n_epochs / save_every_n_steps"),
     "save_last_n_epochs": custom(_save_last_n),
     "save_last_n_steps": custom(_save_last_n),
-    **{key: unsupported("ours keeps a save's state as long as its LoRA (save_last_n_saves)")
+    **{key: unsupported("ours keeps one state, the newest (<output_name>-state), replaced at each save")
        for key in ("save_last_n_epochs_state", "save_last_n_steps_state")},
     "save_state": same(),
     "save_state_on_train_end": same(),
