@@ -53,8 +53,8 @@ from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
 from library.training.schedule_free import OptimizerModes  # noqa: E402
-from library.training.state import (SavedState, check_no_unfinished_state, check_trainable_fit, item_digests,  # noqa: E402
-                                    load_state, restore_rng, rng_states, sample_seed)
+from library.training.state import (SavedState, check_no_unfinished_state, check_trainable_fit,  # noqa: E402
+                                    item_digests, load_state, restore_rng, rng_states, sample_seed)
 from library.training.saves import Saver, earlier_emas, resumed_saves, saves_at  # noqa: E402
 from library.training.task import Task  # noqa: E402
 
