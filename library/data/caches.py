@@ -103,6 +103,7 @@ def latent_entry(item: ImageItem) -> str:
     return _entry_tag(item.subset.flip_aug, item.subset.alpha_mask, mask, _beside(item, item.control_paths),
                       item.control_buckets, *([_beside(item, item.layer_paths)] if item.layer_paths else []),
                       *(["stretched"] if item.controls_stretched else []),  # (the cropped ones keep their entries)
+                      *([f"cropped from {item.control_crops}"] if item.control_crops else []),  # (and the covered)
                       # references loaded in another mode than their target (RGBA beside RGB targets): the RGB
                       # ones cached before reference_mode are encoded anew, the others keep their entries
                       *([item.controls_mode] if item.control_paths and item.controls_mode != target_mode(item) else []))
@@ -294,11 +295,13 @@ def _load_images(chunk, flip: bool, control: int | None = None) -> tuple[list[to
         frames = [[item.image_path, *item.layer_paths] for item, _, _ in chunk]
         return [torch.stack([load_image(paths[f], item.bucket, flip, target_mode(item))
                              for paths, (item, _, _) in zip(frames, chunk)]) for f in range(len(frames[0]))], True
-    sources = [(item.image_path, item.bucket, False, target_mode(item)) if control is None
-               else (item.control_paths[control], item.control_buckets[control], item.controls_stretched,
-                     item.controls_mode)  # the family's reference_mode (scan_images)
+    sources = [(item.image_path, item.bucket, target_mode(item), False, None) if control is None
+               else (item.control_paths[control], item.control_buckets[control],
+                     item.controls_mode, item.controls_stretched,  # the family's reference_mode (scan_images)
+                     item.control_crops[control] if item.control_crops else None)
                for item, _, _ in chunk]
-    return [torch.stack([load_image(path, bucket, flip, mode, stretch) for path, bucket, stretch, mode in sources])], False
+    return [torch.stack([load_image(path, bucket, flip, mode, stretch, crop_from)
+                         for path, bucket, mode, stretch, crop_from in sources])], False
 
 
 def _encode(encode_fn, frames: list[torch.Tensor], layered: bool) -> torch.Tensor:

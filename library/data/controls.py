@@ -83,13 +83,17 @@ def find_controls(image_path: str, folder: str, files: dict[str, str], targets: 
 
 
 def scan_controls(image_path: str, folder: str, files: dict[str, str], bucket: tuple[int, int],
-                  control_bucket, resolution: tuple[int, int],
-                  targets: frozenset[str] = frozenset()) -> tuple[list[str], list[tuple[int, int]]]:
-    """(reference paths, the bucket each is encoded at): every reference verified readable;
-    control_bucket(target bucket, reference size, the dataset's resolution) -> (w, h) is the family's rule
-    (DiffusionFamily.control_bucket); targets: find_controls'."""
+                  control_bucket, resolution: tuple[int, int], targets: frozenset[str] = frozenset(),
+                  resize=None) -> tuple[list[str], list[tuple[int, int]], list[tuple[int, int]]]:
+    """(reference paths, the bucket each is encoded at, the size each is resized to before a centre crop to it:
+    [] where the family covers and crops): every reference verified readable; control_bucket(target bucket,
+    reference size, the dataset's resolution) -> (w, h) is the family's rule (DiffusionFamily.control_bucket),
+    resize(target bucket, reference size) its reference_resize; targets: find_controls'."""
     paths = find_controls(image_path, folder, files, targets)
-    return paths, [tuple(control_bucket(bucket, verified_image_size(p), resolution)) for p in paths]
+    sizes = [verified_image_size(p) for p in paths]
+    crops = [resize(bucket, s) for s in sizes] if resize else []
+    crops = [] if None in crops else [tuple(c) for c in crops]
+    return paths, [tuple(control_bucket(bucket, s, resolution)) for s in sizes], crops
 
 
 def check_family_takes(items, model_type: str, max_controls: int, min_controls: int = 0,
@@ -164,12 +168,18 @@ def finite_encodings(outputs: list[dict], captions: list[str]) -> list[dict]:
 
 
 def reference_images(paths: list[str] | tuple[str, ...], control_bucket, width: int, height: int,
-                     stretch: bool = False, mode: str = "RGB") -> list[torch.Tensor]:
+                     stretch: bool = False, mode: str = "RGB", resize=None) -> list[torch.Tensor]:
     """A sample prompt's references (--ci) fitted by the family's rule (its sample_control_bucket; stretched
-    to it where the family stretches references) to a width x height target, each float32 [1, 3, H, W] in
-    [-1, 1] (what the VAE encodes; [1, 4, H, W] in mode "RGBA": the family's reference_mode, as training's)."""
-    return [load_image(p, tuple(control_bucket((width, height), verified_image_size(p))), mode=mode,
-                       stretch=stretch)[None] for p in paths]
+    to it where the family stretches references, cropped from resize(target, size) where it gives one) to a
+    width x height target, each float32 [1, 3, H, W] in [-1, 1] (what the VAE encodes; [1, 4, H, W] in mode
+    "RGBA": the family's reference_mode, as training's)."""
+    images = []
+    for p in paths:
+        size = verified_image_size(p)
+        crop_from = resize((width, height), size) if resize else None
+        images.append(load_image(p, tuple(control_bucket((width, height), size)), mode=mode, stretch=stretch,
+                                 crop_from=crop_from)[None])
+    return images
 
 
 def check_prompt_controls(prompts, where: str, model_type: str, max_controls: int, min_controls: int = 0,

@@ -43,6 +43,8 @@ class ImageItem:
     control_paths: list[str] = field(default_factory=list)  # reference images (library/data/controls.py)
     control_buckets: list[tuple[int, int]] = field(default_factory=list)  # (w, h) each reference is encoded at
     controls_stretched: bool = False  # references resized to their bucket without a crop (fit_to_bucket's stretch)
+    control_crops: list[tuple[int, int]] = field(default_factory=list)  # (w, h) each is resized to, then centre-
+    # cropped to its bucket (fit_to_bucket's crop_from: the family's reference_resize); []: covered and cropped
     controls_mode: str = "RGB"  # the PIL mode its references load in for the VAE (the family's reference_mode)
     layer_paths: list[str] = field(default_factory=list)  # multiple_target: its layers (library/data/layers.py)
     subset_index: int = 0  # its subset's place in its dataset: one image in two subsets is two samples
@@ -140,7 +142,7 @@ def _bad_for_resolution(size: tuple[int, int], ds: DatasetSpec) -> str | None:
 
 
 def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, control_bucket=None,
-                stretch_controls: bool = False, control_mode: str = "RGB") -> list[ImageItem]:
+                stretch_controls: bool = False, control_mode: str = "RGB", control_resize=None) -> list[ImageItem]:
     """Every image of every subset with its caption, bucket and reference images (a subset's
     control_directory). Unreadable images, missing or empty captions, colliding file stems and
     missing references are errors naming the file; images of a bad size for the buckets (bad_size)
@@ -149,7 +151,8 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
     dataset's resolution) -> (w, h): the family's reference size rule (DiffusionFamily.control_bucket;
     default: the target's bucket); stretch_controls: the family's references are stretched to that size,
     not cropped (DiffusionFamily.stretches_references); control_mode: the PIL mode they load in for the
-    VAE (DiffusionFamily.reference_mode)."""
+    VAE (DiffusionFamily.reference_mode); control_resize(target bucket, reference size) -> (w, h) or None: the
+    size a reference is resized to before a plain centre crop (DiffusionFamily.reference_resize)."""
     items, read = [], folders_read(blueprint)
     datasets = blueprint.validation_datasets if held_out_sets else blueprint.datasets
     first = len(blueprint.datasets) if held_out_sets else 0
@@ -172,9 +175,9 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                 item = ImageItem(path, read_caption(path, subset), subset, di, size, bucket, ds.cache_dir,
                                  mask_path=find_mask(path, subset, size), subset_index=si)
                 if controls is not None:
-                    item.control_paths, item.control_buckets = scan_controls(
+                    item.control_paths, item.control_buckets, item.control_crops = scan_controls(
                         path, subset.control_directory, controls, bucket, control_bucket or (lambda b, *_: b),
-                        ds.resolution, targets)
+                        ds.resolution, targets, control_resize)
                     item.controls_stretched, item.controls_mode = stretch_controls, control_mode
                 if subset.multiple_target:  # the composite is its own reference (the condition image)
                     check_layers(path, layers.get(path), first_layered, size)

@@ -94,19 +94,22 @@ def load_rgb(path: str, mode: str = "RGB") -> Image.Image:
         raise ValueError(f"{path}: cannot be decoded as an image ({type(e).__name__}: {e})") from None
 
 
-def fit_to_bucket(img: Image.Image, bucket: tuple[int, int], flip: bool = False, stretch: bool = False) -> Image.Image:
+def fit_to_bucket(img: Image.Image, bucket: tuple[int, int], flip: bool = False, stretch: bool = False,
+                  crop_from: tuple[int, int] | None = None) -> Image.Image:
     """`img` resized to cover `bucket` (w, h) (box filter when shrinking, Lanczos when enlarging),
     centre-cropped to it, optionally mirrored: the same pixels for an image and its mask. stretch:
     resized to exactly `bucket` (Lanczos, no crop), as diffusers' VaeImageProcessor.resize fits an
-    edit pipeline's reference to a size of nearly its own aspect ratio."""
+    edit pipeline's reference to a size of nearly its own aspect ratio. crop_from: resized (Lanczos) to that
+    (w, h) where it is another size, then centre-cropped to `bucket` without a resize to it, as some edit pipelines'
+    image processors prepare a condition image (DiffusionFamily.reference_resize)."""
     if stretch:
         img = img if img.size == tuple(bucket) else img.resize(tuple(bucket), Image.Resampling.LANCZOS)
         return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else img
     (bw, bh), (w, h) = bucket, img.size
     scale = upscale_factor(img.size, bucket)
-    rw, rh = max(bw, round(w * scale)), max(bh, round(h * scale))
+    rw, rh = tuple(crop_from) if crop_from else (max(bw, round(w * scale)), max(bh, round(h * scale)))
     if (rw, rh) != (w, h):
-        img = img.resize((rw, rh), Image.Resampling.BOX if scale < 1 else Image.Resampling.LANCZOS)
+        img = img.resize((rw, rh), Image.Resampling.LANCZOS if crop_from or scale >= 1 else Image.Resampling.BOX)
     left, top = (rw - bw) // 2, (rh - bh) // 2
     img = img.crop((left, top, left + bw, top + bh))
     return img.transpose(Image.Transpose.FLIP_LEFT_RIGHT) if flip else img
@@ -173,10 +176,10 @@ def _metadata_after_pixels(img: Image.Image, path: str) -> bool:
 
 
 def load_image(path: str, bucket: tuple[int, int], flip: bool = False, mode: str = "RGB",
-               stretch: bool = False) -> torch.Tensor:
-    """The image fitted to `bucket` (fit_to_bucket, stretched or not). Returns float32 [3, H, W] in
-    [-1, 1] ([4, H, W] for mode "RGBA": layered targets, library/data/layers.py)."""
-    return to_pixels(fit_to_bucket(load_rgb(path, mode), bucket, flip, stretch))
+               stretch: bool = False, crop_from: tuple[int, int] | None = None) -> torch.Tensor:
+    """The image fitted to `bucket` (fit_to_bucket: covered, stretched, or cropped from crop_from). Returns float32
+    [3, H, W] in [-1, 1] ([4, H, W] for mode "RGBA": layered targets, library/data/layers.py)."""
+    return to_pixels(fit_to_bucket(load_rgb(path, mode), bucket, flip, stretch, crop_from))
 
 
 def to_pixels(img: Image.Image) -> torch.Tensor:

@@ -294,6 +294,13 @@ class DiffusionFamily:
         planner's reference where it knows none (a preset, plan_memory's --references). Default: the bucket."""
         return bucket
 
+    def reference_resize(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int] | None:
+        """(w, h) a reference image of `size` is resized to (Lanczos) before a centre crop to its control_bucket
+        (sample_control_bucket in samples), where the family's pipeline crops without resizing to that size (an
+        image processor that floors the sides by a crop); None (default): covered and cropped, or stretched where
+        stretches_references."""
+        return None
+
     def sample_control_bucket(self, target: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
         """(w, h) a sample's reference image of `size` is fitted to for a `target` (w, h) render
         (tools/generate.py, training samples). Default: the training rule, control_bucket."""
@@ -311,7 +318,8 @@ class DiffusionFamily:
         training samples both render from this."""
         width, height = self.sample_size(width, height, [verified_image_size(p) for p in paths])
         return width, height, reference_images(paths, self.sample_control_bucket, width, height,
-                                               self.stretches_sample_references, self.reference_mode)
+                                               self.stretches_sample_references, self.reference_mode,
+                                               self.reference_resize)
 
     def sample_text_size(self, paths, width: int, height: int) -> tuple[int, int] | None:
         """The (w, h) a sample prompt's text encoder fits its --ci images `paths` to (encode(captions, views,

@@ -204,15 +204,15 @@ class Flux2Family(DiffusionFamily):
 
         return condition_size(size)
 
+    def reference_resize(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """The pipelines' pixels, in training and samples: resized (Lanczos) only over 1 MP, then centre-cropped."""
+        from library.models.flux2.references import resized_size
+
+        return resized_size(size)
+
     def largest_reference(self, bucket: tuple[int, int]) -> tuple[int, int]:
         """The planner's reference without files: one of 1024 x 1024 pixels, the most a reference keeps."""
         return 1024, 1024
-
-    def sample_references(self, paths, width: int, height: int) -> tuple[int, int, list[torch.Tensor]]:
-        """The pipelines' pixels of each --ci image (references.py condition_pixels); the sample keeps --w x --h."""
-        from library.models.flux2.references import condition_pixels
-
-        return width, height, [condition_pixels(p, mode=self.reference_mode) for p in paths]
 
     # -- the denoiser --------------------------------------------------------------------------
     def predict(self, model, x_t, sigmas, text, h, w, guidance, control: list[torch.Tensor] | None = None):

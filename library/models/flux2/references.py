@@ -12,9 +12,6 @@ from __future__ import annotations
 
 import math
 
-import torch
-from PIL import Image
-
 KEEP_AREA = 1024 * 1024  # a condition image of at most this many pixels keeps its size
 SIDE_MULTIPLE = 16  # sides floored to vae_scale_factor * 2 (a 2x2 patch of 8x latents)
 
@@ -31,16 +28,3 @@ def resized_size(size: tuple[int, int], area: int = KEEP_AREA) -> tuple[int, int
 def condition_size(size: tuple[int, int], area: int = KEEP_AREA) -> tuple[int, int]:
     """(w, h) the VAE encodes a condition image of `size` at: resized_size's sides floored to 16."""
     return tuple(max(SIDE_MULTIPLE, side // SIDE_MULTIPLE * SIDE_MULTIPLE) for side in resized_size(size, area))
-
-
-def condition_pixels(path: str, area: int = KEEP_AREA, mode: str = "RGB") -> torch.Tensor:
-    """The pipeline's pixels of the condition image at `path`: float32 [1, C, H, W] in [-1, 1] at
-    condition_size (resized with Lanczos where over KEEP_AREA, then centre-cropped)."""
-    from library.data.images import load_rgb, to_pixels
-
-    img = load_rgb(path, mode)
-    w, h = condition_size(img.size, area)
-    if (resized := resized_size(img.size, area)) != img.size:
-        img = img.resize(resized, Image.Resampling.LANCZOS)
-    left, top = (img.width - w) // 2, (img.height - h) // 2
-    return to_pixels(img.crop((left, top, left + w, top + h)))[None]

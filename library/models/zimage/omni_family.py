@@ -170,15 +170,13 @@ class ZImageOmniFamily(ZImageFamily):
 
         return bucket if bucket[0] * bucket[1] >= KEEP_AREA else (1024, 1024)
 
-    def sample_references(self, paths, width: int, height: int) -> tuple[int, int, list[torch.Tensor]]:
-        """ZImageOmniPipeline's pixels of each condition image (condition_pixels: one over 1024 x 1024 pixels
-        resized to the output's area, then centre-cropped, never resized, to sides floored to 16; the other
-        families' cover-and-shrink left a 100 x 72 reference up to 0.69 from the pipeline's pixels)."""
-        from library.data.images import verified_image_size
-        from library.models.flux2.references import condition_pixels
+    def reference_resize(self, bucket: tuple[int, int], size: tuple[int, int]) -> tuple[int, int]:
+        """ZImageOmniPipeline's pixels of each condition image, in training and samples: one over 1024 x 1024
+        pixels resized (Lanczos) to the output's area, then centre-cropped, never resized, to sides floored to 16
+        (the other families' cover-and-shrink left a 100 x 72 reference up to 0.69 from the pipeline's pixels)."""
+        from library.models.flux2.references import resized_size
 
-        width, height = self.sample_size(width, height, [verified_image_size(p) for p in paths])
-        return width, height, [condition_pixels(p, width * height, self.reference_mode) for p in paths]
+        return resized_size(size, bucket[0] * bucket[1])
 
     def sample_text_size(self, paths, width: int, height: int) -> tuple[int, int] | None:
         """Given a size, ZImageOmniPipeline shows SigLIP a condition image over 1024 x 1024 pixels at the
