@@ -128,7 +128,8 @@ def encoded_by_all(accelerator, encoded: int, to_disk: bool) -> int:
 
 def scan_family_images(blueprint, family, held_out_sets: bool = False) -> list:
     """scan_images with the family's rule for reference images (sized by control_bucket, stretched, covered or
-    cropped from reference_resize, loaded in reference_mode): training and tools/precision_matrix.py evaluate the same references."""
+    cropped from reference_resize, loaded in reference_mode): training and tools/precision_matrix.py evaluate the
+    same references."""
     return scan_images(blueprint, held_out_sets, control_bucket=family.control_bucket,
                        stretch_controls=family.stretches_references, control_mode=family.reference_mode,
                        control_resize=family.reference_resize)
