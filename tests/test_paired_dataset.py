@@ -87,10 +87,16 @@ def test_batches_hold_one_reference_size(tmp_path):
         make_image(tmp_path / "ctrl" / f"{name}.png", size, size)
     bp = paired_blueprint(tmp_path)
     bp.datasets[0].batch_size = 3
-    items = image_folders.scan_images(bp, control_bucket=lambda bucket, size, resolution: size)  # a family that keeps the reference size
+    with pytest.warns(UserWarning) as said:  # a family that keeps the reference size
+        items = image_folders.scan_images(bp, control_bucket=lambda bucket, size, resolution: size)
     ds = D.ImageDataset(bp, items=items)
     batches = D.BucketBatchSampler(ds, seed=0).batches(0)
     assert sorted(len(b) for b in batches) == [1, 2]
+    # Said, as FLUX.2's own-size references split a dataset into batches of one without a word (2026-12-01)
+    assert [str(w.message) for w in said] == [
+        "paired.toml: [[datasets]] #1: its reference images come in 2 sizes and a batch holds one size of each, so an "
+        "epoch is 2 batches where 1 of batch_size 3 would hold its images (smaller batches, more steps): give the "
+        "references of one target bucket one size to batch them fully"]
 
 
 @pytest.mark.parametrize("case, expected", [

@@ -157,7 +157,7 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
     datasets = blueprint.validation_datasets if held_out_sets else blueprint.datasets
     first = len(blueprint.datasets) if held_out_sets else 0
     for di, ds in enumerate(datasets, start=first):
-        buckets = dataset_buckets(ds)
+        buckets, first_item = dataset_buckets(ds), len(items)
         first_layered = None  # (path, layer count) of the dataset's first layered image
         for si, subset in enumerate(ds.subsets):
             try:
@@ -185,7 +185,31 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                     item.layer_paths, item.control_paths, item.control_buckets = layers[path], [path], [bucket]
                     item.controls_mode = control_mode
                 items.append(item)
+        if split := split_by_references(items[first_item:], ds.batch_size):
+            warnings.warn(f"{blueprint.source}: [[datasets]] #{di - first + 1}: {split}", stacklevel=2)
     return items
+
+
+def split_by_references(items: list[ImageItem], batch_size: int) -> str:
+    """The line for one dataset's images whose references' sizes split their batches ("" where they split none): a
+    batch holds one bucket and one size of each reference, and a family that keeps references at their own size
+    (as some pipelines do) put a dataset of references of assorted sizes into batches of one, without a word."""
+    def batches(key) -> int:
+        groups: dict = {}
+        for item in items:
+            groups[key(item)] = groups.get(key(item), 0) + item.subset.num_repeats
+        return sum(-(-n // batch_size) for n in groups.values())
+
+    if batch_size < 2 or not any(item.control_buckets for item in items):
+        return ""
+    shaped = batches(lambda item: (item.bucket, tuple(item.control_buckets)))
+    counted = batches(lambda item: (item.bucket, len(item.control_buckets)))
+    if shaped <= counted:
+        return ""
+    sizes = len({size for item in items for size in item.control_buckets})
+    return (f"its reference images come in {sizes} sizes and a batch holds one size of each, so an epoch is {shaped} "
+            f"batches where {counted} of batch_size {batch_size} would hold its images (smaller batches, more "
+            f"steps): give the references of one target bucket one size to batch them fully")
 
 
 def reference_count(blueprint: DatasetBlueprint) -> int:
