@@ -217,7 +217,8 @@ def test_ai_toolkits_flux_example_converts_into_files_our_loaders_read(tiny_set,
     blueprint = load_dataset_config(args.dataset_config)
     assert [d.resolution for d in blueprint.datasets] == [(512, 512), (768, 768), (1024, 1024)]
     for d in blueprint.datasets:
-        assert (d.enable_bucket, d.bucket_no_upscale, d.bucket_reso_steps, d.batch_size) == (True, True, 64, 1)
+        # ai-toolkit's loader buckets FLUX.1 at its get_bucket_divisibility, 16 (64, its bucket_tolerance, before)
+        assert (d.enable_bucket, d.bucket_no_upscale, d.bucket_reso_steps, d.batch_size) == (True, True, 16, 1)
         (subset,) = d.subsets
         assert (subset.image_dir, subset.caption_extension, subset.caption_dropout_rate) == (tiny_set["image_dir"], ".txt", 0.05)
 
@@ -368,6 +369,17 @@ def test_a_list_of_resolutions_becomes_one_datasets_table_per_size_with_the_regu
     blueprint = parse_dataset_config(t.dataset, "run_dataset.toml")
     assert [(d.batch_size, [(s.num_repeats, s.is_reg) for s in d.subsets]) for d in blueprint.datasets] == [
         (2, [(2, False), (1, True)]), (2, [(2, False)]), (2, [(2, False)])]
+
+
+@pytest.mark.parametrize("arch, step", [("flux2", 16), ("qwen_image", 32), ("chroma", 32), ("zimage", 16)])
+def test_buckets_step_as_ai_toolkits_model_whatever_bucket_tolerance_says(arch, step):
+    """ai-toolkit's loader writes its model's get_bucket_divisibility over every dataset's bucket_tolerance; ours
+    carried bucket_tolerance (64 where unset): FLUX.2 images bucketed at 64 px steps where ai-toolkit's take 16."""
+    datasets = [{"folder_path": "/data/a"}, {"folder_path": "/data/b", "bucket_tolerance": 64}]
+    t = translate(job(datasets=datasets, model={"arch": arch}), "run.yaml")
+    assert [d["bucket_reso_steps"] for d in t.dataset["datasets"]] == [step]  # one [[datasets]]: one step
+    assert verdict(t, "datasets[1].bucket_tolerance") == (DROPPED, f"ai-toolkit replaces it by the model's bucket "
+                                                                   f"divisibility, {step} px: bucket_reso_steps = {step}")
 
 
 def test_the_trigger_word_becomes_a_caption_prefix_only_where_the_captions_lack_it(tmp_path):

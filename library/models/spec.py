@@ -458,6 +458,9 @@ class ArchSpec:
     # tools/convert_config.py reads a peer's config by it, and refuses a name no spec lists. Adding a family a peer
     # trains is a line here, not in the peer.
     peer_models: dict[str, dict[str, dict[str, str]] | MusubiModels | SdScriptsModels] = field(default_factory=dict)
+    # peer -> the bucket step (px) it trains this folder's models at whatever its config says (ai-toolkit: the
+    # model's get_bucket_divisibility, which replaces a dataset's bucket_tolerance)
+    peer_bucket_steps: dict[str, int] = field(default_factory=dict)
     # its text encoder's padding is masked in attention (its pipeline's rule: a peer's mask switch is read by it)
     masks_text_padding: bool = False
 

@@ -132,6 +132,7 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch
     # sd-scripts' FLUX.1 script and LoRA module train it as --model_type chroma
+    peer_bucket_steps={"ai-toolkit": 32},  # ai-toolkit's get_bucket_divisibility (32)
     peer_models={"ai-toolkit": {"chroma": {"model_type": "chroma"}},
                  "sd-scripts": S.SdScriptsModels("flux_train_network.py", "networks.lora_flux",
                                                  {"chroma": {"model_type": "chroma"}})},

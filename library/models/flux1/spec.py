@@ -199,6 +199,7 @@ SPEC = S.ArchSpec(
     sample_guidance={"dev": 3.5, "kontext": 2.5},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch (or its older is_flux: true): dev and schnell are one arch there and here
+    peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
     peer_models={"ai-toolkit": {"flux": {"model_type": "flux"}, "flux_kontext": {"model_type": "flux_kontext"}},
                  "sd-scripts": SD_SCRIPTS, "musubi-tuner": MUSUBI},
 )

@@ -164,6 +164,7 @@ SPEC = S.ArchSpec(
     sample_guidance={"dev": 4.0, "klein base": 4.0},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch: [dev] and both [klein] sizes are one model_type here ([klein] / [dev] read from the checkpoint)
+    peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
     peer_models={"ai-toolkit": {name: {"model_type": "flux2"} for name in ("flux2", "flux2_klein_4b", "flux2_klein_9b")},
                  "musubi-tuner": MUSUBI},
 )

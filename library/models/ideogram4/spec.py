@@ -133,5 +133,6 @@ SPEC = S.ArchSpec(
     sample_guidance={"ideogram4": 7.0},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch
+    peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
     peer_models={"ai-toolkit": {"ideogram4": {"model_type": "ideogram4"}}, "musubi-tuner": MUSUBI},
 )

@@ -166,5 +166,6 @@ SPEC = S.ArchSpec(
     sample_guidance={"raw": 4.5, "turbo": 0.0},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch (its edit mode, model_kwargs edit: true, is our krea2_edit: not read from there)
+    peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
     peer_models={"ai-toolkit": {"krea2": {"model_type": "krea2"}}, "musubi-tuner": MUSUBI},
 )

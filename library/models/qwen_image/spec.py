@@ -161,6 +161,7 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch: its qwen_image_edit is the first Edit, qwen_image_edit_plus 2509 / 2511 (ours reads
     # which from the folder's config, 2509 when it cannot tell)
+    peer_bucket_steps={"ai-toolkit": 32},  # ai-toolkit's get_bucket_divisibility (16 x 2, for Edit too)
     peer_models={"ai-toolkit": {"qwen_image": {"model_type": "qwen_image"},
                                 "qwen_image_edit": {"model_type": "qwen_image_edit", "model_version": "qwen-image-edit"},
                                 "qwen_image_edit_plus": {"model_type": "qwen_image_edit"}},

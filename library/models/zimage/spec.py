@@ -160,6 +160,7 @@ SPEC = S.ArchSpec(
     sample_guidance={"turbo": 0.0, "base": 5.0, "omni": 5.0},
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch: Turbo and Base (told apart by the folder's scheduler)
+    peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
     peer_models={"ai-toolkit": {"zimage": {"model_type": "zimage"}},
                  # zimage_train_network.py's do_inference: CFG pos + l (pos - neg) above l = 1 (4.0 unset), where ours
                  # (and diffusers' ZImagePipeline) runs it above 0 (the release's Turbo: 0 unset)

@@ -8,7 +8,8 @@ the dataset into one per size); ours has one resolution per [[datasets]]. So eac
 the sizes apart (a cache file's name carries its bucket). A regularization dataset (is_reg) becomes a
 subset beside the training subsets of its size, where ours balances the two. Buckets as ai-toolkit's:
 each image keeps its aspect, its area shrunk to the resolution's, never enlarged (enable_bucket +
-bucket_no_upscale), sides multiples of bucket_tolerance.
+bucket_no_upscale), sides multiples of the model's bucket divisibility (ai-toolkit's bucket_tolerance is replaced
+by it).
 
 Samples. ai-toolkit's prompts (`sample.prompts`, or `sample.samples` with per-prompt keys) carry inline
 flags (--w, --seed, --cfg, --ctrl_img ...) over the section's width, height, seed (walk_seed: + the
@@ -27,7 +28,7 @@ from library.training.peers.rules import (DROPPED, NOT_CARRIED, RENAMED, Line, R
                                           implied, is_off, renamed, unsupported)
 
 # ai-toolkit's defaults (toolkit/config_modules.py DatasetConfig, SampleConfig) where a key is left out.
-RESOLUTION, BUCKET_TOLERANCE = 512, 64
+RESOLUTION, BUCKET_TOLERANCE = 512, 64  # (ai-toolkit's loader replaces bucket_tolerance: bucket_step)
 SAMPLE_EVERY = 100
 SAMPLE_DEFAULTS = {"width": 512, "height": 512, "seed": 0, "walk_seed": False, "guidance_scale": 7,
                    "sample_steps": 20, "neg": "", "network_multiplier": 1}
@@ -60,7 +61,7 @@ DATASET_RULES: dict[str, Rule] = {f"datasets[].{k}": r for k, r in {
     "resolution": custom(_handled),  # one [[datasets]] per size
     "batch_size": custom(_handled),  # its [[datasets]]' batch_size
     "buckets": custom(_handled),  # enable_bucket
-    "bucket_tolerance": custom(_handled),  # bucket_reso_steps
+    "bucket_tolerance": custom(_handled),  # replaced by the model's step (bucket_step)
     "trigger_word": custom(_handled),  # caption_prefix (or nothing: see add_trigger)
     "cache_latents_to_disk": custom(_handled),  # our cache_latents_to_disk
     "caption_ext": renamed("caption_extension", _dot_ext),
@@ -178,7 +179,7 @@ def to_dataset_toml(t, datasets: Any, train: dict, trigger: str | None) -> dict:
 def _subset(t, entry: dict, where: str) -> tuple[dict, tuple]:
     """The [[datasets.subsets]] keys of one ai-toolkit dataset, and (enable_bucket, bucket_reso_steps)."""
     subset: dict[str, Any] = {}
-    buckets, step = entry.get("buckets", True), entry.get("bucket_tolerance", BUCKET_TOLERANCE)
+    buckets, step = entry.get("buckets", True), bucket_step(t.model_type)
     for key, value in entry.items():
         rule = DATASET_RULES.get(f"datasets[].{key}")
         shown = f"{where}.{key}"
@@ -210,13 +211,19 @@ def _subset(t, entry: dict, where: str) -> tuple[dict, tuple]:
                             "first keep_tokens in place"))
     if "buckets" in entry:
         t.lines.append(Line(f"{where}.buckets", buckets, RENAMED, "enable_bucket"))
-    if not isinstance(step, int) or isinstance(step, bool) or step <= 0 or step % PIXEL_STEP:
-        t.lines.append(Line(f"{where}.bucket_tolerance", step, NOT_CARRIED, f"ours buckets in multiples of "
-                            f"{PIXEL_STEP} px (8x VAE, 2x2 patches): {BUCKET_TOLERANCE} kept"))
-        step = BUCKET_TOLERANCE
-    elif "bucket_tolerance" in entry:
-        t.lines.append(Line(f"{where}.bucket_tolerance", step, RENAMED, "bucket_reso_steps"))
+    if "bucket_tolerance" in entry:
+        t.lines.append(Line(f"{where}.bucket_tolerance", entry["bucket_tolerance"], DROPPED, f"ai-toolkit replaces it "
+                            f"by the model's bucket divisibility, {step} px: bucket_reso_steps = {step}"))
     return subset, (bool(buckets), step)
+
+
+def bucket_step(model_type: str) -> int:
+    """The bucket step ai-toolkit trains `model_type` at: its model's get_bucket_divisibility (the family spec's
+    peer_bucket_steps), which its dataset loader writes over every dataset's bucket_tolerance. The converter
+    carried bucket_tolerance (64 unset) where ai-toolkit bucketed most models at 16: other buckets, other crops."""
+    from library.models.registry import spec_of
+
+    return spec_of(model_type).peer_bucket_steps.get("ai-toolkit", BUCKET_TOLERANCE)
 
 
 def _dataset(size: int, batch: int, buckets: bool, step: int) -> dict:
