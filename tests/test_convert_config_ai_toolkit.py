@@ -378,8 +378,8 @@ def test_buckets_step_as_ai_toolkits_model_whatever_bucket_tolerance_says(arch, 
     datasets = [{"folder_path": "/data/a"}, {"folder_path": "/data/b", "bucket_tolerance": 64}]
     t = translate(job(datasets=datasets, model={"arch": arch}), "run.yaml")
     assert [d["bucket_reso_steps"] for d in t.dataset["datasets"]] == [step]  # one [[datasets]]: one step
-    assert verdict(t, "datasets[1].bucket_tolerance") == (DROPPED, f"ai-toolkit replaces it by the model's bucket "
-                                                                   f"divisibility, {step} px: bucket_reso_steps = {step}")
+    said = f"ai-toolkit replaces it by the model's bucket divisibility, {step} px: bucket_reso_steps = {step}"
+    assert verdict(t, "datasets[1].bucket_tolerance") == (DROPPED, said)
 
 
 def test_the_trigger_word_becomes_a_caption_prefix_only_where_the_captions_lack_it(tmp_path):
