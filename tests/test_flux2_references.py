@@ -61,12 +61,16 @@ def test_sample_references_are_the_pipelines_pixels(tmp_path, size):
     assert (width, height) == (80, 64) and torch.equal(ours, theirs.float())
 
 
-def test_training_references_are_the_pipelines_pixels_cached_or_not(tmp_path):
-    """A 100 x 72 reference (cropped to 96 x 64) and a 1100 x 1000 one (resized to 1 MP first) beside a 32 x 32
-    target: the pixels the VAE caches and the uncached batches' are Flux2ImageProcessor's. Training covered them
-    (a box-filter shrink by 0.96 for the first) where samples and the pipelines crop."""
+@pytest.mark.parametrize("family_name, area, large", [("flux2", 1024 * 1024, (1072, 976)),
+                                                       ("zimage_omni", 32 * 32, (32, 16))])
+def test_training_references_are_the_pipelines_pixels_cached_or_not(tmp_path, family_name, area, large):
+    """A 100 x 72 reference (cropped to 96 x 64) and a 1100 x 1000 one (resized first: to 1 MP for FLUX.2, to the
+    32 x 32 target's area for Z-Image Omni) beside a 32 x 32 target: the pixels the VAE caches and the uncached
+    batches' are Flux2ImageProcessor's, which both pipelines use. Training covered them (a box-filter shrink by
+    0.96 for the first) where samples and the pipelines crop."""
     from library.data import caches
     from library.data import dataset as D
+    from library.models.family import family_class
     from library.training.diffusion_task import scan_family_images
     from tests.test_paired_dataset import paired_blueprint
 
@@ -78,17 +82,19 @@ def test_training_references_are_the_pipelines_pixels_cached_or_not(tmp_path):
     processor = Flux2ImageProcessor(vae_scale_factor=16, vae_latent_channels=32)
     expected = []
     for k in range(2):
-        image = processor._resize_if_exceeds_area(Image.open(tmp_path / "ctrl" / f"a_{k}.png").convert("RGB"))
+        image = Image.open(tmp_path / "ctrl" / f"a_{k}.png").convert("RGB")
+        image = processor._resize_to_target_area(image, area) if image.width * image.height > 1024 * 1024 else image
         expected.append(processor.preprocess(image, height=image.height // 16 * 16, width=image.width // 16 * 16,
                                              resize_mode="crop")[0].float())
     bp = paired_blueprint(tmp_path)
-    items = scan_family_images(bp, Flux2Family.__new__(Flux2Family))  # the rule reads no model file
-    assert items[0].control_buckets == [(96, 64), (1072, 976)]
+    cls = family_class(family_name)
+    items = scan_family_images(bp, cls.__new__(cls))  # the rule reads no model file
+    assert items[0].control_buckets == [(96, 64), large]
     uncached = D.ImageDataset(bp, items=items)[0]["control_images"]
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(uncached, expected, strict=True))
     encoded = []
     caches.cache_latents(items, lambda images: encoded.append(images) or images[:, :, ::8, ::8], "flux2")
-    assert [tuple(e.shape) for e in encoded] == [(1, 3, 32, 32), (1, 3, 64, 96), (1, 3, 976, 1072)]
+    assert [tuple(e.shape) for e in encoded] == [(1, 3, 32, 32), (1, 3, 64, 96), (1, 3, large[1], large[0])]
     assert all(torch.equal(ours[0], theirs) for ours, theirs in zip(encoded[1:], expected, strict=True))
 
 
