@@ -97,6 +97,11 @@ def test_batches_hold_one_reference_size(tmp_path):
         "paired.toml: [[datasets]] #1: its reference images come in 2 sizes and a batch holds one size of each, so an "
         "epoch is 2 batches where 1 of batch_size 3 would hold its images (smaller batches, more steps): give the "
         "references of one target bucket one size to batch them fully"]
+    from library.data.check import check_dataset  # the check says it too, given the family's rule
+
+    report = check_dataset(bp, control_bucket=lambda bucket, size, resolution: size)
+    assert [p.message for p in report.problems() if p.kind == "reference"] == [str(said[0].message)]
+    assert not [p for p in check_dataset(bp).problems() if p.kind == "reference"]  # without a family: not known
 
 
 @pytest.mark.parametrize("case, expected", [

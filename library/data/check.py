@@ -45,7 +45,8 @@ from library.data.captions import caption_variants, fixed_caption
 from library.data.controls import check_family_takes, control_files, find_controls, target_stems
 from library.data.image_folders import (bad_size, dataset_buckets, folders_read, held_out_count, held_out_paths,
                                         image_bucket, no_held_out, other_caption_file, read_caption,
-                                        refuse_large_buckets, subset_images, unread_caption_files)
+                                        refuse_large_buckets, split_by_references, subset_images,
+                                        unread_caption_files)
 from library.data.dataset import reg_repeats
 from library.data.dataset_config import DatasetBlueprint, DatasetSpec, SubsetSpec
 from library.data.images import (WIDE_GREY_MODES, exif_orientation, is_image_name, load_rgb, stem_collisions,
@@ -232,13 +233,14 @@ def warn(problems: list[Problem]) -> None:
 
 def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
                   token_check: str = "not counted (no tokenizer)", takes: tuple[str, int, int, bool] | None = None,
-                  vl_size=None, largest: tuple[int, int] | None = None) -> DatasetReport:
+                  vl_size=None, largest: tuple[int, int] | None = None, control_bucket=None) -> DatasetReport:
     """Every subset of the training and validation datasets, checked image by image, plus
     duplicates across all of them. takes: (model_type, min_controls, max_controls, takes_layers) of the
     family that trains on it: reference counts and layered targets it does not take are errors, as
     training's check_family_takes, and with takes, vl_size (its reference_vl_size) refuses references
     its Qwen-VL image processor does not take; largest: its largest_image(), a bucket over it is an error
-    (refuse_large_buckets)."""
+    (refuse_large_buckets); control_bucket: its control_bucket, references whose sizes split a dataset's batches
+    are a warning (split_by_references, as training warns)."""
     subsets, where = [], {}  # where: image path -> the report of its first subset
     trained, held_out = set(), {}  # held_out: image path -> the report of its first validation subset
     sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
@@ -247,10 +249,12 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
         for di, ds in enumerate(datasets, start=1):
             layered = {}  # the dataset's first composite: every other needs as many layers (as scan_images)
             reports, kept = [], []  # kept: (subset, report, its trained paths), for the regularization balance
+            batched = [] if control_bucket else None  # (bucket, its references' buckets) of each image, for the split
             for si, subset in enumerate(ds.subsets, start=1):
                 report = SubsetReport(f"{name} {di}, subset {si}", subset.image_dir)
                 readable, used = check_subset(report, ds, subset, limit, layered, takes, vl_size=vl_size,
-                                              largest=largest, source=blueprint.source, read=read)
+                                              largest=largest, source=blueprint.source, read=read,
+                                              batched=None if batched is None else (batched, control_bucket))
                 for path in readable:
                     where.setdefault(path, report)
                 if name == "validation_datasets":  # every image of it is held out
@@ -264,6 +268,8 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
                 reports.append(report)
             if name == "datasets":  # validation draws every reg image once: no balance there
                 balance_regularization(di - 1, kept)
+            if reports and (split := split_by_references(batched or [], ds.batch_size)):
+                reports[0].add("warning", "reference", f"{blueprint.source}: [[{name}]] #{di}: {split}")
             if name == "datasets" and ds.validation_split and not any(r.held_out for r in reports):
                 reports[0].add("error", "folder", no_held_out(blueprint.source, di - 1, ds))
             subsets += reports
@@ -306,12 +312,14 @@ def check_layered(report: SubsetReport, path: str, its_layers: list[str] | None,
 def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limit: TokenLimit | None,
                  layered: dict | None = None, takes: tuple[str, int, int, bool] | None = None,
                  vl_size=None, largest: tuple[int, int] | None = None,
-                 source: str = "<dict>", read=()) -> tuple[list[str], list[str]]:
+                 source: str = "<dict>", read=(), batched=None) -> tuple[list[str], list[str]]:
     """Fill `report` for one subset; returns the readable images' paths (for the duplicate check) and
     those training uses (for the held-out ones: split_validation's choice).
     layered: the dataset's first composite ({"first": (path, layer count)}), shared by its subsets;
     takes, vl_size, largest: check_dataset's; source: the dataset TOML, for refuse_large_buckets' line;
-    read: the folders the dataset config reads (image_folders.folders_read), not 'not trained' below image_dir."""
+    read: the folders the dataset config reads (image_folders.folders_read), not 'not trained' below image_dir;
+    batched: (a list, the family's control_bucket): each image with references is appended with its bucket and
+    its references' (split_by_references)."""
     layers, layered = {}, {} if layered is None else layered
     try:
         with warnings.catch_warnings(record=True) as said:  # images in subfolders: this report's warnings
@@ -365,6 +373,10 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         references = [path] if subset.multiple_target else []  # the composite is its own (scan_images)
         if controls is not None:
             references = check_references(report, path, subset, controls, targets)
+            if batched is not None and references and placed and placed[-1].image_path == path:
+                items, rule = batched  # as scan_controls sizes them
+                items.append(SimpleNamespace(bucket=placed[-1].bucket, subset=subset, control_buckets=[
+                    tuple(rule(placed[-1].bucket, verified_image_size(r), ds.resolution)) for r in references]))
         if takes is not None and references is not None:
             try:
                 model_type, fewest, most, layered_ok = takes

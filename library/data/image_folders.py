@@ -186,7 +186,8 @@ def scan_images(blueprint: DatasetBlueprint, held_out_sets: bool = False, contro
                     item.controls_mode = control_mode
                 items.append(item)
         if split := split_by_references(items[first_item:], ds.batch_size):
-            warnings.warn(f"{blueprint.source}: [[datasets]] #{di - first + 1}: {split}", stacklevel=2)
+            section = "validation_datasets" if held_out_sets else "datasets"
+            warnings.warn(f"{blueprint.source}: [[{section}]] #{di - first + 1}: {split}", stacklevel=2)
     return items
 
 
