@@ -375,7 +375,8 @@ def test_the_precision_matrix_holds_the_cache_folders_it_reads(tmp_path, monkeyp
                              text_options=lambda args: {}, load_text_encoder=lambda precision: enc.text,
                              text_cache_key=lambda options, precision: "te-1", name="stub", max_controls=0,
                              min_controls=0, takes_layers=False, text_sees_controls=False, stretches_references=False,
-                             reference_mode="RGB", control_bucket=lambda bucket, size, resolution: bucket)  # no edit family
+                             reference_mode="RGB", control_bucket=lambda bucket, size, resolution: bucket,  # no edit family
+                             reference_resize=lambda bucket, size: None)
     args = SimpleNamespace(dataset_config=str(toml), seed=0, vae_batch_size=2, text_encoder_precision="bf16",
                            cache_latents_to_disk=True, cache_text_encoder_outputs_to_disk=True)
     data = precision_matrix.eval_data(args, family, max_items=2)

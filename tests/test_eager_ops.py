@@ -98,7 +98,8 @@ def test_the_lora_sum_outside_addmm_devices_is_the_same_sum(monkeypatch, dtype, 
     with monkeypatch.context() as m:
         m.setattr(lora_module, "ADDMM_SUM_DEVICES", ())
         old_pred, old_grads, old_ops = _step(dtype, autocast)
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    # bf16: a gradient of max 1.9e-6 differed by 2.1% on an AMD EPYC with AVX-512 (the sums round in another order)
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
     assert ops["addmm"] - old_ops["addmm"] == 24 + 24  # 24 LoRA sums left their GEMMs, forward and recompute
     assert (pred.float() - old_pred.float()).abs().max() <= tol * pred.float().abs().max()
     assert len(grads) == len(old_grads) == 42
