@@ -298,7 +298,7 @@ def _load_images(chunk, flip: bool, control: int | None = None) -> tuple[list[to
     sources = [(item.image_path, item.bucket, target_mode(item), False, None) if control is None
                else (item.control_paths[control], item.control_buckets[control],
                      item.controls_mode, item.controls_stretched,  # the family's reference_mode (scan_images)
-                     item.control_crops[control] if item.control_crops else None)
+                     item.control_crop(control))
                for item, _, _ in chunk]
     return [torch.stack([load_image(path, bucket, flip, mode, stretch, crop_from)
                          for path, bucket, mode, stretch, crop_from in sources])], False

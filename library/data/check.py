@@ -372,11 +372,11 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         check_mask(report, path, subset, size)
         references = [path] if subset.multiple_target else []  # the composite is its own (scan_images)
         if controls is not None:
-            references = check_references(report, path, subset, controls, targets)
+            references, sizes = check_references(report, path, subset, controls, targets)
             if batched is not None and references and placed and placed[-1].image_path == path:
                 items, rule = batched  # as scan_controls sizes them
                 items.append(SimpleNamespace(bucket=placed[-1].bucket, subset=subset, control_buckets=[
-                    tuple(rule(placed[-1].bucket, verified_image_size(r), ds.resolution)) for r in references]))
+                    tuple(rule(placed[-1].bucket, size, ds.resolution)) for size in sizes]))
         if takes is not None and references is not None:
             try:
                 model_type, fewest, most, layered_ok = takes
@@ -458,17 +458,18 @@ def check_mask(report: SubsetReport, path: str, subset: SubsetSpec, size: tuple[
 
 
 def check_references(report: SubsetReport, path: str, subset: SubsetSpec, controls: dict,
-                     targets=frozenset()) -> list[str] | None:
-    """An edit dataset's references of `path`, found and readable; None when they are in error."""
+                     targets=frozenset()) -> tuple[list[str] | None, list[tuple[int, int]]]:
+    """An edit dataset's references of `path`, found and readable, and their sizes (as displayed); (None, [])
+    when they are in error."""
     try:
         references = find_controls(path, subset.control_directory, controls, targets)
+        sizes = [verified_image_size(reference) for reference in references]
         for reference in references:
-            verified_image_size(reference)
             load_rgb(reference)  # the whole decode, as caching does: a truncated JPEG passes verify()
     except ValueError as e:
         report.add("error", "reference", str(e))
-        return None
-    return references
+        return None, []
+    return references, sizes
 
 
 # ----------------------------------------------------------------------------------------------

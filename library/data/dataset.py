@@ -92,9 +92,9 @@ class ImageDataset(torch.utils.data.Dataset):
             if item.masked:
                 sample["mask"] = load_mask(item.image_path, item.mask_path, item.bucket, flip)
             if item.control_paths:
-                crops = item.control_crops or [None] * len(item.control_paths)
-                sample["control_images"] = [load_image(p, b, flip, item.controls_mode, item.controls_stretched, c)
-                                            for p, b, c in zip(item.control_paths, item.control_buckets, crops)]
+                sample["control_images"] = [load_image(p, b, flip, item.controls_mode, item.controls_stretched,
+                                                       item.control_crop(k))
+                                            for k, (p, b) in enumerate(zip(item.control_paths, item.control_buckets))]
         if item.text_cache is not None:
             text = read_text_cache(item.text_cache, variant)  # "dropped": the item's own, if encoded with its references
             if variant == "dropped" and not text:

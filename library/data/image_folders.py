@@ -49,6 +49,10 @@ class ImageItem:
     layer_paths: list[str] = field(default_factory=list)  # multiple_target: its layers (library/data/layers.py)
     subset_index: int = 0  # its subset's place in its dataset: one image in two subsets is two samples
 
+    def control_crop(self, k: int) -> tuple[int, int] | None:
+        """Reference k's crop_from (control_crops), None where its references are covered or stretched."""
+        return self.control_crops[k] if self.control_crops else None
+
     @property
     def masked(self) -> bool:
         return self.mask_path is not None or self.subset.alpha_mask
