@@ -74,7 +74,8 @@ next is read. From a bf16 / fp16 / fp32 single file of a family with a ComfyUI-G
 
 Errors (bad ratio, missing file, LoRA for another model, shape mismatch, unmatched modules without
 --allow_unmatched, fp8 layout change, --save_to naming an input or a file name whose extension is not
-the format written: .gguf for GGUF, else .safetensors) are one line on stderr, exit status 2, and no
+the format written: .gguf for GGUF, else .safetensors; a merged weight past what the output holds: fp16's
+65504, unscaled e4m3's 448, a GGUF block's fp16 scale) are one line on stderr, exit status 2, and no
 output is left behind.
 """
 
@@ -140,7 +141,8 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from library.precision import fp8  # noqa: E402
-from library.precision.gguf_writer import GgufEntry, output_type, save_precision_type, write_gguf_streaming  # noqa: E402
+from library.precision.gguf_writer import (  # noqa: E402
+    LARGEST_VALUE, GgufEntry, output_type, save_precision_type, write_gguf_streaming)
 from library.atomic_files import write_text  # noqa: E402
 from library.io import ST_DTYPES, atomic_folder, atomic_path  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
@@ -156,6 +158,22 @@ NOT_COPIED = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".g
 
 # safetensors dtype names <-> torch dtypes
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+
+def cast_checked(key: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`tensor` in `dtype`, refused (ValueError naming the key) where fp16 would write a value past its range
+    as inf: a LoRA that grew a weight past 65504 was written as inf with exit status 0."""
+    if dtype == torch.float16:
+        check_in_range(key, tensor, torch.finfo(torch.float16).max, "fp16", "save bf16 or fp32")
+    return tensor.to(dtype)
+
+
+def check_in_range(key: str, tensor: torch.Tensor, limit: float, dtype_name: str, instead: str) -> None:
+    """One line naming the weight whose largest value a dtype cannot hold (NaN is left to the LoRA reader's check)."""
+    peak = tensor.detach().abs().amax().item() if tensor.numel() else 0.0
+    if peak > limit:
+        raise ValueError(f"'{key}' reaches {peak:.4g}, past the largest value {limit:g} of {dtype_name}: it cannot "
+                         f"be written as it is; {instead}, or merge the LoRAs at a lower ratio")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -273,7 +291,7 @@ class Plan:
             elif self.is_fp8_bias(key):  # e4m3 has no inf: saturate rather than turn a huge bias into NaN
                 yield key, tensor.float().clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
             else:
-                yield key, tensor.to(self.entries(key)[0].dtype)
+                yield key, cast_checked(key, tensor, self.entries(key)[0].dtype)
             del tensor
 
     def trailer(self, shard: str) -> list[tuple[Entry, torch.Tensor]]:
@@ -286,6 +304,9 @@ class Plan:
 
     def quantized(self, key: str, w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
         """float weight -> {key: float8_e4m3fn [, key_scale]} from its float32 values, in fp8.MODES `mode`."""
+        if mode == "fp8":  # unscaled e4m3 clamps to +-448, which would change such a weight silently
+            instead = "save bf16" if self.base.fp8 is not None else "use a scaled fp8 layout (--fp8_layout comfy, block64)"
+            check_in_range(key, w, fp8.FP8_MAX, "float8_e4m3fn without a scale", instead)
         if not self.stochastic:
             q, scale = fp8.quantize_weight(w, mode)
         elif mode == "fp8":
@@ -387,7 +408,7 @@ class Fp8BasePlan(Plan):
                 yield key, self.base.reader.get(key)
             else:
                 tensor = self.base.reader.get(key) if self.keeps_layout else self.dequantized(key)
-                yield key, (self.merged(key, tensor) if key in self.deltas else tensor).to(entries[0].dtype)
+                yield key, cast_checked(key, self.merged(key, tensor) if key in self.deltas else tensor, entries[0].dtype)
 
 
 def _shard_keys(base: Base) -> dict[str, list[str]]:
@@ -475,9 +496,19 @@ def write_merged_gguf(plan: Plan, specs: list[LoRASpec], out: str, qtype: str) -
     for key in keys:
         name, shape = base.to_model(key), tuple(base.reader.shape(key))
         entries.append(GgufEntry(name, shape, output_type(name, shape, base.reader.dtype_name(key), qtype, layout)))
-    tensors = ((base.to_model(key), tensor) for key, tensor in plan.tensors(keys))
+    tensors = _in_range(plan.tensors(keys), {e.name: e.ggml_type for e in entries}, base)
     metadata = _metadata(base, os.path.basename(base.reader.files[0]), specs, f"gguf_{qtype.lower()}", keeps_layout=False)
     write_gguf_streaming(out, layout.arch, qtype, entries, tensors, metadata)
+
+
+def _in_range(tensors: Iterator[tuple[str, torch.Tensor]], types: dict[str, str], base: Base):
+    """(GGUF name, tensor) of each checkpoint tensor, refused where its GGUF type cannot hold its values."""
+    for key, tensor in tensors:
+        name = base.to_model(key)
+        limit = LARGEST_VALUE.get(types[name])
+        if limit is not None:
+            check_in_range(key, tensor, limit, f"GGUF {types[name]}", "save a safetensors file (bf16 or fp32)")
+        yield name, tensor
 
 
 def _check_gguf_output(base: Base, save_precision: str, fp8_layout: str | None, stochastic_rounding: bool) -> None:
