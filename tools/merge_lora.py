@@ -305,7 +305,8 @@ class Plan:
     def quantized(self, key: str, w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
         """float weight -> {key: float8_e4m3fn [, key_scale]} from its float32 values, in fp8.MODES `mode`."""
         if mode == "fp8":  # unscaled e4m3 clamps to +-448, which would change such a weight silently
-            instead = "save bf16" if self.base.fp8 is not None else "use a scaled fp8 layout (--fp8_layout comfy, block64)"
+            instead = "save bf16" if self.base.fp8 is not None else \
+                "use a scaled fp8 layout (--fp8_layout comfy, block64)"
             check_in_range(key, w, fp8.FP8_MAX, "float8_e4m3fn without a scale", instead)
         if not self.stochastic:
             q, scale = fp8.quantize_weight(w, mode)
@@ -408,7 +409,8 @@ class Fp8BasePlan(Plan):
                 yield key, self.base.reader.get(key)
             else:
                 tensor = self.base.reader.get(key) if self.keeps_layout else self.dequantized(key)
-                yield key, cast_checked(key, self.merged(key, tensor) if key in self.deltas else tensor, entries[0].dtype)
+                tensor = self.merged(key, tensor) if key in self.deltas else tensor
+                yield key, cast_checked(key, tensor, entries[0].dtype)
 
 
 def _shard_keys(base: Base) -> dict[str, list[str]]:
