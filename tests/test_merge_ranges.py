@@ -16,8 +16,8 @@ KEY = "double_blocks.0.img_attn.proj.weight"
 def big_lora(path, rows: int, cols: int) -> str:
     """A rank-2 kohya LoRA on KEY whose delta is 300 * 300 * 2 = 180000 everywhere (alpha = rank)."""
     name = "lora_unet_" + KEY.removesuffix(".weight").replace(".", "_")
-    save_file({f"{name}.lora_down.weight": torch.full((2, cols), 300.0), f"{name}.lora_up.weight": torch.full((rows, 2), 300.0),
-               f"{name}.alpha": torch.tensor(2.0)}, str(path))  # fmt: skip
+    save_file({f"{name}.lora_down.weight": torch.full((2, cols), 300.0),
+               f"{name}.lora_up.weight": torch.full((rows, 2), 300.0), f"{name}.alpha": torch.tensor(2.0)}, str(path))
     return str(path)
 
 
@@ -31,7 +31,8 @@ def big_lora(path, rows: int, cols: int) -> str:
         ("gguf", ["--save_precision", "gguf_q8_0"], "reaches 9e+06, past the largest value 8.31901e+06 of GGUF Q8_0"),
     ],
 )
-def test_a_merged_weight_its_output_cannot_hold_is_one_line_and_no_file(tiny_set, tmp_path, capsys, case, extra, message):
+def test_a_merged_weight_its_output_cannot_hold_is_one_line_and_no_file(tiny_set, tmp_path, capsys, case, extra,
+                                                                        message):
     base = tiny_set["flux_bfl"]
     tensors = load_file(base)
     lora = big_lora(tmp_path / "big.safetensors", *tensors[KEY].shape)
