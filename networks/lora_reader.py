@@ -22,7 +22,8 @@ variant whose model takes its base's LoRAs (LoRAFiles.takes_base_loras) reads th
 with one warning (`without_base_only`). Text-encoder modules and the tensors some trainers save beside a LoRA
 (lora_files.split_beside_lora) are left out, each with one warning. LyCORIS files
 are read by `lycoris_for_model` (names only: their factors are no rows of a fused module's; a merge into a
-fused weight merges each part into its rows, `FusedRows`).
+fused weight merges each part into its rows, `FusedRows`; a fused module into split parts gives each its rows of
+the whole delta, `RowsOfFused`).
 """
 
 from __future__ import annotations
@@ -239,9 +240,10 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
     kohya names resolved against the target's paths and the architecture's (a name that fits none keeps its
     kohya name: the caller reports it), a module in the other naming renamed where the module map maps it
     whole. Parts the map joins by rows into a target's fused weight (target_is_key) become one FusedRows, each
-    part merged into its rows. A module the map splits by rows is an error: LyCORIS' factors (Kronecker,
-    Hadamard) are no rows of the fused module's (convert_lora writes them in their own naming only, for that
-    reason)."""
+    part merged into its rows. A fused module the map splits by rows (a single file's qkv into a diffusers
+    folder's to_q / to_k / to_v) gives each part its rows of the whole delta (RowsOfFused); a weight-decomposed
+    one (dora_wd normalises the whole fused weight) is an error. LyCORIS' factors (Kronecker, Hadamard) are no
+    rows of the fused module's: convert_lora writes them in their own naming only, for that reason."""
     tensors = without_base_only(name, tensors, metadata, arch)
     kept = {module_of_key(k) for k in tensors}
     deltas = {n: d for n, d in deltas.items() if n in kept}
@@ -272,11 +274,15 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
             renamed[target] = delta
         elif target_is_key:  # a part of a fused weight: merged into its own rows (FusedRows)
             rows_of.setdefault(target, []).append((delta, [(a, b) for p, a, b in parts if p == path]))
-        else:
+        elif getattr(delta, "weight_decomposed", False):
             rows = " + ".join(f"{p} [{a}:{b}]" for p, a, b in parts)
-            raise CheckpointError(f"{name}: LyCORIS module '{path}' is in the other naming, where "
-                                  f"'{path}' is the rows {rows}: LyCORIS factors do not "
-                                  f"split or join by rows; apply the file to a model or checkpoint in its own naming")
+            raise CheckpointError(f"{name}: LyCORIS module '{path}' is in the other naming, where '{path}' is the "
+                                  f"rows {rows}, and weight-decomposed (dora_wd: it normalises the whole fused "
+                                  f"weight); apply the file to a model or checkpoint in its own naming")
+        else:  # a fused module into the parts that split it: each takes its rows of the whole delta
+            fused_rows = max(b for _, _, b in parts)
+            for part in dict.fromkeys(p for p, _, _ in parts):
+                renamed[part] = RowsOfFused(delta, [(a, b) for p, a, b in parts if p == part], fused_rows)
     return joined(out, {**renamed, **{t: FusedRows(parts) for t, parts in rows_of.items()}}, name)
 
 
@@ -295,6 +301,23 @@ class FusedRows:
             rows = torch.cat([torch.arange(a, b) for a, b in ranges])
             out[rows] = delta.merged(out[rows], multiplier)
         return out
+
+
+@dataclass
+class RowsOfFused:
+    """One part's rows of a LyCORIS module of a fused weight (a single file's qkv merged into a diffusers folder's
+    to_q): W_part + ratio * dW[rows]. A LoKr / LoHa / LoCon delta does not depend on the weight it is added to, so
+    dW is the module merged into zeros of the fused shape: what merging into the fused weight and splitting gives."""
+
+    delta: object  # anything with merged(weight, ratio) that adds a delta independent of the weight
+    ranges: list[tuple[int, int]]  # the part's rows of the fused weight
+    fused_rows: int
+
+    def merged(self, weight: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
+        """weight [rows of the part, in] -> the merged weight, float32 (a copy)."""
+        whole = self.delta.merged(torch.zeros(self.fused_rows, weight.shape[1]), multiplier)  # ratio * dW, float32
+        rows = torch.cat([torch.arange(a, b) for a, b in self.ranges])
+        return weight.float() + whole[rows]
 
 
 # ----------------------------------------------------------------------------------------------

@@ -613,6 +613,7 @@ class LycorisDelta:
         from lycoris.modules import get_module
 
         self.name, self.source = name, source
+        self.weight_decomposed = f"{name}.dora_scale" in tensors  # dora_wd: the delta depends on the weight
         self.algo, params = get_module(tensors, name)
         if self.algo is None:
             raise CheckpointError(f"{source}: LyCORIS module '{name}': LyCORIS does not recognise its keys")

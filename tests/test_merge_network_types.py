@@ -42,22 +42,23 @@ def test_dora_merge_equals_the_unmerged_dora_and_a_lora_after_it(tmp_path):
     assert (run(load_flux(str(tmp_path / "m.safetensors")), flux_inputs()) - expected).abs().max() <= 1e-5
 
 
-def merged_equals_unmerged(tmp_path, model, named_args_ratios):
+def merged_equals_unmerged(tmp_path, model, named_args_ratios, base="base.safetensors", save_to="m.safetensors"):
+    """(the networks' effect on the output, the merge's error against them) for LyCORIS files merged into `base`."""
     nets = []
     for name, algo, ratio in named_args_ratios:
         net = LycorisNetwork(model, "flux", 4, 2.0, network_args=algo)
         random_(net, 0.3)
         net.save(str(tmp_path / f"{name}.safetensors"))
         nets.append((net, ratio))
-    base = run(model, flux_inputs())
+    unmerged = run(model, flux_inputs())
     for net, ratio in nets:
         net.set_multiplier(ratio), net.apply()
     expected = run(model, flux_inputs())
     for net, _ in reversed(nets):
         net.remove()
     specs = [f"{tmp_path / name}.safetensors:{ratio}" for name, _, ratio in named_args_ratios]
-    assert merge("--model", tmp_path / "base.safetensors", "--lora", *specs, "--save_to", tmp_path / "m.safetensors") == 0
-    return (expected - base).abs().max(), (run(load_flux(str(tmp_path / "m.safetensors")), flux_inputs()) - expected).abs().max()
+    assert merge("--model", tmp_path / base, "--lora", *specs, "--save_to", tmp_path / save_to) == 0
+    return (expected - unmerged).abs().max(), (run(load_flux(str(tmp_path / save_to)), flux_inputs()) - expected).abs().max()
 
 
 @pytest.mark.parametrize("files", [
@@ -167,31 +168,34 @@ def test_dora_converts_kohya_diffusers_kohya_exactly_and_lycoris_is_refused(tmp_
 def test_lycoris_files_are_read_by_the_one_reader_into_either_naming(tmp_path, capsys):
     """merge_lora resolved LyCORIS names itself: a LoKr file into a diffusers-named base crashed with
     "AttributeError: 'LycorisDelta' object has no attribute 'up'" (its BFL modules went through the down/up
-    split). networks/lora_reader.py lycoris_for_model renames what maps whole (img_attn.proj -> attn.to_out.0,
-    merged exactly) and refuses in one line what maps by rows (qkv -> to_q / to_k / to_v)."""
-    from safetensors.torch import load_file, save_file
+    split); then a fused module (qkv -> to_q / to_k / to_v, linear1) was refused, so no LyCORIS file trained on
+    BFL names merged into a diffusers folder. networks/lora_reader.py lycoris_for_model renames what maps whole
+    (img_attn.proj -> attn.to_out.0) and gives each split part its rows of the whole delta (RowsOfFused): the
+    merged folder computes what the unmerged networks do, at ratio 0 it is the base; dora_wd is one line."""
+    from safetensors.torch import load_file
 
     from library.models.flux1.checkpoint import save_flux_diffusers
-    from networks.lycoris_network import LycorisDelta
     from tests.test_merge_convert import FLUX_CFG
 
     model = flux_base(tmp_path)
     save_flux_diffusers(model, FLUX_CFG, str(tmp_path / "diffusers"))
-    lokr = LycorisNetwork(model, "flux", 4, 2.0, network_args={"algo": "lokr", "factor": 4})
-    random_(lokr, 0.3)
-    lokr.save(str(tmp_path / "lokr.safetensors"))
+    files = [("lokr", {"algo": "lokr", "factor": 4}, 0.8), ("loha", {"algo": "loha"}, -0.5),
+             ("locon", {"algo": "locon"}, 0.5)]
+    effect, error = merged_equals_unmerged(tmp_path, model, files, base="diffusers", save_to="m")
+    assert effect > 0.05 and error <= 1e-5, (effect, error)
+    assert merge("--model", tmp_path / "diffusers", "--lora", f"{tmp_path / 'loha.safetensors'}:0",
+                 "--save_to", tmp_path / "zero") == 0
+    zero, source = (load_file(str(tmp_path / p / "diffusion_pytorch_model.safetensors")) for p in ("zero", "diffusers"))
+    assert zero.keys() == source.keys() and all(torch.equal(zero[k], source[k]) for k in zero)
+    dokr = LycorisNetwork(model, "flux", 4, 2.0, network_args={"algo": "lokr", "dora_wd": True})
+    dokr.save(str(tmp_path / "dokr.safetensors"))
     capsys.readouterr()
-    assert merge("--model", tmp_path / "diffusers", "--lora", tmp_path / "lokr.safetensors", "--save_to", tmp_path / "m") == 2
+    assert merge("--model", tmp_path / "diffusers", "--lora", tmp_path / "dokr.safetensors",
+                 "--save_to", tmp_path / "d") == 2
     line = only_line(capsys.readouterr().err)
     assert "LyCORIS module 'double_blocks.0.img_attn.qkv' is in the other naming, where 'double_blocks.0.img_attn.qkv' " \
-           "is the rows transformer_blocks.0.attn.to_q [0:64] + " in line and "do not split or join by rows" in line
-    assert not (tmp_path / "m").exists()
-    tensors = {k: v for k, v in load_file(str(tmp_path / "lokr.safetensors")).items() if "_img_attn_proj." in k}
-    save_file(tensors, str(tmp_path / "proj.safetensors"))
-    assert merge("--model", tmp_path / "diffusers", "--lora", tmp_path / "proj.safetensors", "--save_to", tmp_path / "m") == 0
-    merged = load_file(str(tmp_path / "m" / "diffusion_pytorch_model.safetensors"))["transformer_blocks.0.attn.to_out.0.weight"]
-    want = LycorisDelta("lora_unet_double_blocks_0_img_attn_proj", tensors).merged(model.double_blocks[0].img_attn.proj.weight)
-    assert (merged.float() - want).abs().max() <= 1e-6 * want.abs().max()
+           "is the rows transformer_blocks.0.attn.to_q [0:64] + " in line and "weight-decomposed (dora_wd" in line
+    assert not (tmp_path / "d").exists()
 
 
 @pytest.mark.parametrize("algo", [{"algo": "lokr", "factor": 4}, {"algo": "loha"}, {"algo": "lokr", "factor": 4, "dora_wd": True}],

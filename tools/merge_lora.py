@@ -28,7 +28,8 @@ merged and written before the next is read, so peak memory is about two tensors 
 DoRA files (`dora_scale` / `lora_magnitude_vector`) merge as W + ratio * (m * (W + dW) / ||W + dW|| - W)
 (LoRAWeights.merged); LyCORIS files (LoKr `lokr_w1`..., LoHa `hada_w1_a`...) merge
 through LyCORIS' own get_merged_weight (parts of a fused weight, a file's to_q / to_k / to_v into a single
-file's qkv, each into its rows). Whole deltas, `<module>.diff` (a weight, norms' 1-D ones too) and `.diff_b` (a
+file's qkv, each into its rows; a fused module into a folder's split parts, each its rows of the whole delta).
+Whole deltas, `<module>.diff` (a weight, norms' 1-D ones too) and `.diff_b` (a
 bias), beside down / up (ComfyUI's Extract and Save Lora) or alone (LyCORIS' full type), merge as ComfyUI patches
 them: W + ratio * diff, by rows into or out of a fused module (networks/lora_reader.py WholeDelta). Several LoRAs
 are applied in the order given.
