@@ -1,5 +1,6 @@
 import os
 import re
+import shutil
 import warnings
 
 import pytest
@@ -765,6 +766,28 @@ def test_images_of_a_type_not_read_are_said_not_skipped_silently(tmp_path):
     os.remove(tmp_path / "img" / "a.jpg")
     with pytest.raises(ValueError, match=re.escape("image_dir holds no images (.png, .jpg, .jpeg, .webp, .bmp); 3 files")):
         D.ImageDataset(bp)
+
+
+def test_an_animated_webp_or_apng_is_refused_naming_the_file_not_trained_on_its_first_frame(tmp_path):
+    """Pillow reads an animated WebP's or APNG's first frame alone: it trained on that without a word, where a
+    GIF is said not read. Now the scan, the check and a direct read stop on one line naming the file."""
+    from library.data.check import check_dataset
+    from library.data.images import load_rgb
+
+    make_image(tmp_path / "img" / "a.jpg", 32, 32)
+    frames = [Image.new("RGB", (32, 32), (80 * i, 0, 0)) for i in range(3)]
+    for name in ("b.webp", "c.png"):
+        frames[0].save(tmp_path / "img" / name, save_all=True, append_images=frames[1:])
+        shutil.copy(tmp_path / "img" / name, tmp_path / "one")  # alone in its folder: that file is named
+        said = f"{tmp_path / 'one'}: an animated image (3 frames): only its first frame would be read"
+        with pytest.raises(ValueError, match=re.escape(said)):
+            load_rgb(str(tmp_path / "one"))
+    bp = blueprint(tmp_path / "img", class_tokens="x", resolution=32)
+    with pytest.raises(ValueError, match=re.escape(f"{tmp_path / 'img' / 'b.webp'}: an animated image (3 frames)")):
+        D.ImageDataset(bp)
+    errors = [p.message for p in check_dataset(bp).problems() if p.severity == "error"]
+    named = [str(tmp_path / "img" / name) for name in ("b.webp", "c.png")]
+    assert [e.split(": an animated image")[0] for e in errors] == named
 
 
 def test_caption_files_without_an_image_of_their_name_are_said(tmp_path):

@@ -84,9 +84,10 @@ def to_8_bit(img: Image.Image, path: str) -> Image.Image:
 def load_rgb(path: str, mode: str = "RGB") -> Image.Image:
     """The image at `path` as displayed (EXIF rotation applied), as 8-bit RGB (mode "RGBA": with its
     alpha, 255 where it has none). Pixels that do not decode (a truncated file, whose header still
-    verifies) are one ValueError naming the file."""
+    verifies) and an animated file (refuse_animated) are one ValueError naming the file."""
     try:
         with Image.open(path) as img:
+            refuse_animated(getattr(img, "n_frames", 1), path)
             return to_8_bit(ImageOps.exif_transpose(img), path).convert(mode)
     except ValueError:  # to_8_bit's, naming the file already
         raise
@@ -132,16 +133,26 @@ def header_size(path: str) -> tuple[int, int]:
 
 
 def verified_image_size(path: str) -> tuple[int, int]:
-    """(width, height) as displayed (EXIF rotation applied); an unreadable file is one error naming it."""
+    """(width, height) as displayed (EXIF rotation applied); an unreadable or animated file is one error naming it."""
     try:
         with Image.open(path) as img:
             img.verify()
         with Image.open(path) as img:
             w, h = img.size
             rotated = exif_orientation(img, path) in (5, 6, 7, 8)  # 90/270 degrees
+            frames = getattr(img, "n_frames", 1)
     except Exception as e:  # PIL raises many kinds for broken files
         raise ValueError(f"{path}: cannot be read as an image ({type(e).__name__}: {e})") from None
+    refuse_animated(frames, path)
     return (h, w) if rotated else (w, h)
+
+
+def refuse_animated(frames: int, path: str) -> None:
+    """One ValueError naming the file `path` of several `frames` (an animated WebP, an APNG): Pillow reads its
+    first frame alone, and it trained on that without a word, where a GIF is said not read (not trained)."""
+    if frames > 1:
+        raise ValueError(f"{path}: an animated image ({frames} frames): only its first frame would be read; "
+                         "save the frame meant as a still image (.png)")
 
 
 def exif_orientation(img: Image.Image, path: str) -> int:
