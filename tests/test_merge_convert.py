@@ -658,6 +658,20 @@ def test_convert_errors_are_one_line_exit_2(tmp_path, capsys):
     assert not os.path.exists(tmp_path / "o.safetensors")
 
 
+def test_a_lycoris_refusal_names_the_files_own_kind_and_keys(tmp_path, capsys):
+    """A LoHa file's refusal named LoKr's lokr_w1 as its keys (the line was one text for every LyCORIS kind)."""
+    m = "lora_unet_double_blocks_0_img_attn_qkv"
+    loha = {f"{m}.hada_w{i}_{ab}": torch.randn(8, 2) if ab == "a" else torch.randn(2, 8) for i in (1, 2) for ab in "ab"}
+    lokr = {f"{m}.lokr_w1": torch.randn(2, 2), f"{m}.lokr_w2": torch.randn(4, 4)}
+    for name, tensors, said, kind in (("loha", loha, "hada_w1_a", "LoHa"), ("lokr", lokr, "lokr_w1", "LoKr")):
+        save_file({**tensors, f"{m}.alpha": torch.tensor(2.0)}, str(tmp_path / f"{name}.safetensors"))
+        capsys.readouterr()
+        assert convert(tmp_path / f"{name}.safetensors", tmp_path / "o.safetensors", "--to", "diffusers") == 2
+        line = only_line(capsys.readouterr().err)
+        assert f"a LyCORIS file ({kind}) has no kohya/diffusers LoRA form: its own keys (lora_unet_*.{said} ...)" in line
+    assert not os.path.exists(tmp_path / "o.safetensors")
+
+
 def test_convert_never_overwrites_its_input_and_writes_safetensors_names_only(flux_bfl, tmp_path, capsys):
     import shutil
 

@@ -40,11 +40,11 @@ DoRA: the magnitude travels along (`dora_scale` [out, 1] in kohya and ComfyUI fi
 ComfyUI reads, `lora_magnitude_vector` [out] in diffusers/PEFT files); it is per output row, so fused modules split and join exactly
 (joining needs every part).
 
-LyCORIS (LoKr, LoHa, ...): --to comfy writes `diffusion_model.<path>.lokr_w1` ... (tensors and alpha as they
-are, the path as for a LoRA), ai-toolkit's layout, which diffusers converts for the families whose spec names
-diffusers_lokr (a fused qkv of BFL names included: it fuses the model's q / k / v for it). Other families are refused:
-diffusers loads no LoKr for them and ComfyUI reads the file as saved. The other layouts are refused with the
-reason: a Kronecker or Hadamard factor is no down / up pair.
+LyCORIS (LoKr, LoHa, ...): --to comfy writes `diffusion_model.<path>.lokr_w1` (LoHa: `.hada_w1_a`) ... (tensors
+and alpha as they are, the path as for a LoRA), ai-toolkit's layout, which diffusers converts for the families whose
+spec names diffusers_lokr (a fused qkv of BFL names included: it fuses the model's q / k / v for it). Other families
+are refused: diffusers loads no LoKr for them and ComfyUI reads the file as saved. The other layouts are refused with
+the reason: a Kronecker or Hadamard factor is no down / up pair.
 """
 
 from __future__ import annotations
@@ -97,6 +97,7 @@ from networks.lora_files import (  # noqa: E402
     detect_format,
     dim_and_alpha,
     kohya_state_dict,
+    lycoris_kind,
     lycoris_kohya_names,
     naming,
     peft_alpha_known,
@@ -148,12 +149,15 @@ def read_source(path: str, tensors: dict, metadata: dict, adapter_config: dict |
 NOT_CONVERTED = "which convert_lora cannot work on"
 
 
-def lycoris_refusal() -> str:
-    """Why a LyCORIS file does not convert, naming the models diffusers loads LoKr for (from the specs)."""
+def lycoris_refusal(tensors: dict) -> str:
+    """Why the LyCORIS file of `tensors` does not convert, naming its kind and first key part as the file holds
+    them (a LoHa's hada_w1_a: a fixed lokr_w1 misnamed it) and the models diffusers loads LoKr for (from the specs)."""
     files = lora_files()
     loaded = [f.diffusers_lokr for f in files.values() if f.diffusers_lokr]
     not_loaded = [arch_spec(a).title for a, f in files.items() if "diffusers" in f.layouts and not f.diffusers_lokr]
-    return ("a LyCORIS file (LoKr/LoHa/...) has no kohya/diffusers LoRA form: its own keys (lora_unet_*.lokr_w1 ...) "
+    parts = sorted(key.rsplit(".", 1)[-1] for key in tensors if lycoris_kind(key))
+    kinds = "/".join(sorted({lycoris_kind(part) for part in parts}))
+    return (f"a LyCORIS file ({kinds}) has no kohya/diffusers LoRA form: its own keys (lora_unet_*.{parts[0]} ...) "
             f"are what ComfyUI and LyCORIS load; diffusers 0.42.1 loads LoKr only for {' and '.join(loaded)} (not "
             f"{title_list(not_loaded)}), in ai-toolkit's diffusion_model.* names: --to comfy writes those for them; "
             f"else merge it with tools/merge_lora.py")
@@ -167,14 +171,15 @@ def convert_lycoris(src: str, dst: str, to: str, tensors: dict, metadata: dict, 
     ComfyUI reads LyCORIS keys under any name its key map takes. A LyCORIS factor is no rows of a fused module's,
     so the other layouts are refused with the reason."""
     if to != "comfy":
-        raise CheckpointError(f"{src}: {lycoris_refusal()}")
+        raise CheckpointError(f"{src}: {lycoris_refusal(tensors)}")
     tensors, te = split_text_encoders(lycoris_kohya_names(tensors))  # a converted file converts again
     try:
         model_type = model_type or detect_arch(tensors, metadata)
     except CheckpointError as e:
         raise naming(src, e) from None
     if not getattr(lora_files().get(model_type), "diffusers_lokr", None):  # names a header does not settle: --model_type
-        raise CheckpointError(f"{src}: read as {arch_spec(model_type).title}'s: {lycoris_refusal()}")
+        title = arch_spec(model_type).title
+        raise CheckpointError(f"{src}: read as {title}'s: {lycoris_refusal(tensors)}")
     if te:
         print(f"warning: {src}: left out {text_encoder_note(te, text_encoder_labels(model_type))}: --to comfy holds the "
               f"transformer's modules only", file=sys.stderr)
