@@ -638,6 +638,25 @@ def test_peft_file_without_alpha_converts_as_scale_one_with_a_warning(tmp_path, 
     deltas_match(weights, scaled)
 
 
+def test_a_converted_file_says_the_layout_it_came_from(tmp_path, capsys):
+    """A ComfyUI file (lora_A / lora_B under diffusion_model., as --to comfy writes it) converted to kohya was
+    stamped lora_converted_from = "peft" and printed "peft -> kohya"; a diffusers file's said "peft" too."""
+    from tools import lora_info
+
+    m = "lora_unet_double_blocks_0_img_attn_proj"
+    save_file({f"{m}.lora_down.weight": torch.randn(2, 64), f"{m}.lora_up.weight": torch.randn(64, 2),
+               f"{m}.alpha": torch.tensor(1.0)}, str(tmp_path / "k.safetensors"))
+    for layout in ("comfy", "diffusers"):
+        assert convert(tmp_path / "k.safetensors", tmp_path / f"{layout}.safetensors", "--to", layout) == 0
+        assert lora_info.read_info(str(tmp_path / f"{layout}.safetensors"))["format"] == layout
+        capsys.readouterr()
+        back = (tmp_path / f"{layout}.safetensors", tmp_path / f"{layout}_k.safetensors")
+        assert convert(*back, "--to", "kohya", "--model_type", "flux") == 0  # attention alone: no arch by the names
+        assert f"flux LoRA: {layout} -> kohya, 1 modules" in capsys.readouterr().out
+        with safe_open(str(tmp_path / f"{layout}_k.safetensors"), "pt") as f:
+            assert f.metadata()["lora_converted_from"] == layout
+
+
 def test_convert_errors_are_one_line_exit_2(tmp_path, capsys):
     attn_only = {"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(2, 8),
                  "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(8, 2)}  # fmt: skip

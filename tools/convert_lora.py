@@ -115,7 +115,7 @@ from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl  # noqa:
 from networks.lora_reader import lora_in_our_names, lycoris_module_paths  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
 from networks.lora_arch import detect_arch, lora_files, module_of_key, text_encoder_labels, title_list  # noqa: E402
-from tools.lora_common import check_finite, check_output_path, warn_unknown_peft_alpha  # noqa: E402
+from tools.lora_common import check_finite, check_output_path, layout_name, warn_unknown_peft_alpha  # noqa: E402
 
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
 LAYOUT_ADVICE = {"diffusers": "--to diffusers", "comfy": "--to comfy", "peft": "--to peft (a PEFT adapter folder)"}
@@ -142,6 +142,7 @@ def read_source(path: str, tensors: dict, metadata: dict, adapter_config: dict |
     except CheckpointError as e:
         raise naming(path, e) from None
     weights, fmt, counts, _ = lora_in_our_names(tensors, metadata, adapter_config, model_type, source=path)
+    fmt = layout_name(tensors, fmt)  # the --to name: a ComfyUI file's lora_A / lora_B keys are no PEFT adapter's
     return weights, metadata, fmt, model_type, peft_alpha_known(tensors, metadata, adapter_config), counts, te
 
 

@@ -101,6 +101,20 @@ def read_lora_file(path: str, tool: str, keep_beside: bool = False) -> LoRAFile:
     return LoRAFile(path, weights, dict(metadata), fmt, prefix, dtype, shapes, diffs if keep_beside else {})
 
 
+def layout_name(keys, fmt: str) -> str:
+    """The layout of a file of tensor names `keys` and detect_format's `fmt`, by the names convert_lora's --to takes:
+    PEFT keys under ComfyUI's own prefix (or with a DoRA `dora_scale`) are ComfyUI's (--to comfy writes them), under
+    `transformer.` diffusers'. detect_format calls every lora_A / lora_B file "peft": a converted ComfyUI file's
+    header and line said it came from PEFT."""
+    if fmt != "peft":
+        return fmt
+    modules = [_split_key(k)[0] for k in keys if not k.startswith(DOTTED_TEXT_ENCODERS)]
+    comfy_named = bool(modules) and all(m.startswith(COMFY_ONLY_PREFIXES) for m in modules)
+    if comfy_named or any(k.endswith(".dora_scale") for k in keys):
+        return "comfy"
+    return "diffusers" if modules and all(m.startswith("transformer.") for m in modules) else fmt
+
+
 def check_finite(weights: dict[str, LoRAWeights], path: str, tool: str) -> None:
     """A NaN / inf in a factor (a diverged training's LoRA) is one line naming the module: the SVD of resize and
     combine --mode svd was a traceback (linalg.svd does not converge), concat wrote the NaN into a new file."""

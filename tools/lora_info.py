@@ -88,7 +88,7 @@ from networks.lora_arch import (  # noqa: E402
     variant_of,
     width_of,
 )
-from tools.lora_common import FOLDED_MARK, one_line  # noqa: E402
+from tools.lora_common import FOLDED_MARK, layout_name, one_line  # noqa: E402
 
 DORA_KEYS = (".dora_scale", ".lora_magnitude_vector")
 
@@ -104,10 +104,7 @@ def network_type(keys: list[str]) -> str:
 def layout(keys: list[str]) -> str:
     if is_lycoris_file(keys):
         return "lycoris"
-    fmt = detect_format(keys)
-    if fmt == "peft" and all(k.startswith("transformer.") for k in keys):
-        return "diffusers"
-    return fmt
+    return layout_name(keys, detect_format(keys))
 
 
 def shared_names_fit(held: list[str], widths: dict[str, int]) -> str:
