@@ -36,14 +36,31 @@ def where_set(args, *keys: str) -> str:
     return blame(getattr(args, "key_origins", {}), args.config_file or "command line", *keys)
 
 
-def exit_without_collecting(code: int):
+def exit_without_collecting(code):
     """sys.exit(code), past the interpreter's last cyclic collections: with torch, diffusers' quantizers
     (bitsandbytes, torch._inductor) and transformers loaded, tearing the modules down walked their ~0.5 M
     objects again and again (2.2 s measured after the last line on 2 idle cores, 3-7 s under load; 0.4 s
     with the objects frozen). Every file, log and tracker is closed by then; the OS takes back the memory.
-    atexit handlers still run."""
+    atexit handlers still run. `code` may be the command's main itself, run by run_main."""
+    if callable(code):
+        code = run_main(code)
     gc.freeze()
     sys.exit(code)
+
+
+INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a Ctrl-C'd command (train_lora's too)
+
+
+def run_main(main) -> int:
+    """main()'s exit status (0 where it returns what it made, not a status), and a Ctrl-C (KeyboardInterrupt)
+    anywhere in it one 'interrupted' line and status 130, as in train_lora: each tool printed a traceback.
+    atomic_path / atomic_folder have removed their temporaries by then (their finally blocks run as it passes)."""
+    try:
+        code = main()
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return INTERRUPTED
+    return code if isinstance(code, int) else 0
 
 
 def one_line_warnings() -> None:

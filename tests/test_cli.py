@@ -183,8 +183,53 @@ def test_every_command_line_exits_without_the_interpreters_last_collections():
     for script in command_line_scripts():
         with open(f"{ROOT}/{script}") as f:
             main_block = f.read().split('\nif __name__ == "__main__":\n')[-1]
-        assert main_block.rstrip().splitlines()[-1].strip().startswith("exit_without_collecting("), script
+        last = main_block.rstrip().splitlines()[-1].strip()
+        assert last.startswith("exit_without_collecting("), script
+        # a tool's main run by it: a Ctrl-C is one line (run_main); train_lora says its own
+        assert last == "exit_without_collecting(main)" or script == "train_lora.py", script
     frozen = gc.get_freeze_count()
     with pytest.raises(SystemExit) as exited:  # it freezes what lives in this worker, as tests/conftest.py does
         exit_without_collecting(3)
     assert exited.value.code == 3 and gc.get_freeze_count() > frozen
+
+
+def test_run_main_gives_mains_status_0_for_what_it_made_and_130_for_a_ctrl_c(capsys):
+    from library.errors import run_main
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    assert (run_main(lambda: 2), run_main(lambda: ["made"]), run_main(interrupted)) == (2, 0, 130)
+    assert capsys.readouterr().err == "interrupted\n"
+
+
+# Run as a tool's __main__ block: a Ctrl-C while its output is half written (save_file interrupted).
+INTERRUPTED_TOOL = """
+import runpy, sys
+import library.io
+
+def interrupted(tensors, path, metadata=None):
+    open(path, "wb").write(b"half")
+    raise KeyboardInterrupt
+
+library.io.save_file = interrupted
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_ctrl_c_in_a_tool_is_one_line_and_status_130_leaving_no_partial_output(tmp_path):
+    """Every tool printed Python's traceback for a Ctrl-C (train_lora alone said one line): now the tools' shared
+    exit (exit_without_collecting(main)) says 'interrupted' and exits 130; the half-written output is removed."""
+    import torch
+    from safetensors.torch import save_file
+
+    m = "lora_unet_double_blocks_0_img_attn_proj"
+    save_file({f"{m}.lora_down.weight": torch.randn(2, 64), f"{m}.lora_up.weight": torch.randn(64, 2),
+               f"{m}.alpha": torch.tensor(1.0)}, str(tmp_path / "k.safetensors"))
+    argv = [f"{ROOT}/tools/convert_lora.py", str(tmp_path / "k.safetensors"), str(tmp_path / "d.safetensors"),
+            "--to", "diffusers"]
+    done = subprocess.run([sys.executable, "-c", INTERRUPTED_TOOL, *argv], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert (done.returncode, done.stderr) == (130, "interrupted\n"), done.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["k.safetensors"]

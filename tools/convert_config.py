@@ -272,4 +272,4 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     check_command_line(build_parser)
-    exit_without_collecting(main())
+    exit_without_collecting(main)

@@ -269,5 +269,4 @@ def main(argv=None) -> dict:
 
 
 if __name__ == "__main__":
-    main()
-    exit_without_collecting(0)
+    exit_without_collecting(main)

@@ -382,4 +382,4 @@ def write(args) -> None:
 
 
 if __name__ == "__main__":
-    exit_without_collecting(main())
+    exit_without_collecting(main)

@@ -567,4 +567,4 @@ def report(args, family, run, step: LargestStep) -> None:
 
 
 if __name__ == "__main__":
-    exit_without_collecting(main())
+    exit_without_collecting(main)

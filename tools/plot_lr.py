@@ -55,5 +55,4 @@ def main(argv=None) -> list[str]:
 
 
 if __name__ == "__main__":
-    main()
-    exit_without_collecting(0)
+    exit_without_collecting(main)

@@ -483,4 +483,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    exit_without_collecting(main())
+    exit_without_collecting(main)

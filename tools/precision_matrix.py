@@ -578,4 +578,4 @@ def main(argv=None, log=print) -> int:
 
 
 if __name__ == "__main__":
-    exit_without_collecting(main())
+    exit_without_collecting(main)
