@@ -74,6 +74,26 @@ def test_a_base_given_as_its_safetensors_file_gives_peft_its_folder(tiny_set, tm
     assert config["base_model_name_or_path"] == "llm"
 
 
+def test_an_llm_loras_header_has_no_diffusion_guidance_scale(tiny_set, tmp_path):
+    """guidance_scale is a diffusion key (an LLM run refuses it): its default 1.0 was written into every LLM
+    LoRA's header as ss_guidance_scale. The diffusion task's facts carry it now; the LLM task's do not."""
+    from safetensors import safe_open
+
+    from library.training.saves import lora_metadata
+
+    out = tmp_path / "lora"
+    assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name",
+                                    "lm", "--max_train_steps", "1", "--network_dim", "4", "--eval_every_n_steps", "0")) == 0
+    with safe_open(out / "lm" / "adapter_model.safetensors", "pt") as f:
+        header = f.metadata()
+    assert "ss_guidance_scale" not in header and header["ss_seed"] == "42"
+    args = train_lora.load_config(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"]))
+    facts = {"base_model_version": "x", "base_precision": "bf16", "resolution": "64x64", "batch_size": 1,
+             "timestep_sampling": "shift", "dataset": [], "guidance": 3.5}
+    task = type("Task", (), {"metadata": lambda self: facts, "batches_per_epoch": lambda self: 1})()
+    assert lora_metadata(args, task, 1, 1, 1, 1, 0.0)["ss_guidance_scale"] == "3.5"
+
+
 @pytest.mark.parametrize("extra, message", [
     (("--pretrain",), "save_format 'peft' is for LLM LoRAs (model_type llm without pretrain)"),
     (("--network_module", "lycoris.kohya"), "save_format 'peft' needs network_module networks.lora"),

@@ -665,6 +665,7 @@ class DiffusionTask:
             "resolution": ",".join(f"{d.resolution[0]}x{d.resolution[1]}" for d in datasets),
             "batch_size": self._total_batch_size(),
             "timestep_sampling": args.timestep_sampling or self.family.default_timestep_sampling(self.base),
+            "guidance": args.guidance_scale,  # ss_guidance_scale: a diffusion key; an LLM's task gives none
             "dataset": self._dataset_summary(),
             **self._folder_facts(),
             "base_loras": base_loras_metadata(args.base_loras),

@@ -49,7 +49,7 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         + (f" ({' '.join(args.optimizer_args)})" if args.optimizer_args else ""),
         lr=args.learning_rate, lr_scheduler=args.lr_scheduler, timestep_sampling=facts["timestep_sampling"],
         shift=args.discrete_flow_shift if facts["timestep_sampling"] == "shift" else None,  # read by that draw only
-        guidance=args.guidance_scale, seed=args.seed, dataset=facts["dataset"],
+        guidance=facts.get("guidance"), seed=args.seed, dataset=facts["dataset"],
         **{key: facts.get(key) for key in ("dataset_dirs", "tag_frequency", "num_train_images", "num_reg_images")},
         num_batches_per_epoch=task.batches_per_epoch(),
         training_started_at=int(started), training_finished_at=int(now),

@@ -100,4 +100,5 @@ class Task(Protocol):
     def metadata(self) -> dict:
         """The training facts only the task knows, as networks.lora_files.build_metadata fields:
         base_model_version, base_precision, resolution, batch_size, timestep_sampling, dataset (and
-        base_loras, the LoRAs merged into the frozen base, where any)."""
+        base_loras, the LoRAs merged into the frozen base, where any; guidance, the guidance_scale trained
+        at, where the model reads one: an LLM's header has no ss_guidance_scale)."""
