@@ -44,7 +44,7 @@ def test_llm_lora_trains_only_lora_and_loss_falls(tiny_set, tmp_path):
     peft_keys = load_file(out / "lm" / "adapter_model.safetensors")
     assert len(peft_keys) == 2 * len(keys) / 3 and all(k.startswith("base_model.model.model.layers.") for k in peft_keys)
     config = json.loads((out / "lm" / "adapter_config.json").read_text())
-    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (8, 16, "llm")
+    assert (config["r"], config["lora_alpha"], config["base_model_name_or_path"]) == (8, 16, tiny_set["llm"])
     # keep-last-1 pruned the step-10 folder and file, kept step 20's
     assert sorted(os.listdir(out)).count("lm-step000020") == 1 and not (out / "lm-step000010").exists()
     assert not (out / "lm-step000010.safetensors").exists() and (out / "lm-step000020.safetensors").exists()
@@ -61,8 +61,11 @@ def test_llm_lora_trains_only_lora_and_loss_falls(tiny_set, tmp_path):
 @pytest.mark.parametrize("relative", [True, False])
 def test_a_base_given_as_its_safetensors_file_gives_peft_its_folder(tiny_set, tmp_path, monkeypatch, relative):
     """base_model_name_or_path is what AutoPeftModelForCausalLM.from_pretrained(adapter) hands to
-    AutoModelForCausalLM.from_pretrained: the model's folder. A base given as its .safetensors file wrote the
-    file ("llm/model.safetensors"), which transformers reads as a malformed hub repo id (OSError)."""
+    AutoModelForCausalLM.from_pretrained: the model's folder, absolute. A base given as its .safetensors file wrote
+    the file ("llm/model.safetensors"), which transformers reads as a malformed hub repo id (OSError); then the
+    folder's basename ("llm") or the relative path as given, which loaded only from the folder above the base."""
+    from peft import AutoPeftModelForCausalLM
+
     folder = tiny_set["llm"]
     if relative:
         monkeypatch.chdir(os.path.dirname(folder))
@@ -71,7 +74,9 @@ def test_a_base_given_as_its_safetensors_file_gives_peft_its_folder(tiny_set, tm
     assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", base, "--output_name", "lm",
                                     "--max_train_steps", "1", "--network_dim", "4", "--eval_every_n_steps", "0")) == 0
     config = json.loads((out / "lm" / "adapter_config.json").read_text())
-    assert config["base_model_name_or_path"] == "llm"
+    assert os.path.isabs(config["base_model_name_or_path"]) and os.path.samefile(config["base_model_name_or_path"], folder)
+    monkeypatch.chdir(tmp_path)  # another working directory: the adapter still finds its base
+    assert AutoPeftModelForCausalLM.from_pretrained(str(out / "lm")).peft_config["default"].r == 4
 
 
 def test_an_llm_loras_header_has_no_diffusion_guidance_scale(tiny_set, tmp_path):

@@ -519,11 +519,12 @@ class LLMTask:
             written = []
             if "peft" in lora_formats(self.args):
                 # PEFT's pointer to the base, what AutoPeftModelForCausalLM hands to from_pretrained: the model's
-                # folder (a base given as its .safetensors or index file: the folder it is in); a basename if absolute
+                # folder (a base given as its .safetensors or index file: the folder it is in), absolute, so that it
+                # loads from any working directory (a basename or a relative path loaded only from one)
                 base = os.path.dirname(config_json_path(self.args.pretrained_model_name_or_path.rstrip("/\\")))
                 nested = nests_language_model(self._base_config())
-                self.network.save_peft(folder, dtype, metadata, base_model=os.path.basename(base)
-                                       if os.path.isabs(base) else base, rename=nested_path if nested else None)
+                self.network.save_peft(folder, dtype, metadata, base_model=os.path.abspath(base),
+                                       rename=nested_path if nested else None)
                 written.append(folder)
             if "kohya" in lora_formats(self.args):
                 self.network.save(path, dtype=dtype, metadata=metadata)
