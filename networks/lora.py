@@ -674,4 +674,6 @@ class LoRANetwork(nn.Module):
         if rename is not None:
             weights = {rename(p): w for p, w in weights.items()}
         targets = peft_target_modules(weights, None if rename else linears)
-        write_peft_folder(weights, folder, dtype, self._header(metadata), base_model, targets)
+        # sd-scripts' dropout (on down(x)) is the nearest to PEFT's lora_dropout (on x): rank / module dropout have none
+        write_peft_folder(weights, folder, dtype, self._header(metadata), base_model, targets,
+                          lora_dropout=self.dropouts["dropout"] or 0.0)

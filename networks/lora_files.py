@@ -705,10 +705,12 @@ def _json_number(value: float):
     return int(value) if float(value).is_integer() else float(value)
 
 
-def peft_adapter_config(weights: dict[str, LoRAWeights], base_model: str | None = None, target_modules=None) -> dict:
+def peft_adapter_config(weights: dict[str, LoRAWeights], base_model: str | None = None, target_modules=None,
+                        lora_dropout: float = 0.0) -> dict:
     """adapter_config.json for a causal-LM LoRA: r and lora_alpha are the most common rank and
     alpha, modules that differ go to rank_pattern / alpha_pattern (PEFT's scale is alpha / r per
-    module, so lora_B is written unscaled). DoRA sets use_dora; plain and DoRA modules cannot mix."""
+    module, so lora_B is written unscaled). DoRA sets use_dora; plain and DoRA modules cannot mix.
+    lora_dropout: the LoRA's trained `dropout` (network_dropout), the probability PEFT's own training reads on."""
     dora = {w.magnitude is not None for w in weights.values()}
     if len(dora) > 1:
         raise CheckpointError("a PEFT adapter is all DoRA or all plain LoRA; this LoRA mixes both")
@@ -725,7 +727,7 @@ def peft_adapter_config(weights: dict[str, LoRAWeights], base_model: str | None 
         "alpha_pattern": {_pattern_key(p): _json_number(w.alpha) for p, w in sorted(weights.items()) if w.alpha != alpha},
         "use_dora": dora == {True},
         "use_rslora": False,
-        "lora_dropout": 0.0,
+        "lora_dropout": float(lora_dropout),
         "bias": "none",
         "fan_in_fan_out": False,
         "modules_to_save": None,
@@ -751,10 +753,10 @@ def peft_folder_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32)
 
 
 def write_peft_folder(weights: dict[str, LoRAWeights], folder: str, dtype=torch.float32, metadata=None,
-                      base_model: str | None = None, target_modules=None) -> None:
+                      base_model: str | None = None, target_modules=None, lora_dropout: float = 0.0) -> None:
     """A PEFT adapter folder (adapter_config.json + adapter_model.safetensors, our training
     metadata in its header), built beside `folder` and swapped in whole (library.io.atomic_folder)."""
-    config = peft_adapter_config(weights, base_model, target_modules)
+    config = peft_adapter_config(weights, base_model, target_modules, lora_dropout)
     with atomic_folder(folder) as tmp:
         write_lora_tensors(peft_folder_state_dict(weights, dtype), os.path.join(tmp, PEFT_WEIGHTS_FILE),
                            {"format": "pt", **(metadata or {})})

@@ -79,6 +79,17 @@ def test_a_base_given_as_its_safetensors_file_gives_peft_its_folder(tiny_set, tm
     assert AutoPeftModelForCausalLM.from_pretrained(str(out / "lm")).peft_config["default"].r == 4
 
 
+@pytest.mark.parametrize("dropout", [("--network_dropout", "0.1"), ("--network_args", "dropout=0.1")])
+def test_the_peft_adapter_config_says_the_lora_dropout_it_trained_with(tiny_set, tmp_path, dropout):
+    """network_dropout (sd-scripts' key, network_args' `dropout` alike) is the LoRA's dropout in training:
+    adapter_config.json said lora_dropout 0.0 whatever the run trained with."""
+    out = tmp_path / "lora"
+    assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name",
+                                    "lm", "--max_train_steps", "1", "--network_dim", "4", "--eval_every_n_steps", "0",
+                                    *dropout)) == 0
+    assert json.loads((out / "lm" / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+
+
 def test_an_llm_loras_header_has_no_diffusion_guidance_scale(tiny_set, tmp_path):
     """guidance_scale is a diffusion key (an LLM run refuses it): its default 1.0 was written into every LLM
     LoRA's header as ss_guidance_scale. The diffusion task's facts carry it now; the LLM task's do not."""
