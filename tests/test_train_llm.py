@@ -4,6 +4,7 @@ a config.json alone whose saved folder loads in transformers; plus tools/generat
 import csv
 import json
 import os
+import re
 import shutil
 
 import pytest
@@ -88,6 +89,28 @@ def test_the_peft_adapter_config_says_the_lora_dropout_it_trained_with(tiny_set,
                                     "lm", "--max_train_steps", "1", "--network_dim", "4", "--eval_every_n_steps", "0",
                                     *dropout)) == 0
     assert json.loads((out / "lm" / "adapter_config.json").read_text())["lora_dropout"] == 0.1
+
+
+def test_a_held_out_split_shorter_than_a_window_is_counted_as_the_window_its_val_loss_is_over(tiny_set, tmp_path,
+                                                                                             capsys):
+    """held_out_loss scores the whole held-out split, its last window the shorter rest; the count said only the full
+    windows, so a split of fewer than max_length + 1 tokens printed (and wrote in ss_datasets) "0 val windows"
+    beside a val loss. Both say the windows scored now, with the tokens held out."""
+    from safetensors import safe_open
+
+    words = "the quick brown fox jumps over the lazy dog".split()
+    (tmp_path / "short.txt").write_text(" ".join(words[i % len(words)] for i in range(240)))
+    out = tmp_path / "lora"
+    argv = llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name", "lm",
+                    "--max_train_steps", "2", "--eval_every_n_steps", "2", "--network_dim", "4")
+    argv[argv.index("--train_data") + 1] = str(tmp_path / "short.txt")
+    assert train_lora.main(argv) == 0
+    printed = capsys.readouterr().out
+    said = re.search(r"(\d+) val windows \((\d+) tokens held out\)", printed)
+    assert said and said[1] == "1" and 1 < int(said[2]) < 32 + 1, printed
+    assert len(column(out / "lm_eval.csv", "val_loss")) == 2
+    with safe_open(out / "lm" / "adapter_model.safetensors", "pt") as f:
+        assert json.loads(f.metadata()["ss_datasets"])["val_windows"] == 1
 
 
 def test_an_llm_loras_header_has_no_diffusion_guidance_scale(tiny_set, tmp_path):

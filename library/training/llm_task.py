@@ -182,7 +182,7 @@ class LLMTask:
         config, self.from_scratch, prepare = self._model_config(path)
         if not args.pretrain:  # network_args against the model, network_weights' ranks against the network's: before tokenizing
             check_network_fits(args, "llm", lambda: self._meta_model(config))
-        self.train_set, self.val_set = self._load_data(files, counts.documents, config.vocab_size)
+        self.train_set = self._load_data(files, counts.documents, config.vocab_size)
         if state:  # before the weights load (minutes for a large base): a resume that does not fit fails at once
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.model = self._load_model(path, config, prepare)
@@ -295,8 +295,6 @@ class LLMTask:
             raise ConfigError(f"train_data {', '.join(args.train_data)}: {len(ids)} tokens{held} leave {len(train_ids)} "
                               f"to train on, fewer than max_length + 1 = {args.max_length + 1}")
         train = TextWindowDataset(train_ids, args.max_length, args.stride, train_trained, train_starts)
-        val = (TextWindowDataset(val_ids, args.max_length, args.max_length, self.val_trained, self.val_starts)
-               if len(val_ids) > args.max_length + 1 else None)
         # TOKEN_DTYPE [N]: evaluate() scores all of it (its trained tokens: val_trained, less val_starts' borders)
         self.val_ids = val_ids
         if len(val_ids) > 1 and not self.scores_held_out():
@@ -309,8 +307,8 @@ class LLMTask:
                               f"{args.max_length}{what}")
         counted = f" ({int(trained.sum())} trained on: assistant tokens)" if trained is not None else ""
         self.accelerator.print(f"text: {len(ids)} tokens{counted}, {len(train)} train windows, "
-                               f"{len(val) if val else 0} val windows")
-        return train, val
+                               f"{self.held_out_windows()} val windows ({len(val_ids)} tokens held out)")
+        return train
 
     def _sample_prompt_ids(self) -> list[int]:
         """sample_prompt's ids. With sample_chat (sample_chat_template, unset: on where train_data holds
@@ -457,6 +455,11 @@ class LLMTask:
         n = len(self.val_ids)  # one window of all n - 1 targets, kept as training keeps its windows
         return n > 1 and len(kept_windows(n, n - 1, 1, self.val_trained, document_borders(self.val_starts, n))) > 0
 
+    def held_out_windows(self) -> int:
+        """The windows held_out_loss scores (0: no val loss), its last the shorter rest. The count was of full
+        windows alone, so a held-out split shorter than max_length + 1 said "0 val windows" beside its val loss."""
+        return -(-(len(self.val_ids) - 1) // self.args.max_length) if self.scores_held_out() else 0
+
     @torch.no_grad()
     def held_out_loss(self) -> float:
         """Token-weighted mean cross-entropy over every trained target token of the held-out split (nan
@@ -562,7 +565,7 @@ class LLMTask:
             "resolution": f"{args.max_length} tokens",
             "batch_size": args.batch_size * self.accelerator.num_processes * args.gradient_accumulation_steps,
             "timestep_sampling": None,
-            "dataset": {"train_windows": len(self.train_set), "val_windows": len(self.val_set) if self.val_set else 0,
+            "dataset": {"train_windows": len(self.train_set), "val_windows": self.held_out_windows(),
                         "files": [os.path.basename(p) for p in args.train_data]},
             **getattr(self, "loaded", {}),
         }
