@@ -317,6 +317,30 @@ def test_a_lora_trains_on_a_messages_file_with_the_loss_on_replies_only(tiny_set
     assert len(losses) == 4 and all(0 < v < 20 for v in losses + val)
 
 
+def test_conversations_longer_than_a_window_are_counted_in_one_warning(tiny_set, chat_llm, tmp_path):
+    """3 of 33 conversations do not fit a window of max_length 96 + 1 tokens: the windows cut each into pieces
+    trained apart, which nothing said. One warning now gives how many, the longest and the windows at least."""
+    import warnings
+
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+
+    short = [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1 2 3"}]
+    long = [{"role": "user", "content": "Count to 40."}, {"role": "assistant", "content": " ".join(map(str, range(1, 41)))}]
+    path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": short}] * 30 + [{"messages": long}] * 3)
+    args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data", path,
+                        "--output_dir", str(tmp_path / "out"), "--mixed_precision", "no", "--max_length", "96"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        task = LLMTask(args, train_lora.make_accelerator(args))
+    said = [str(w.message) for w in caught if "conversations are longer than a window" in str(w.message)]
+    longest = len(task.tokenizer.apply_chat_template(long, tokenize=True, return_dict=False))
+    assert said == [f"train_data: 3 of 33 conversations are longer than a window of max_length 96 + 1 tokens (the "
+                    f"longest {longest}): they are split into at least {3 * -(-(longest - 1) // 96)} windows, trained "
+                    f"apart (raise max_length, or shorten them)"], said
+    assert longest > 97
+
+
 def test_the_held_out_loss_averages_over_the_trained_tokens_only():
     """70 held-out tokens, 23 of them trained (every third from 1): the token-weighted mean over those 23
     targets, not over all 69 (the all-token loss differs)."""

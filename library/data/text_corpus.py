@@ -9,6 +9,7 @@ import array
 import codecs
 import os
 import re
+import warnings
 from typing import Callable, Iterable, Iterator, NamedTuple
 
 import torch
@@ -274,6 +275,29 @@ def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode
                 stream.start_document()
                 stream.add(*chat(record["messages"], where))
     return Corpus(*stream.finish(), stream.document_starts())
+
+
+def measured(chat: ChatEncoder, lengths: list[int]) -> ChatEncoder:
+    """chat, appending each conversation's token count to `lengths` (what warn_long_conversations reads)."""
+
+    def encode(messages: list, where: str):
+        ids, trained = chat(messages, where)
+        lengths.append(len(ids))
+        return ids, trained
+
+    return encode
+
+
+def warn_long_conversations(lengths: list[int], max_length: int) -> None:
+    """One warning for the conversations longer than a window (max_length inputs + the last target): the
+    stream's windows cut each into pieces trained apart, none seeing its start with its end, which went unsaid.
+    Counted as windows of stride max_length: overlapping windows (a smaller stride) make more."""
+    long = [n for n in lengths if n > max_length + 1]
+    if long:
+        pieces = sum(-(-(n - 1) // max_length) for n in long)
+        warnings.warn(f"train_data: {len(long)} of {len(lengths)} conversations are longer than a window of max_length "
+                      f"{max_length} + 1 tokens (the longest {max(long)}): they are split into at least {pieces} "
+                      f"windows, trained apart (raise max_length, or shorten them)", stacklevel=3)
 
 
 def train_val_split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:

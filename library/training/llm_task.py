@@ -29,8 +29,8 @@ import torch.nn.functional as F
 from library.data.chat_records import chat_encoder, end_of_turn_id, user_turn_ids
 from library.data.dataset import process_share
 from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents, check_corpus, corpus_files,
-                                      document_borders, kept_windows, split_starts, tokenize_corpus, train_val_split,
-                                      window_documents, window_targets)
+                                      document_borders, kept_windows, measured, split_starts, tokenize_corpus,
+                                      train_val_split, warn_long_conversations, window_documents, window_targets)
 from library.models.core import checkpointing
 from library.models.llm import (LLM, LLMConfig, _find_config, config_json_path, cross_entropy_loss, generate, load_llm,
                                 perplexity, save_hf_folder)
@@ -278,8 +278,10 @@ class LLMTask:
             warnings.warn(f"{args.pretrained_model_name_or_path}: the tokenizer names no eos_token, so the {documents} "
                           f"documents of train_data (.txt files and \"text\" records) run together with no border "
                           f"between them (set eos_token in its tokenizer_config.json)", stacklevel=2)
-        chat = chat_encoder(self.tokenizer, args.train_on_all_tokens)
+        chat_lengths = []  # each conversation's tokens
+        chat = measured(chat_encoder(self.tokenizer, args.train_on_all_tokens), chat_lengths)
         ids, trained, starts = tokenize_corpus(files, self.encode, self.encode_more, eos, chat)
+        warn_long_conversations(chat_lengths, args.max_length)
         if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
             top = int(ids.max())
             raise ConfigError(f"{args.pretrained_model_name_or_path}: the tokenizer gives train_data token id {top} "
