@@ -326,7 +326,8 @@ def test_conversations_longer_than_a_window_are_counted_in_one_warning(tiny_set,
     from library.training.llm_task import LLMTask
 
     short = [{"role": "user", "content": "Count to 3."}, {"role": "assistant", "content": "1 2 3"}]
-    long = [{"role": "user", "content": "Count to 40."}, {"role": "assistant", "content": " ".join(map(str, range(1, 41)))}]
+    long = [{"role": "user", "content": "Count to 40."},
+            {"role": "assistant", "content": " ".join(map(str, range(1, 41)))}]
     path = write_jsonl(tmp_path / "chat.jsonl", [{"messages": short}] * 30 + [{"messages": long}] * 3)
     args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data", path,
                         "--output_dir", str(tmp_path / "out"), "--mixed_precision", "no", "--max_length", "96"])

@@ -75,7 +75,8 @@ def test_a_base_given_as_its_safetensors_file_gives_peft_its_folder(tiny_set, tm
     assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", base, "--output_name", "lm",
                                     "--max_train_steps", "1", "--network_dim", "4", "--eval_every_n_steps", "0")) == 0
     config = json.loads((out / "lm" / "adapter_config.json").read_text())
-    assert os.path.isabs(config["base_model_name_or_path"]) and os.path.samefile(config["base_model_name_or_path"], folder)
+    written = config["base_model_name_or_path"]
+    assert os.path.isabs(written) and os.path.samefile(written, folder)
     monkeypatch.chdir(tmp_path)  # another working directory: the adapter still finds its base
     assert AutoPeftModelForCausalLM.from_pretrained(str(out / "lm")).peft_config["default"].r == 4
 
@@ -122,7 +123,8 @@ def test_an_llm_loras_header_has_no_diffusion_guidance_scale(tiny_set, tmp_path)
 
     out = tmp_path / "lora"
     assert train_lora.main(llm_args(tiny_set, out, "--pretrained_model_name_or_path", tiny_set["llm"], "--output_name",
-                                    "lm", "--max_train_steps", "1", "--network_dim", "4", "--eval_every_n_steps", "0")) == 0
+                                    "lm", "--max_train_steps", "1", "--network_dim", "4",
+                                    "--eval_every_n_steps", "0")) == 0
     with safe_open(out / "lm" / "adapter_model.safetensors", "pt") as f:
         header = f.metadata()
     assert "ss_guidance_scale" not in header and header["ss_seed"] == "42"
