@@ -5,6 +5,7 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --work /tmp/fullsize --skip-write
     python bench/bench_full_pipeline_cpu.py --family qwen_image --work /tmp/fullqwen --qwen-blocks 6
     python bench/bench_full_pipeline_cpu.py --family flux2 --work /tmp/fullklein       # klein 4B, ~16 GB
+    python bench/bench_full_pipeline_cpu.py --family flux2 --work /tmp/fullklein --skip-write --references 2
     python bench/bench_full_pipeline_cpu.py --family zimage --work /tmp/fullzimage     # Z-Image-Turbo, ~20 GB
     python bench/bench_full_pipeline_cpu.py --family chroma --work /tmp/fullchroma     # Chroma1-HD, ~28 GB
     python bench/bench_full_pipeline_cpu.py --family qwen_image21 --work /tmp/fullqi21 # Qwen-Image-2.1, ~30 GB
@@ -469,7 +470,25 @@ max_train_steps = 2
 """
 
 
-def write_run_config(work: str, family: str = "flux", single_file: bool = False, mixed_precision: str = "bf16") -> str:
+def write_references(work: str, images: str, count: int) -> None:
+    """`count` 256x256 reference images per target in <work>/references (name_0.png, ...), the subset's
+    control_directory, and the sample prompt given image 0's references (--ci each)."""
+    from PIL import Image
+
+    folder = os.path.join(work, "references")
+    os.makedirs(folder, exist_ok=True)
+    for i in range(2):
+        for k in range(count):
+            Image.new("RGB", (256, 256), (60 + 60 * k, 120, 60 * i)).save(os.path.join(folder, f"{i}_{k}.png"))
+    with open(os.path.join(work, "dataset.toml"), "a") as f:
+        f.write(f'control_directory = "{folder}"\n')
+    cis = " ".join(f"--ci {folder}/0_{k}.png" for k in range(count))
+    with open(os.path.join(work, "prompts.txt"), "w") as f:
+        f.write(f"a red square {cis} --w 256 --h 256 --s 4 --d 7\n")
+
+
+def write_run_config(work: str, family: str = "flux", single_file: bool = False, mixed_precision: str = "bf16",
+                     references: int = 0) -> str:
     from PIL import Image
 
     images = os.path.join(work, "images")
@@ -490,6 +509,8 @@ def write_run_config(work: str, family: str = "flux", single_file: bool = False,
             f.write("multiple_target = true\n")
         with open(os.path.join(work, "prompts.txt"), "w") as f:
             f.write(f"a red square --ci {images}/0.png --w 256 --h 256 --s 4 --d 7\n")
+    if references:
+        write_references(work, images, references)
     transformer = f"{work}/z_image_turbo_bf16.safetensors" if single_file else work  # work: the repo layout
     models = {  # what differs between the families; the run settings below are shared
         "qwen_image": f'''model_type = "qwen_image"
@@ -649,7 +670,11 @@ def main(argv=None):
     p.add_argument("--mixed-precision", choices=["bf16", "no"], default="bf16",
                    help="the transformer's compute dtype; 'no' (float32) on a CPU without native bf16, where bf16 "
                         "matmuls run ~5x slower than float32 (the text encoder stays bf16 either way)")
+    p.add_argument("--references", type=int, default=0,
+                   help="flux2: reference images per target (256x256, control_directory) and in the sample")
     args = p.parse_args(argv)
+    if args.references and args.family != "flux2":
+        p.error("--references: the flux2 bench trains with references")
     if not args.skip_write:
         t = time.time()
         if args.family == "flux":
@@ -669,7 +694,8 @@ def main(argv=None):
         else:
             write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)
-    result = run_trainer(write_run_config(args.work, args.family, args.single_file, args.mixed_precision))
+    result = run_trainer(write_run_config(args.work, args.family, args.single_file, args.mixed_precision,
+                                          args.references))
     rows = phase_peaks(result)
     print(f"\ntrain_lora.py exit {result['code']} after {result['seconds']:.0f} s")
     print(f"{'phase':18s} {'seconds':>8s} {'VmRSS':>7s} {'RssAnon':>8s} {'RssFile':>8s}  (peak GiB)")
