@@ -164,3 +164,20 @@ def test_dev_sampling_matches_flux2_pipeline(tiny_set, tmp_path):
     relative = ((ours - theirs).norm() / theirs.norm()).item()
     print(f"FLUX.2 [dev] sampling vs Flux2Pipeline: relative {relative:.3g}")
     assert relative <= 1e-5
+
+
+def test_max_sequence_length_is_the_tokens_a_caption_is_padded_to(tiny_set):
+    """The config's max_sequence_length (the pipelines' argument; default 512) sets the encoder's padded length,
+    the text cache key, the caption check's limit and the planner's text tokens: a tiny base trained on short
+    captions (learned/flux2: 64) samples and plans at its own length."""
+    from library.training.memory_plan import text_tokens_for
+
+    family = Flux2Family(tiny_set["flux2_tiny"], tiny_set["flux2_vae"], text_encoder=tiny_set["flux2_text_encoder"])
+    short, default = SimpleNamespace(max_sequence_length=40), SimpleNamespace()
+    assert family.text_options(default) == {"max_length": 512} and family.text_options(short) == {"max_length": 40}
+    encode = family.load_text_encoder("fp32", torch.device("cpu"), **family.text_options(short))
+    (embeds,) = (e["embeds"] for e in encode(["a red cat"]))
+    assert embeds.shape == (40, 96)
+    assert family.text_cache_key(family.text_options(short), "bf16") != family.text_cache_key({"max_length": 512}, "bf16")
+    assert family.caption_token_limit(short).max_tokens == 40 and text_tokens_for(family, short) == 40
+    assert text_tokens_for(family, default) == 512

@@ -101,13 +101,19 @@ class Flux2Family(DiffusionFamily):
         from library.models.flux2 import text_encoder as te
 
         if self.is_dev():
-            return {"hidden_layers": dev.DEV_HIDDEN_LAYERS, "max_length": dev.DEV_MAX_LENGTH,
-                    "system_message": dev.DEV_SYSTEM_MESSAGE, "template": dev.MISTRAL_PROMPT}
-        return {"hidden_layers": te.KLEIN_HIDDEN_LAYERS, "max_length": te.KLEIN_MAX_LENGTH,
-                "template": te.QWEN3_NO_THINKING_PROMPT}
+            return {"hidden_layers": dev.DEV_HIDDEN_LAYERS, "system_message": dev.DEV_SYSTEM_MESSAGE,
+                    "template": dev.MISTRAL_PROMPT}
+        return {"hidden_layers": te.KLEIN_HIDDEN_LAYERS, "template": te.QWEN3_NO_THINKING_PROMPT}
+
+    def text_options(self, args) -> dict:
+        """max_length: the tokens a caption is padded / cut to (chat template included), the pipelines'
+        max_sequence_length: 512 for both encoders unless the config's max_sequence_length says otherwise."""
+        from library.models.flux2.text_encoder import KLEIN_MAX_LENGTH  # == DEV_MAX_LENGTH
+
+        return {"max_length": getattr(args, "max_sequence_length", None) or KLEIN_MAX_LENGTH}
 
     def caption_token_limit(self, args):
-        """Both encoders cut the whole chat text (template included) at 512 tokens."""
+        """Both encoders cut the whole chat text (template included) at max_length tokens (512: text_options)."""
         from library.data.check import TokenLimit
         from library.io import component_folder
         from library.models.flux2 import dev_text_encoder as dev
@@ -116,8 +122,9 @@ class Flux2Family(DiffusionFamily):
 
         kind = "Mistral" if self.is_dev() else "Qwen2"
         tokenizer = _load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer", kind)
+        length = self.text_options(args)["max_length"]
         if not self.is_dev():
-            return TokenLimit("Qwen3", te.KLEIN_MAX_LENGTH,
+            return TokenLimit("Qwen3", length,
                               lambda text: len(tokenizer(te.klein_prompt_text(tokenizer, text), verbose=False).input_ids))
         template = dev.folder_chat_template(tokenizer)
 
@@ -125,20 +132,20 @@ class Flux2Family(DiffusionFamily):
             chat = dev.dev_prompt_text(tokenizer, text, template)
             return len(tokenizer(chat, add_special_tokens=dev.adds_special_tokens(tokenizer, chat), verbose=False).input_ids)
 
-        return TokenLimit("Mistral Small 3.1", dev.DEV_MAX_LENGTH, count)
+        return TokenLimit("Mistral Small 3.1", length, count)
 
-    def load_text_encoder(self, precision="bf16", device=None):
+    def load_text_encoder(self, precision="bf16", device=None, max_length: int = 512):
         from library.models.flux2.dev_text_encoder import load_dev_text_encoder
         from library.models.flux2.text_encoder import load_klein_text_encoder
         from library.models.text_encoders import encoder_precision
 
         dtype, fp8 = encoder_precision(precision)
         load = load_dev_text_encoder if self.is_dev() else load_klein_text_encoder  # Mistral Small 3.1 / Qwen3
-        encoder = load(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8)
+        encoder = load(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8, max_length=max_length)
         encoder.llm.to(device)
 
         def encode(captions: list[str]) -> list[dict]:
-            embeds, _ = encoder.encode(captions)  # [B, 512, 3D] float32, pads kept: the transformer sees all
+            embeds, _ = encoder.encode(captions)  # [B, max_length, 3D] float32, pads kept: the transformer sees all
             return [{"embeds": e} for e in embeds]
 
         return encode

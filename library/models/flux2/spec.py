@@ -86,6 +86,7 @@ _MISTRAL_SMALL_3_1_30_LAYERS = S.TextWeights(17_343_759_360, fp8_weights=16_672_
 PLANNER = S.Planner(
     transformer="library.models.flux2.model:Flux2",
     text_tokens=512,
+    text_length_option="max_length",
     presets={
         "flux2-klein-4b": S.PlannerPreset("flux2", "library.models.flux2.model:FLUX2_KLEIN_4B",
                                           {"text_encoder": _QWEN3_4B_27_LAYERS}),
@@ -112,6 +113,8 @@ TINY = S.TinySpec(
 CONFIG_KEYS = (
     S.ConfigKey("text_encoder", str, "[klein] Qwen3, [dev] Mistral Small 3.1's language model (the repo's "
                                      "text_encoder/ folder or a single file, tokenizer/ beside it)"),
+    S.ConfigKey("max_sequence_length", int, "text tokens a caption is padded / cut to, chat template included "
+                                            "(default 512, as Flux2Pipeline / Flux2KleinPipeline's max_sequence_length)"),
 )
 
 
