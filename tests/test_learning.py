@@ -26,7 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # regenerated 2026-11-25), 120 steps: 13/18 after, 8 of 10 kept. (With 10 regularisation images instead
 # of 200 and the previous Qwen-Image base, 2026-11-24: FLUX.1 15/18 and 9 of 10 kept; Qwen-Image 9/18
 # and 6 of 10 kept.)
-FAST = {"flux": (60, 0.6, 0.7), "qwen_image": (120, 0.35, 0.5)}
+FAST = {"flux": (60, 0.6, 0.7), "qwen_image": (120, 0.35, 0.5), "flux2": (120, 0.3, 0.5)}
 
 # Every family with a learned base: its files ship in learned/ (a missing one fails, it is not skipped).
 BASES = learned_families()

@@ -161,6 +161,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.flux2.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.flux2.learned:LEARNED",
     default_config="flux2_klein_4b.toml",
     config_keys=CONFIG_KEYS,
     sample_steps={"dev": 50, "klein base": 50, "klein distilled": 4},  # Flux2Pipeline / Flux2KleinPipeline; the distilled cards

@@ -39,9 +39,16 @@ LATENT_CHANNELS = dict(spec.TINY.dims)["flux2_latent_channels"]  # AutoencoderKL
 
 
 def write_qwen3_text_encoder(out: str, seed: int) -> dict[str, str]:
-    """FLUX.2 [klein] text encoder (diffusers repo layout text_encoder/ + tokenizer/): a transformers
-    Qwen3ForCausalLM with 28 layers, so that the pipeline's hidden layers 9, 18, 27 exist; head_dim 16
-    != hidden / heads (8) and tied embeddings, as in Qwen3-4B (whose files have no lm_head.weight)."""
+    """FLUX.2 [klein] text encoder (diffusers repo layout text_encoder/ + tokenizer/) in out/flux2."""
+    folder, tok_folder = os.path.join(out, "flux2", "text_encoder"), os.path.join(out, "flux2", "tokenizer")
+    write_klein_text_encoder(folder, tok_folder, seed)
+    return {"flux2_text_encoder": folder, "flux2_tokenizer": tok_folder}
+
+
+def write_klein_text_encoder(folder: str, tok_folder: str, seed: int) -> None:
+    """A transformers Qwen3ForCausalLM with 28 layers, so that the pipeline's hidden layers 9, 18, 27 exist;
+    head_dim 16 != hidden / heads (8) and tied embeddings, as in Qwen3-4B (whose files have no lm_head.weight);
+    its tokenizer in tok_folder."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     from library.models.llm import LLMConfig
@@ -55,12 +62,10 @@ def write_qwen3_text_encoder(out: str, seed: int) -> dict[str, str]:
     hf = {**config.to_hf(), "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
           "pad_token_id": tokenizer.pad_token_id}
     model = Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in hf.items() if k != "architectures"}))
-    folder, tok_folder = os.path.join(out, "flux2", "text_encoder"), os.path.join(out, "flux2", "tokenizer")
     os.makedirs(folder, exist_ok=True)
     save_sharded({k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}, folder)
     write_json(os.path.join(folder, "config.json"), hf)
     save_tokenizer(tokenizer, tok_folder)
-    return {"flux2_text_encoder": folder, "flux2_tokenizer": tok_folder}
 
 
 def write_flux2(out: str, seed: int) -> dict[str, str]:
