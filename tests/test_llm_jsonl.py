@@ -167,11 +167,38 @@ def test_a_generation_prompt_that_opens_think_is_refused_naming_where_it_parts_f
 @pytest.mark.parametrize("line, message", [
     ('{"text": "ok"', "not JSON (Expecting ',' delimiter: line 1 column 14 (char 13)); expected one object a line"),
     ('["a list"]', "the line is an array; expected an object"),
-    ('{"prompt": "q", "completion": "a"}', "expected a \"text\" or a \"messages\" key (one of them), "),
+    ('{"prompt": "q"}', "expected one of {\"text\": \"...\"}, {\"messages\": "),
+    ('{"prompt": "q", "chosen": "a", "rejected": "b"}', "expected one of "),
+    ('{"text": "a", "messages": []}', "both \"text\" and \"messages\"; expected one of them"),
     ('{"text": 3}', "\"text\" is a number; expected a string"),
     ('{"messages": [{"role": "bot", "content": "hi"}]}', "messages[0] role 'bot': expected one of system, user, assistant, tool"),
     ('{"messages": [{"role": "user", "content": [{"type": "text"}]}]}',
-     "messages[0] (user) content is an array; expected a string"),
+     "messages[0] (user) content[0] is a text part whose \"text\" is null; expected a string"),
+    ('{"messages": [{"role": "user", "content": [{"type": "text", "text": "What is this?"}, {"type": "image_url", '
+     '"image_url": {"url": "a.png"}}]}, {"role": "assistant", "content": "A cat."}]}',
+     "messages[0] (user) content[1] is a part of type 'image_url'; the LLM trainer reads text only"),
+    ('{"messages": [{"role": "user", "content": ["q"]}, {"role": "assistant", "content": "a"}]}',
+     "messages[0] (user) content[0] is a string; the LLM trainer reads text only"),
+    ('{"messages": [{"role": "user", "content": 3}, {"role": "assistant", "content": "a"}]}',
+     "messages[0] (user) content is a number; expected a string or a list of text parts"),
+    ('{"conversations": [{"from": "human", "value": "q"}, {"from": "bot", "value": "a"}]}',
+     "conversations[1] from 'bot': expected one of system, human, gpt, user, assistant"),
+    ('{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": null}]}',
+     "conversations[1] (gpt) value is null; expected a string"),
+    ('{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "}]}',
+     "conversations[1] is an assistant message with empty content"),
+    ('{"conversations": []}', "\"conversations\" must be a list of at least one"),
+    ('{"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "q"}]}',
+     "conversations[0] is an assistant message; with the loss on assistant tokens only"),
+    ('{"conversations": [{"from": "human", "value": "q"}], "prompt": "q", "completion": "a"}',
+     "both \"conversations\" and \"prompt\" / \"completion\"; expected one of them"),
+    ('{"prompt": "q", "completion": ""}', "\"completion\" is empty; expected the reply to train on"),
+    ('{"prompt": "q", "completion": [{"role": "assistant", "content": "a"}]}',
+     "\"prompt\" is a string and \"completion\" an array; expected two strings or two lists of messages"),
+    ('{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "user", "content": "a"}]}',
+     "completion[0] role 'user': expected assistant (the completion is the reply trained on)"),
+    ('{"prompt": [{"role": "human", "content": "q"}], "completion": [{"role": "assistant", "content": "a"}]}',
+     "prompt[0] role 'human': expected one of system, user, assistant, tool"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "  "}]}',
      "messages[1] is an assistant message with empty content"),
     ('{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": null}]}',
@@ -196,6 +223,56 @@ def test_a_bad_record_is_one_config_error_naming_file_and_line(tmp_path, line, m
     with pytest.raises(ConfigError) as e:
         text_corpus.check_corpus([path], None, all_tokens=False)
     assert str(e.value).startswith(f"{path}:3: {message}") and "\n" not in str(e.value)
+
+
+def parts(*texts) -> list:
+    return [{"type": "text", "text": t} for t in texts]
+
+
+SHAREGPT_CHAT = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi there"},
+                 {"from": "gpt", "value": "Hello! How can I help?"}, {"from": "user", "value": "What is 2 + 2?"},
+                 {"from": "assistant", "value": "It is 4."}]
+ANOTHER_LAYOUT = {  # a record in another trainer's layout, and the "messages" it trains as
+    "sharegpt": ({"conversations": SHAREGPT_CHAT, "id": "x1"}, CHAT[:4] + CHAT[5:]),
+    "prompt_completion": ({"prompt": "What is 2 + 2?", "completion": "It is 4."}, [CHAT[3], CHAT[5]]),
+    "trl_conversational": ({"prompt": CHAT[:4], "completion": CHAT[5:]}, CHAT[:4] + CHAT[5:]),
+    "content_parts": ({"messages": [{"role": "system", "content": parts("Be brief.")},
+                                    {"role": "user", "content": parts("Hi ", "there")},
+                                    {"role": "assistant", "content": parts("Hello!", " How can I help?")}]},
+                      [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"},
+                       {"role": "assistant", "content": "Hello! How can I help?"}]),
+}
+
+
+@pytest.mark.parametrize("all_tokens", [False, True])
+@pytest.mark.parametrize("layout", list(ANOTHER_LAYOUT))
+def test_sharegpt_prompt_completion_and_content_part_records_train_as_their_messages_record(
+        chat_tokenizer, tmp_path, layout, all_tokens):
+    """Each layout other trainers write (they were refused) gives the token ids and the trained mask of the
+    "messages" record it converts to, token for token; the replies alone are trained by default."""
+    record, messages = ANOTHER_LAYOUT[layout]
+    chat = chat_records.chat_encoder(chat_tokenizer, all_tokens)
+    encode = lambda s: chat_tokenizer(s, add_special_tokens=False)["input_ids"]  # noqa: E731  (unused: no documents)
+    streams = []
+    for name, line in (("other", record), ("messages", {"messages": messages})):
+        files, count = text_corpus.check_corpus([write_jsonl(tmp_path / f"{name}.jsonl", [line])], None, all_tokens)
+        assert count == (0, 1)
+        corpus = text_corpus.tokenize_corpus(files, encode, encode, eos_id=None, chat=chat)
+        streams.append((corpus.ids.tolist(), None if corpus.trained is None else corpus.trained.tolist()))
+    assert streams[0] == streams[1]
+    ids, trained = streams[0]
+    assert ids == chat_tokenizer.apply_chat_template(messages, tokenize=True, return_dict=False)
+    replies = "".join(m["content"] + "<|im_end|>\n" for m in messages if m["role"] == "assistant")
+    assert trained is None if all_tokens else chat_tokenizer.decode([i for i, t in zip(ids, trained) if t]) == replies
+
+
+@pytest.mark.parametrize("record, layout", [({"conversations": SHAREGPT_CHAT}, '"conversations"'),
+                                           ({"prompt": "q", "completion": "a"}, '"prompt" / "completion"')])
+def test_a_converted_record_without_a_chat_template_is_refused_naming_its_layout(tmp_path, record, layout):
+    path = write_jsonl(tmp_path / "c.jsonl", [{"text": "a document"}, record])
+    with pytest.raises(ConfigError) as e:
+        chat_records.check_jsonl(path, "the tokenizer has no chat template", all_tokens=False)
+    assert str(e.value) == f"{path}:2: a {layout} record, but the tokenizer has no chat template"
 
 
 def test_messages_without_a_chat_template_are_refused_before_the_model_loads(tiny_set, tmp_path, capsys, monkeypatch):

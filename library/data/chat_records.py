@@ -1,5 +1,7 @@
 """An LLM's .jsonl train data, one JSON object a line as PEFT / TRL / axolotl / unsloth datasets hold it:
-{"text": "..."} (a document) or {"messages": [{"role": ..., "content": ...}, ...]} (a conversation).
+{"text": "..."} (a document) or {"messages": [{"role": ..., "content": ...}, ...]} (a conversation), or a
+conversation as ShareGPT's "conversations" or TRL's "prompt" / "completion", read as the "messages" it
+converts to (record_as_messages).
 
 A file is checked whole before the model loads (check_jsonl: the first bad line is one ConfigError naming
 file:line), then read again a line at a time while tokenizing (jsonl_records). A conversation is rendered
@@ -18,7 +20,9 @@ from typing import Callable, Iterator
 from library.errors import ConfigError
 
 ROLES = ("system", "user", "assistant", "tool")
-FORMS = '{"text": "..."} or {"messages": [{"role": ..., "content": "..."}, ...]}'
+FORMS = ('{"text": "..."}, {"messages": [{"role": ..., "content": "..."}, ...]}, '
+         '{"conversations": [{"from": ..., "value": "..."}, ...]} or {"prompt": ..., "completion": ...}')
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where a line may hold half a UTF-16 pair (lone_surrogate)
 BLANK = object()  # jsonl_records' marker of a blank line
 # A conversation's (ids, trained): one flag a token (True: the loss predicts it), or True for all of them.
@@ -26,8 +30,8 @@ ChatEncoder = Callable[[list, str], "tuple[list[int], bool | list[bool]]"]
 
 
 def jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
-    """(where 'path:line', record) for each line that is not blank, parsed and checked (record_problem);
-    the first bad one is a ConfigError naming its file and line."""
+    """(where 'path:line', record) for each line that is not blank, parsed, checked and read as a document or
+    a conversation (record_as_messages); the first bad one is a ConfigError naming its file and line."""
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             where = f"{path}:{n}"
@@ -43,9 +47,13 @@ def jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
                 raise ConfigError(f"{where}: JSON nested too deep to read; expected one object a line, {FORMS}") from None
             if record is BLANK:  # (a line reading null is a record, and refused as one)
                 continue
-            if problem := record_problem(record) or (SURROGATE_ESCAPE.search(line) and lone_surrogate(record)):
+            try:
+                read = record_as_messages(record)
+            except RecordProblem as e:
+                raise ConfigError(f"{where}: {e}") from None
+            if SURROGATE_ESCAPE.search(line) and (problem := lone_surrogate(record)):
                 raise ConfigError(f"{where}: {problem}")
-            yield where, record
+            yield where, read
 
 
 JSON_KINDS = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
@@ -57,34 +65,123 @@ def json_kind(value) -> str:
     return JSON_KINDS.get(type(value), f"a {type(value).__name__}")
 
 
-def record_problem(record) -> str | None:
-    """What is wrong with one parsed record, or None."""
+class RecordProblem(ValueError):
+    """What is wrong with one record; jsonl_records names its file:line."""
+
+
+def record_as_messages(record) -> dict:
+    """The one place a record's layout is read: a parsed line as it is trained, {"text": ...} (a document) or
+    {"messages": [...], "key": ...} (a conversation; key: the record's key it was read from). The first
+    layout the record holds is read, in the order of FORMS ("text" with "messages", or "conversations" with
+    "prompt" / "completion", is refused as ambiguous); its other keys are ignored:
+    - "messages": as they are, a content given as OpenAI's parts joined into its text (chat_messages);
+    - ShareGPT's "conversations": {"from": human / gpt / ..., "value"} turns as role / content (sharegpt_messages);
+    - TRL's "prompt" and "completion": a user turn and the assistant turn, or two lists of messages
+      (prompt_completion_messages).
+    So a record trains exactly as the "messages" record it converts to. Raises RecordProblem."""
     if not isinstance(record, dict):
-        return f"the line is {json_kind(record)}; expected an object, {FORMS}"
-    if ("text" in record) == ("messages" in record):
-        keys = ", ".join(map(repr, record)) or "none"
-        return f"expected a \"text\" or a \"messages\" key (one of them), {FORMS}; found keys {keys}"
+        raise RecordProblem(f"the line is {json_kind(record)}; expected an object, {FORMS}")
+    if "text" in record and "messages" in record:
+        raise RecordProblem(f"both \"text\" and \"messages\"; expected one of them, {FORMS}")
     if "text" in record:
         text = record["text"]
-        return None if isinstance(text, str) else f"\"text\" is {json_kind(text)}; expected a string"
-    messages = record["messages"]
+        if not isinstance(text, str):
+            raise RecordProblem(f"\"text\" is {json_kind(text)}; expected a string")
+        return {"text": text}
+    if "messages" in record:
+        return {"messages": chat_messages(record["messages"], "messages"), "key": "messages"}
+    pair = "prompt" in record and "completion" in record
+    if "conversations" in record and pair:
+        raise RecordProblem(f"both \"conversations\" and \"prompt\" / \"completion\"; expected one of them, {FORMS}")
+    if "conversations" in record:
+        return {"messages": sharegpt_messages(record["conversations"]), "key": "conversations"}
+    if pair:
+        return {"messages": prompt_completion_messages(record["prompt"], record["completion"]), "key": "prompt"}
+    keys = ", ".join(map(repr, record)) or "none"
+    lone = ("; a \"prompt\" without a \"completion\" is nothing to train on (preference data, \"chosen\" / "
+            "\"rejected\", is not read)") if "prompt" in record else ""
+    raise RecordProblem(f"expected one of {FORMS}; found keys {keys}{lone}")
+
+
+def chat_messages(messages, name: str) -> list:
+    """`messages` (a record's "messages", or TRL's conversational "prompt" / "completion": `name`) checked, each
+    content given as a list of OpenAI parts joined into its text (text_of_parts): a copy of such a message,
+    the others as they are. Raises RecordProblem naming name[i]."""
     if not isinstance(messages, list) or not messages:
-        return "\"messages\" must be a list of at least one {\"role\": ..., \"content\": \"...\"} object"
+        raise RecordProblem(f"\"{name}\" must be a list of at least one {{\"role\": ..., \"content\": \"...\"}} object")
+    checked = []
     for i, m in enumerate(messages):
         if not isinstance(m, dict) or m.get("role") not in ROLES:
             role = m.get("role") if isinstance(m, dict) else m
-            return f"messages[{i}] role {role!r}: expected one of {', '.join(ROLES)}"
+            raise RecordProblem(f"{name}[{i}] role {role!r}: expected one of {', '.join(ROLES)}")
+        label = f"{name}[{i}] ({m['role']})"
         calls = m.get("tool_calls") if m["role"] == "assistant" else None
         if calls is not None and not (isinstance(calls, list) and calls and all(isinstance(c, dict) for c in calls)):
-            return f"messages[{i}] (assistant) tool_calls is {calls!r}; expected a list of at least one call object"
+            raise RecordProblem(f"{label} tool_calls is {calls!r}; expected a list of at least one call object")
         if calls and (problem := arguments_problem(calls)):
-            return f"messages[{i}] (assistant) {problem}"
+            raise RecordProblem(f"{label} {problem}")
+        if isinstance(m.get("content"), list):
+            m = {**m, "content": text_of_parts(m["content"], label)}
         if not isinstance(m.get("content"), str) and not (calls and m.get("content") is None):
-            return f"messages[{i}] ({m['role']}) content is {json_kind(m.get('content'))}; expected a string"
+            raise RecordProblem(f"{label} content is {json_kind(m.get('content'))}; expected a string or a list of "
+                                f"text parts")
         if m["role"] == "assistant" and not calls and not m["content"].strip():
-            return (f"messages[{i}] is an assistant message with empty content and no tool_calls; expected the "
-                    f"reply to train on")
-    return None
+            raise RecordProblem(f"{name}[{i}] is an assistant message with empty content and no tool_calls; "
+                                f"expected the reply to train on")
+        checked.append(m)
+    return checked
+
+
+def text_of_parts(parts: list, label: str) -> str:
+    """A content given as OpenAI's parts ([{"type": "text", "text": "..."}, ...]) as one string: the texts
+    joined as they are (as the chat templates that read parts render them, Qwen2-VL's, Llama 3.2 Vision's).
+    Any other part (an image, audio) is refused: the LLM trainer reads text only."""
+    for j, part in enumerate(parts):
+        kind = part.get("type") if isinstance(part, dict) else None
+        if kind != "text":
+            shown = f"a part of type {kind!r}" if isinstance(part, dict) else json_kind(part)
+            raise RecordProblem(f"{label} content[{j}] is {shown}; the LLM trainer reads text only, expected "
+                                f"{{\"type\": \"text\", \"text\": \"...\"}} parts")
+        if not isinstance(part.get("text"), str):
+            raise RecordProblem(f"{label} content[{j}] is a text part whose \"text\" is {json_kind(part.get('text'))}; "
+                                f"expected a string")
+    return "".join(part["text"] for part in parts)
+
+
+def sharegpt_messages(turns) -> list:
+    """ShareGPT's "conversations" ([{"from": "system" | "human" | "gpt", "value": "..."}], "user" / "assistant"
+    too) as messages: human -> user, gpt -> assistant. Raises RecordProblem naming conversations[i]."""
+    if not isinstance(turns, list) or not turns:
+        raise RecordProblem("\"conversations\" must be a list of at least one {\"from\": ..., \"value\": \"...\"} "
+                            "object")
+    messages = []
+    for i, turn in enumerate(turns):
+        speaker = turn.get("from") if isinstance(turn, dict) else turn
+        if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES:
+            raise RecordProblem(f"conversations[{i}] from {speaker!r}: expected one of {', '.join(SHAREGPT_ROLES)}")
+        if not isinstance(turn.get("value"), str):
+            raise RecordProblem(f"conversations[{i}] ({speaker}) value is {json_kind(turn.get('value'))}; "
+                                f"expected a string")
+        messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
+    return chat_messages(messages, "conversations")
+
+
+def prompt_completion_messages(prompt, completion) -> list:
+    """TRL's prompt-completion record as messages: two strings are a user turn and the assistant turn (rendered
+    by the chat template; TRL's SFTTrainer joins them as raw text); two lists of messages (its conversational
+    form) are the conversation, the completion opening with the assistant's reply. Raises RecordProblem."""
+    if isinstance(prompt, str) and isinstance(completion, str):
+        if not completion.strip():
+            raise RecordProblem("\"completion\" is empty; expected the reply to train on")
+        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    if isinstance(prompt, list) and isinstance(completion, list):
+        opening, reply = chat_messages(prompt, "prompt"), chat_messages(completion, "completion")
+        if reply[0]["role"] != "assistant":
+            raise RecordProblem(f"completion[0] role {reply[0]['role']!r}: expected assistant (the completion is the "
+                                f"reply trained on)")
+        return opening + reply
+    raise RecordProblem(f"\"prompt\" is {json_kind(prompt)} and \"completion\" {json_kind(completion)}; expected two "
+                        f"strings or two lists of messages")
 
 
 def call_function(call: dict) -> dict:
@@ -115,7 +212,7 @@ def arguments_problem(calls: list) -> str | None:
 
 
 def decoded_arguments(messages: list, where: str) -> list:
-    """The messages (as record_problem passes them) with each tool call's "arguments" string (OpenAI's API
+    """The messages (as record_as_messages reads them) with each tool call's "arguments" string (OpenAI's API
     writes the JSON text) decoded to its object: templates render arguments with tojson (Qwen2.5's, Llama
     3.1's), which would train the string double-encoded ("{\\"city\\": ...}"); Qwen3's writes a string as it is
     and an object with tojson. Copies what it decodes; the caller's messages are unchanged."""
@@ -152,20 +249,22 @@ def lone_surrogate(record: dict) -> str | None:
 
 def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> tuple[int, int]:
     """Check every line of a .jsonl file; returns how many "text" records hold text (documents) and how
-    many "messages" records it has (conversations). no_template: why a
-    "messages" record cannot be rendered (the tokenizer has no chat template), None when it can.
+    many conversations ("messages", "conversations", "prompt" / "completion" records) it has. no_template: why a
+    conversation cannot be rendered (the tokenizer has no chat template), None when it can.
     With the loss on assistant tokens only, a conversation without an assistant message, or starting
     with one, is refused."""
     documents = conversations = 0
     for where, record in jsonl_records(path):
         if "messages" in record:
+            key = record["key"]
             if no_template:
-                raise ConfigError(f"{where}: a \"messages\" record, but {no_template}")
+                layout = '"prompt" / "completion"' if key == "prompt" else f'"{key}"'
+                raise ConfigError(f"{where}: a {layout} record, but {no_template}")
             if not all_tokens and not any(m["role"] == "assistant" for m in record["messages"]):
                 raise ConfigError(f"{where}: no assistant message, so nothing to train on with the loss on assistant "
                                   f"tokens only (train_on_all_tokens = false)")
             if not all_tokens and record["messages"][0]["role"] == "assistant":  # chat templates render no empty prefix
-                raise ConfigError(f"{where}: messages[0] is an assistant message; with the loss on assistant tokens only "
+                raise ConfigError(f"{where}: {key}[0] is an assistant message; with the loss on assistant tokens only "
                                   f"a conversation starts with a system or user message (a reply is found after them)")
             conversations += 1
         else:

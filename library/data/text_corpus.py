@@ -67,7 +67,7 @@ class TextCounts(NamedTuple):
     """What train_data holds, by how the stream borders it."""
 
     documents: int  # .txt files and "text" records holding more than whitespace: each ended by EOS
-    conversations: int  # "messages" records: each bordered by its chat template's own tokens
+    conversations: int  # "messages" (or converted) records: each bordered by its chat template's own tokens
 
 
 def check_corpus(paths: list[str], no_template: str | None, all_tokens: bool) -> tuple[list[str], TextCounts]:
@@ -258,8 +258,8 @@ def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode
                     eos_id: int | None, chat: ChatEncoder | None = None) -> Corpus:
     """The token stream of train_data's files (corpus_files), read a file piece or a .jsonl line at a time:
     only the ids (and the trained mask) are kept. A .txt file and a .jsonl "text" record are documents
-    (tokenize_documents' pieces and eos_id); a "messages" record is the conversation `chat` renders, its
-    own template's tokens its borders (no eos_id added), trained where `chat` says.
+    (tokenize_documents' pieces and eos_id); a conversation record (its "messages", record_as_messages) is what
+    `chat` renders, its own template's tokens its borders (no eos_id added), trained where `chat` says.
     Returns a Corpus: the ids, the trained mask (None when every token is trained) and the document starts."""
     split = pieces_keep_tokens(encode, encode_more)
     end, stream = [eos_id] if eos_id is not None else [], TokenStream()
