@@ -58,3 +58,19 @@ def test_wider_and_scaled_outputs_take_the_same_merge(tiny_set, tmp_path):
                      "--save_precision", precision) == 0
     merged = load_file(str(tmp_path / "bf16.safetensors"))[KEY].float()
     assert (merged - 180000).abs().max() <= 0.004 * 180000  # bf16's rounding of the base + 180000
+
+
+def test_a_merged_weight_fp16_rounds_to_its_largest_value_is_written(tiny_set, tmp_path):
+    """A merged weight just past 65504 but below 65520 (fp16's rounding boundary to inf) rounds to 65504 as any
+    value rounds: check_in_range refused it ("cannot be written as it is") though the fp16 file holds it finite."""
+    base = tiny_set["flux_bfl"]
+    rows, cols = load_file(base)[KEY].shape
+    name = "lora_unet_" + KEY.removesuffix(".weight").replace(".", "_")
+    side = (65512.0 / 2) ** 0.5  # rank 2, alpha = rank: delta 2 * side^2 = 65512 (+ the base's small values)
+    save_file({f"{name}.lora_down.weight": torch.full((2, cols), side),
+               f"{name}.lora_up.weight": torch.full((rows, 2), side), f"{name}.alpha": torch.tensor(2.0)},
+              str(tmp_path / "near.safetensors"))
+    assert merge("--model", base, "--lora", tmp_path / "near.safetensors", "--save_to", tmp_path / "out.safetensors",
+                 "--save_precision", "fp16") == 0
+    merged = load_file(str(tmp_path / "out.safetensors"))[KEY]
+    assert merged.dtype == torch.float16 and torch.isfinite(merged).all() and merged.float().max() == 65504

@@ -161,10 +161,14 @@ NOT_COPIED = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".g
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
+# fp16 rounds a value below 65504 + half its last step (16) to 65504, as any value rounds; from here on to inf
+FP16_TO_INF = 65520.0
+
+
 def cast_checked(key: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`tensor` in `dtype`, refused (ValueError naming the key) where fp16 would write a value past its range
     as inf: a LoRA that grew a weight past 65504 was written as inf with exit status 0."""
-    if dtype == torch.float16:
+    if dtype == torch.float16 and tensor.numel() and tensor.detach().abs().amax().item() >= FP16_TO_INF:
         check_in_range(key, tensor, torch.finfo(torch.float16).max, "fp16", "save bf16 or fp32")
     return tensor.to(dtype)
 
