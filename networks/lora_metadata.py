@@ -28,6 +28,7 @@ METADATA_KEYS = {
     "base_loras": "ss_base_loras",  # LoRAs merged into the frozen base while training (not in this file)
     "scale_weight_norms": "ss_scale_weight_norms",  # sd-scripts' max-norm regularization's bound
     "output_preservation": "ss_output_preservation",  # diff_output_preservation / blank_prompt_preservation's prompt
+    "trained_keys": "ss_trained_keys",  # the family's keys it renders right only with (ConfigKey.renders), as set
     "mixed_precision": "ss_mixed_precision",
     "resolution": "ss_resolution",
     "steps": "ss_steps",  # optimizer steps trained (fewer than max_steps after a Ctrl-C)

@@ -2,10 +2,12 @@
 samples; the saved LoRA, merged or converted by the tools, gives the runtime LoRA's prediction."""
 
 import csv
+import json
 import os
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 import train_lora
@@ -32,6 +34,7 @@ def trained(tiny_set, tmp_path_factory):
         "--output_dir", str(out), "--output_name", "klein", "--max_train_steps", "6", "--mixed_precision", "no",
         "--fp8_base", "--fp8_scaled", "--network_dim", "4", "--network_alpha", "4", "--optimizer_type", "AdamW",
         "--learning_rate", "3e-3", "--sample_at_first", "false", "--save_every_n_steps", "0",
+        "--max_sequence_length", "48",
     ])
     assert code == 0
     return out
@@ -98,9 +101,15 @@ def test_flux2_merged_checkpoint_equals_runtime_lora(tiny_set, trained, tmp_path
     assert err <= 1e-5, err
 
 
-def test_flux2_generate_with_the_lora(tiny_set, trained, tmp_path):
+def test_flux2_generate_with_the_lora(tiny_set, trained, tmp_path, capsys):
+    """The LoRA trained at max_sequence_length 48 renders at 48 where --max_sequence_length is left unset, with a
+    note (its header's ss_trained_keys): it rendered at the default 512 without a word, other text embeddings."""
+    from PIL import Image
+
     from tools import generate
 
+    with safe_open(str(trained / "klein.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["ss_trained_keys"]) == {"max_sequence_length": 48}
     code = generate.main([
         "--model_type", "flux2", "--model", tiny_set["flux2_tiny"], "--ae", tiny_set["flux2_vae"],
         "--text_encoder", tiny_set["flux2_text_encoder"], "--prompt", "a red cat --w 64 --h 48 --s 2 --g 2.5",
@@ -109,7 +118,9 @@ def test_flux2_generate_with_the_lora(tiny_set, trained, tmp_path):
     ])
     assert code == 0
     (png,) = tmp_path.glob("*.png")
-    assert png.stat().st_size > 0
+    assert "was trained with max_sequence_length 48 (ss_base_model_version flux2-klein): rendering with it" in \
+        capsys.readouterr().out
+    assert Image.open(png).text["max_sequence_length"] == "48"  # the settings it rendered with
 
 
 def test_memory_planner_takes_flux2_config_and_klein_presets(tiny_set, tmp_path, capsys):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import importlib
 import os
 import warnings
@@ -251,9 +252,14 @@ class DiffusionFamily:
     @classmethod
     def lora_trained_options(cls, metadata: dict) -> dict:
         """Sampling options (config keys -> value) a LoRA's header says it was trained with and renders right only
-        with (an edit LoRA trained with an attention mask its references need): tools/generate.py sets them where
-        its flag is left at the default."""
-        return {}
+        with (ss_trained_keys: the family's ConfigKey.renders keys set, a text length; an edit LoRA trained with an
+        attention mask its references need): tools/generate.py sets them where its flag is left at the default."""
+        try:
+            trained = json.loads(metadata.get("ss_trained_keys") or "{}")
+        except ValueError:  # another tool's header: nothing to honour
+            return {}
+        own = {k.key for k in spec_of(cls.name).config_keys if k.renders} if cls.name in FAMILIES else set()
+        return {k: v for k, v in trained.items() if k in own} if isinstance(trained, dict) else {}
 
     # -- loading -------------------------------------------------------------------------------
     def load_transformer(self, dtype: torch.dtype, base_precision: str = "bf16", read_weights: bool = True) -> nn.Module:

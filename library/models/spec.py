@@ -216,6 +216,9 @@ class ConfigKey:
     default: object = None
     model_types: tuple = ()  # the model_types of the folder that read it (empty: every one); the others refuse it
     most: int | None = None  # an int key's largest value the family takes (None: no bound beyond >= 1)
+    # A LoRA trained with it set renders right only with it (a text length: other embeddings): its header records
+    # it (ss_trained_keys) and tools/generate.py sets it where left unset, with a note.
+    renders: bool = False
 
 
 # ----------------------------------------------------------------------------------------------

@@ -28,6 +28,7 @@ from library.data.controls import check_family_takes, check_prompt_controls
 from library.data.dataset_config import load_dataset_config
 from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import Preservation, get_family, stack_text, warn_unread_prompt_options
+from library.models.registry import spec_of
 from library.data.prompts import SamplePrompt, default_sample_size, read_prompt_file, sample_file_name, seed_or_random
 from library.training import fsdp, memory_plan, preservation
 from library.training.host_memory import release_freed_memory
@@ -670,6 +671,8 @@ class DiffusionTask:
             **self._folder_facts(),
             "base_loras": base_loras_metadata(args.base_loras),
             "output_preservation": preservation.metadata(args),
+            "trained_keys": {k.key: getattr(args, k.key) for k in spec_of(args.model_type).config_keys
+                             if k.renders and getattr(args, k.key, None) is not None} or None,
             **getattr(self, "loaded", {}),  # network_dim / network_alpha where network_weights set them
         }
 

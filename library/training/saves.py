@@ -42,7 +42,8 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         network_args=lora_network_args(args),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], fp8_compute=facts.get("fp8_compute"), base_loras=facts.get("base_loras"),
-        output_preservation=facts.get("output_preservation"), scale_weight_norms=getattr(args, "scale_weight_norms", None),
+        output_preservation=facts.get("output_preservation"), trained_keys=facts.get("trained_keys"),
+        scale_weight_norms=getattr(args, "scale_weight_norms", None),
         mixed_precision=args.mixed_precision, resolution=facts["resolution"],
         steps=step, max_steps=max_steps, epochs=epochs, epoch=epoch,
         batch_size=facts["batch_size"], optimizer=args.optimizer_type

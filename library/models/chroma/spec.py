@@ -104,7 +104,7 @@ TINY = S.TinySpec(writers=("library.models.chroma.tiny:write_chroma", "library.m
 CONFIG_KEYS = (
     S.ConfigKey("t5xxl", str, "T5-XXL text encoder (HF folder, or the repo's text_encoder/ with tokenizer/ beside it)"),
     S.ConfigKey("t5xxl_max_token_length", int, "T5 tokens per caption, at most 512 (default 512, as ChromaPipeline)",
-                most=512),  # text_encoder.T5_MAX_LENGTH: the encoder (and ChromaPipeline) refuses more
+                most=512, renders=True),  # text_encoder.T5_MAX_LENGTH: the encoder (and ChromaPipeline) refuses more
 )
 
 

@@ -137,7 +137,7 @@ CONFIG_KEYS = (
     S.ConfigKey("clip_l", str, "CLIP-L text encoder (HF folder)"),
     S.ConfigKey("t5xxl", str, "T5-XXL text encoder (HF folder)"),
     S.ConfigKey("t5xxl_max_token_length", int, "T5 tokens per caption; default 512 for dev, 256 for schnell "
-                                               "(read from the checkpoint)"),
+                                               "(read from the checkpoint)", renders=True),
 )
 
 

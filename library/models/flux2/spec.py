@@ -114,7 +114,8 @@ CONFIG_KEYS = (
     S.ConfigKey("text_encoder", str, "[klein] Qwen3, [dev] Mistral Small 3.1's language model (the repo's "
                                      "text_encoder/ folder or a single file, tokenizer/ beside it)"),
     S.ConfigKey("max_sequence_length", int, "text tokens a caption is padded / cut to, chat template included "
-                                            "(default 512, as Flux2Pipeline / Flux2KleinPipeline's max_sequence_length)"),
+                                            "(default 512, as Flux2Pipeline / Flux2KleinPipeline's max_sequence_length)",
+                renders=True),
 )
 
 

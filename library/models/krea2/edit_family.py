@@ -83,7 +83,8 @@ class Krea2EditFamily(Krea2Family):
     def lora_trained_options(cls, metadata: dict) -> dict:
         """A LoRA trained with the kv_cache mask (model_version's "-kv_cache") renders with it: its references never
         attended to the target in training."""
-        return {"reference_kv_cache": True} if metadata.get("ss_base_model_version", "").endswith("-kv_cache") else {}
+        kv_cache = metadata.get("ss_base_model_version", "").endswith("-kv_cache")
+        return {**super().lora_trained_options(metadata), **({"reference_kv_cache": True} if kv_cache else {})}
 
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
                        resolution: tuple[int, int] | None = None) -> tuple[int, int]:
