@@ -790,6 +790,19 @@ def test_an_animated_webp_or_apng_is_refused_naming_the_file_not_trained_on_its_
     assert [e.split(": an animated image")[0] for e in errors] == named
 
 
+def test_a_jpeg_of_several_pictures_is_a_photo_read_as_its_first(tmp_path):
+    """A phone's Ultra HDR photo (a gain map after the picture: MPO, n_frames 2, named .jpg) was refused as "an
+    animated image (2 frames)" by the animation check: it is one photo, read as its first picture."""
+    from library.data.images import load_rgb, verified_image_size
+
+    pictures = [Image.new("RGB", (40, 32), (200, 30, 30)), Image.new("RGB", (40, 32), (0, 0, 0))]
+    pictures[0].save(tmp_path / "photo.jpg", format="MPO", save_all=True, append_images=pictures[1:])
+    with Image.open(tmp_path / "photo.jpg") as img:
+        assert img.format == "MPO" and img.n_frames == 2
+    assert verified_image_size(str(tmp_path / "photo.jpg")) == (40, 32)
+    assert load_rgb(str(tmp_path / "photo.jpg")).getpixel((20, 16))[0] > 150  # the first picture, red
+
+
 def test_caption_files_without_an_image_of_their_name_are_said(tmp_path):
     """A dataset moved from Windows: Photo.JPG's caption photo.txt paired there, not here, and Photo.JPG
     trained on class_tokens without a word; a caption left by a deleted image was passed over silently too."""

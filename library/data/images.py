@@ -84,10 +84,11 @@ def to_8_bit(img: Image.Image, path: str) -> Image.Image:
 def load_rgb(path: str, mode: str = "RGB") -> Image.Image:
     """The image at `path` as displayed (EXIF rotation applied), as 8-bit RGB (mode "RGBA": with its
     alpha, 255 where it has none). Pixels that do not decode (a truncated file, whose header still
-    verifies) and an animated file (refuse_animated) are one ValueError naming the file."""
+    verifies) and an animated file (animated_frames) are one ValueError naming the file."""
     try:
         with Image.open(path) as img:
-            refuse_animated(getattr(img, "n_frames", 1), path)
+            if frames := animated_frames(img):
+                raise animation_error(path, frames)
             return to_8_bit(ImageOps.exif_transpose(img), path).convert(mode)
     except ValueError:  # to_8_bit's, naming the file already
         raise
@@ -140,19 +141,28 @@ def verified_image_size(path: str) -> tuple[int, int]:
         with Image.open(path) as img:
             w, h = img.size
             rotated = exif_orientation(img, path) in (5, 6, 7, 8)  # 90/270 degrees
-            frames = getattr(img, "n_frames", 1)
+            frames = animated_frames(img)
     except Exception as e:  # PIL raises many kinds for broken files
         raise ValueError(f"{path}: cannot be read as an image ({type(e).__name__}: {e})") from None
-    refuse_animated(frames, path)
+    if frames:
+        raise animation_error(path, frames)
     return (h, w) if rotated else (w, h)
 
 
-def refuse_animated(frames: int, path: str) -> None:
-    """One ValueError naming the file `path` of several `frames` (an animated WebP, an APNG): Pillow reads its
-    first frame alone, and it trained on that without a word, where a GIF is said not read (not trained)."""
-    if frames > 1:
-        raise ValueError(f"{path}: an animated image ({frames} frames): only its first frame would be read; "
-                         "save the frame meant as a still image (.png)")
+# Formats whose several frames are an animation. A JPEG of several pictures (MPO: a phone's Ultra HDR gain map, a
+# preview, a stereo pair) opens with n_frames 2 and is a photo whose first picture is the one meant.
+ANIMATED_FORMATS = ("WEBP", "PNG")
+
+
+def animated_frames(img: Image.Image) -> int:
+    """The frames of an open animated WebP or APNG (0 for any other image): Pillow reads its first frame alone, and
+    it trained on that without a word, where a GIF is said not read (not trained)."""
+    return img.n_frames if img.format in ANIMATED_FORMATS and getattr(img, "is_animated", False) else 0
+
+
+def animation_error(path: str, frames: int) -> ValueError:
+    return ValueError(f"{path}: an animated image ({frames} frames): only its first frame would be read; "
+                      "save the frame meant as a still image (.png)")
 
 
 def exif_orientation(img: Image.Image, path: str) -> int:
