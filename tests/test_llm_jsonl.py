@@ -188,6 +188,10 @@ def test_a_generation_prompt_that_opens_think_is_refused_naming_where_it_parts_f
     ('{"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": " "}]}',
      "conversations[1] is an assistant message with empty content"),
     ('{"conversations": []}', "\"conversations\" must be a list of at least one"),
+    ('{"conversations": ["human", "hi"]}',  # a traceback ('str' object has no attribute 'get')
+     "conversations[0] is a string; expected a {\"from\": ..., \"value\": \"...\"} object"),
+    ('{"text": "q a", "conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]}',
+     "both \"text\" and \"conversations\"; expected one of them"),  # the text trained, every token of it
     ('{"conversations": [{"from": "gpt", "value": "Hi!"}, {"from": "human", "value": "q"}]}',
      "conversations[0] is an assistant message; with the loss on assistant tokens only"),
     ('{"conversations": [{"from": "human", "value": "q"}], "prompt": "q", "completion": "a"}',

@@ -22,6 +22,9 @@ from library.errors import ConfigError
 ROLES = ("system", "user", "assistant", "tool")
 FORMS = ('{"text": "..."}, {"messages": [{"role": ..., "content": "..."}, ...]}, '
          '{"conversations": [{"from": ..., "value": "..."}, ...]} or {"prompt": ..., "completion": ...}')
+# A record's layouts by the keys that make them (a record holds one): what record_as_messages reads
+LAYOUTS = {'"text"': ("text",), '"messages"': ("messages",), '"conversations"': ("conversations",),
+           '"prompt" / "completion"': ("prompt", "completion")}
 SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where a line may hold half a UTF-16 pair (lone_surrogate)
 BLANK = object()  # jsonl_records' marker of a blank line
@@ -72,8 +75,8 @@ class RecordProblem(ValueError):
 def record_as_messages(record) -> dict:
     """The one place a record's layout is read: a parsed line as it is trained, {"text": ...} (a document) or
     {"messages": [...], "key": ...} (a conversation; key: the record's key it was read from). The first
-    layout the record holds is read, in the order of FORMS ("text" with "messages", or "conversations" with
-    "prompt" / "completion", is refused as ambiguous); its other keys are ignored:
+    layout the record holds is read (one of LAYOUTS: a record of two is refused as ambiguous); its other keys are
+    ignored (UltraChat's "prompt" beside its "messages"):
     - "messages": as they are, a content given as OpenAI's parts joined into its text (chat_messages);
     - ShareGPT's "conversations": {"from": human / gpt / ..., "value"} turns as role / content (sharegpt_messages);
     - TRL's "prompt" and "completion": a user turn and the assistant turn, or two lists of messages
@@ -81,8 +84,9 @@ def record_as_messages(record) -> dict:
     So a record trains exactly as the "messages" record it converts to. Raises RecordProblem."""
     if not isinstance(record, dict):
         raise RecordProblem(f"the line is {json_kind(record)}; expected an object, {FORMS}")
-    if "text" in record and "messages" in record:
-        raise RecordProblem(f"both \"text\" and \"messages\"; expected one of them, {FORMS}")
+    held = [name for name, keys in LAYOUTS.items() if all(k in record for k in keys)]
+    if len(held) > 1:  # a pre-rendered "text" beside the turns trained every token of it, the replies' mask lost
+        raise RecordProblem(f"both {' and '.join(held)}; expected one of them, {FORMS}")
     if "text" in record:
         text = record["text"]
         if not isinstance(text, str):
@@ -91,8 +95,6 @@ def record_as_messages(record) -> dict:
     if "messages" in record:
         return {"messages": chat_messages(record["messages"], "messages"), "key": "messages"}
     pair = "prompt" in record and "completion" in record
-    if "conversations" in record and pair:
-        raise RecordProblem(f"both \"conversations\" and \"prompt\" / \"completion\"; expected one of them, {FORMS}")
     if "conversations" in record:
         return {"messages": sharegpt_messages(record["conversations"]), "key": "conversations"}
     if pair:
@@ -156,7 +158,10 @@ def sharegpt_messages(turns) -> list:
                             "object")
     messages = []
     for i, turn in enumerate(turns):
-        speaker = turn.get("from") if isinstance(turn, dict) else turn
+        if not isinstance(turn, dict):
+            raise RecordProblem(f"conversations[{i}] is {json_kind(turn)}; expected a {{\"from\": ..., \"value\": "
+                                f"\"...\"}} object")
+        speaker = turn.get("from")
         if not isinstance(speaker, str) or speaker not in SHAREGPT_ROLES:
             raise RecordProblem(f"conversations[{i}] from {speaker!r}: expected one of {', '.join(SHAREGPT_ROLES)}")
         if not isinstance(turn.get("value"), str):
