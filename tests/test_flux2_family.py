@@ -1,6 +1,7 @@
 """FLUX.2 as a diffusion family: the VAE's latent normalisation, the sampler (noise, sigmas, positions,
 CFG, decode) and the training loss's packing against diffusers' Flux2KleinPipeline on the tiny set."""
 
+import json
 from types import SimpleNamespace
 
 import numpy as np
@@ -181,3 +182,27 @@ def test_max_sequence_length_is_the_tokens_a_caption_is_padded_to(tiny_set):
     assert family.text_cache_key(family.text_options(short), "bf16") != family.text_cache_key({"max_length": 512}, "bf16")
     assert family.caption_token_limit(short).max_tokens == 40 and text_tokens_for(family, short) == 40
     assert text_tokens_for(family, default) == 512
+
+
+def test_a_loras_trained_text_length_is_honoured_only_as_the_key_takes_it():
+    """ss_trained_keys is read as the config check reads the key (an int >= 1); another tool's value is left out,
+    not set unchecked; a second LoRA of another length is said, the first one's kept."""
+    import argparse
+
+    from tools.generate import honour_lora_options
+    from library.lora_spec import LoRASpec
+
+    def header(value):
+        return {"ss_trained_keys": json.dumps({"max_sequence_length": value})}
+
+    assert Flux2Family.lora_trained_options(header(64)) == {"max_sequence_length": (64, "ss_trained_keys")}
+    for bad in ("64", 0, True, 6.5):
+        assert Flux2Family.lora_trained_options(header(bad)) == {}
+    assert Flux2Family.lora_trained_options({"ss_trained_keys": "not json"}) == {}
+    args = argparse.Namespace(model_type="flux2", max_sequence_length=None)
+    notes = honour_lora_options(args, [LoRASpec("a.safetensors", 1.0), LoRASpec("b.safetensors", 1.0)],
+                                [header(64), header(48)])
+    assert args.max_sequence_length == 64 and notes == [
+        "note: a.safetensors was trained with max_sequence_length 64 (ss_trained_keys): rendering with it",
+        "note: b.safetensors was trained with max_sequence_length 48 (ss_trained_keys); rendering with 64, as the "
+        "LoRA before it"]

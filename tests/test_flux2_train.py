@@ -118,7 +118,7 @@ def test_flux2_generate_with_the_lora(tiny_set, trained, tmp_path, capsys):
     ])
     assert code == 0
     (png,) = tmp_path.glob("*.png")
-    assert "was trained with max_sequence_length 48 (ss_base_model_version flux2-klein): rendering with it" in \
+    assert "was trained with max_sequence_length 48 (ss_trained_keys): rendering with it" in \
         capsys.readouterr().out
     assert Image.open(png).text["max_sequence_length"] == "48"  # the settings it rendered with
 

@@ -263,14 +263,16 @@ def honour_lora_options(args, loras, headers: list[dict]) -> list[str]:
     (DiffusionFamily.lora_trained_options), set where their flag is left at its default; one note line each. Such
     a LoRA rendered without them (an edit LoRA trained with a reference mask, rendered with full attention) said
     nothing."""
-    cls, notes = family_class(args.model_type), []
+    cls, notes, honoured = family_class(args.model_type), [], {}
     for spec, header in zip(loras, headers):
-        for key, value in cls.lora_trained_options(header).items():
-            if getattr(args, key) == FAMILY_KEYS[key].default and value != FAMILY_KEYS[key].default:
-                setattr(args, key, value)
-                shown = str(value).lower() if isinstance(value, bool) else value
-                notes.append(f"note: {spec.path} was trained with {key} {shown} (ss_base_model_version "
-                             f"{header.get('ss_base_model_version')}): rendering with it")
+        for key, (value, source) in cls.lora_trained_options(header).items():
+            shown = str(value).lower() if isinstance(value, bool) else value
+            if key in honoured and honoured[key] != value:  # two LoRAs of other settings: the first one's is kept
+                notes.append(f"note: {spec.path} was trained with {key} {shown} ({source}); rendering with "
+                             f"{honoured[key]}, as the LoRA before it")
+            elif getattr(args, key) == FAMILY_KEYS[key].default and value != FAMILY_KEYS[key].default:
+                setattr(args, key, honoured.setdefault(key, value))
+                notes.append(f"note: {spec.path} was trained with {key} {shown} ({source}): rendering with it")
     return notes
 
 

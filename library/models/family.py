@@ -128,6 +128,13 @@ class CheckpointNames:
     parts_are_model: bool = False
 
 
+def takes(key, value) -> bool:
+    """Whether a family ConfigKey takes `value` as the config check would (its type; an int >= 1 and <= most)."""
+    if key.type is int:
+        return isinstance(value, int) and not isinstance(value, bool) and value >= 1 and value <= (key.most or value)
+    return isinstance(value, key.type)
+
+
 class DiffusionFamily:
     name: str  # the model_type of the training config: the name the family is registered under
     text_path_keys: tuple[str, ...] = ()  # config keys of the text encoder files
@@ -250,16 +257,18 @@ class DiffusionFamily:
                 f"--model is that release")
 
     @classmethod
-    def lora_trained_options(cls, metadata: dict) -> dict:
-        """Sampling options (config keys -> value) a LoRA's header says it was trained with and renders right only
-        with (ss_trained_keys: the family's ConfigKey.renders keys set, a text length; an edit LoRA trained with an
-        attention mask its references need): tools/generate.py sets them where its flag is left at the default."""
+    def lora_trained_options(cls, metadata: dict) -> dict[str, tuple]:
+        """Sampling options a LoRA's header says it was trained with and renders right only with, config key ->
+        (value, the header's words for it): ss_trained_keys' (the family's ConfigKey.renders keys set, a text
+        length), an edit LoRA's attention mask its references need. tools/generate.py sets them where its flag is
+        left at the default. A value the key does not take (another tool's header) is left out."""
         try:
             trained = json.loads(metadata.get("ss_trained_keys") or "{}")
-        except ValueError:  # another tool's header: nothing to honour
+        except ValueError:
             return {}
-        own = {k.key for k in spec_of(cls.name).config_keys if k.renders} if cls.name in FAMILIES else set()
-        return {k: v for k, v in trained.items() if k in own} if isinstance(trained, dict) else {}
+        keys = {k.key: k for k in spec_of(cls.name).config_keys if k.renders} if cls.name in FAMILIES else {}
+        return {name: (value, "ss_trained_keys") for name, value in (trained.items() if isinstance(trained, dict) else ())
+                if name in keys and takes(keys[name], value)}
 
     # -- loading -------------------------------------------------------------------------------
     def load_transformer(self, dtype: torch.dtype, base_precision: str = "bf16", read_weights: bool = True) -> nn.Module:

@@ -83,8 +83,9 @@ class Krea2EditFamily(Krea2Family):
     def lora_trained_options(cls, metadata: dict) -> dict:
         """A LoRA trained with the kv_cache mask (model_version's "-kv_cache") renders with it: its references never
         attended to the target in training."""
-        kv_cache = metadata.get("ss_base_model_version", "").endswith("-kv_cache")
-        return {**super().lora_trained_options(metadata), **({"reference_kv_cache": True} if kv_cache else {})}
+        version = metadata.get("ss_base_model_version", "")
+        kv_cache = {"reference_kv_cache": (True, f"ss_base_model_version {version}")} if version.endswith("-kv_cache") else {}
+        return {**super().lora_trained_options(metadata), **kv_cache}
 
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
                        resolution: tuple[int, int] | None = None) -> tuple[int, int]:
