@@ -267,8 +267,8 @@ class DiffusionFamily:
         except ValueError:
             return {}
         keys = {k.key: k for k in spec_of(cls.name).config_keys if k.renders} if cls.name in FAMILIES else {}
-        return {name: (value, "ss_trained_keys") for name, value in (trained.items() if isinstance(trained, dict) else ())
-                if name in keys and takes(keys[name], value)}
+        pairs = trained.items() if isinstance(trained, dict) else ()
+        return {name: (value, "ss_trained_keys") for name, value in pairs if name in keys and takes(keys[name], value)}
 
     # -- loading -------------------------------------------------------------------------------
     def load_transformer(self, dtype: torch.dtype, base_precision: str = "bf16", read_weights: bool = True) -> nn.Module:

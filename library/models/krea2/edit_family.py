@@ -84,7 +84,8 @@ class Krea2EditFamily(Krea2Family):
         """A LoRA trained with the kv_cache mask (model_version's "-kv_cache") renders with it: its references never
         attended to the target in training."""
         version = metadata.get("ss_base_model_version", "")
-        kv_cache = {"reference_kv_cache": (True, f"ss_base_model_version {version}")} if version.endswith("-kv_cache") else {}
+        kv_cache = {"reference_kv_cache": (True, f"ss_base_model_version {version}")} \
+            if version.endswith("-kv_cache") else {}
         return {**super().lora_trained_options(metadata), **kv_cache}
 
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
