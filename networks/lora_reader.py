@@ -315,8 +315,12 @@ class RowsOfFused:
 
     def merged(self, weight: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
         """weight [rows of the part, in] -> the merged weight, float32 (a copy)."""
-        whole = self.delta.merged(torch.zeros(self.fused_rows, weight.shape[1]), multiplier)  # ratio * dW, float32
         rows = torch.cat([torch.arange(a, b) for a, b in self.ranges])
+        if weight.shape[0] != len(rows):  # a checkpoint of other sizes: else a broadcast error, no file named
+            raise CheckpointError(f"{getattr(self.delta, 'source', 'LyCORIS file')}: LyCORIS module "
+                                  f"'{getattr(self.delta, 'name', '?')}' gives {len(rows)} rows of its fused weight to "
+                                  f"a part of {weight.shape[0]} rows")
+        whole = self.delta.merged(torch.zeros(self.fused_rows, weight.shape[1]), multiplier)  # ratio * dW, float32
         return weight.float() + whole[rows]
 
 

@@ -241,3 +241,22 @@ def test_another_familys_lycoris_file_is_named_by_merge(tmp_path, capsys):
     assert merge("--model", tmp_path / "base.safetensors", "--lora", tmp_path / "q.safetensors", "--save_to", tmp_path / "m.safetensors") == 2
     assert only_line(capsys.readouterr().err) == (f"error: {tmp_path / 'q.safetensors'}: a LoRA for Qwen-Image (tools/lora_info.py: "
                                                   f"arch qwen_image, diffusers names), not for this FLUX.1 model")
+
+
+def test_a_part_of_other_rows_than_its_fused_module_gives_is_one_checkpoint_error():
+    """RowsOfFused on a checkpoint of other sizes raised torch's broadcast RuntimeError, which merge_lora does not
+    turn into its one line."""
+    from library.io import CheckpointError
+    from networks.lora_reader import RowsOfFused
+
+    class Delta:  # a LyCORIS module's merge: W + ratio * ones
+        name, source = "lora_unet_double_blocks_0_img_attn_qkv", "lokr.safetensors"
+
+        def merged(self, weight, multiplier=1.0):
+            return weight + multiplier
+
+    part = RowsOfFused(Delta(), [(4, 8)], 12)
+    assert torch.equal(part.merged(torch.zeros(4, 3), 0.5), torch.full((4, 3), 0.5))
+    with pytest.raises(CheckpointError, match="'lora_unet_double_blocks_0_img_attn_qkv' gives 4 rows of its fused "
+                                              "weight to a part of 5 rows"):
+        part.merged(torch.zeros(5, 3))

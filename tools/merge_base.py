@@ -28,7 +28,8 @@ from library.precision.gguf_weights import is_gguf
 from networks.lora_files import (LoRAWeights, read_lora_tensors, refuse_non_finite_tensors, split_text_encoders,
                                  text_encoder_note)
 from networks.lora_arch import begins_release, detect_arch, header_arch, header_version, takes_loras_of, text_encoder_labels
-from networks.lora_reader import FusedRows, WholeDelta, lora_for_model, lycoris_for_model, split_whole_deltas, whole_deltas_for_model
+from networks.lora_reader import (FusedRows, RowsOfFused, WholeDelta, lora_for_model, lycoris_for_model,
+                                  split_whole_deltas, whole_deltas_for_model)
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas, lycoris_kohya_names
 from tools.cli import LoRASpec
 
@@ -186,8 +187,9 @@ def _check_version(base: Base, spec: LoRASpec, tensors: dict, metadata: dict[str
           f"({base.path}): the same architecture, another release", file=sys.stderr)
 
 
-def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta | FusedRows | WholeDelta]:
-    """One LoRA file -> {checkpoint key: LoRAWeights, LycorisDelta, FusedRows or WholeDelta}, checked against the
+def lora_deltas(base: Base, spec: LoRASpec,
+                allow_unmatched: bool) -> dict[str, LoRAWeights | LycorisDelta | FusedRows | RowsOfFused | WholeDelta]:
+    """One LoRA file -> {checkpoint key: LoRAWeights, LycorisDelta, FusedRows, RowsOfFused or WholeDelta}, checked against the
     base's shapes (a LyCORIS module's shape is checked by LyCORIS when it merges). A down/up LoRA is read
     by networks/lora_reader.py (every layout convert_lora reads, in the base's naming); its `.diff` / `.diff_b`
     tensors (ComfyUI's extraction, LyCORIS' full type) change the weight or bias they name, as ComfyUI patches them."""
@@ -234,7 +236,7 @@ def lora_deltas(base: Base, spec: LoRASpec, allow_unmatched: bool) -> dict[str, 
     for key, w in matched.items():
         if isinstance(w, WholeDelta) and (problem := w.mismatch(base.reader.shape(key))):
             raise CheckpointError(f"{spec.path}: {problem} ('{key}')")
-        if not isinstance(w, LoRAWeights):  # LyCORIS (FusedRows too): LyCORIS checks the shape as it merges
+        if not isinstance(w, LoRAWeights):  # LyCORIS (FusedRows, RowsOfFused too): checked as it merges
             continue
         want = base.reader.shape(key)
         got = (w.up.shape[0], w.down.shape[1])

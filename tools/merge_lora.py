@@ -143,7 +143,7 @@ from safetensors import safe_open  # noqa: E402
 
 from library.precision import fp8  # noqa: E402
 from library.precision.gguf_writer import (  # noqa: E402
-    LARGEST_VALUE, GgufEntry, output_type, save_precision_type, write_gguf_streaming)
+    FP16_MAX, FP16_OVERFLOW, OVERFLOWS_AT, GgufEntry, output_type, save_precision_type, write_gguf_streaming)
 from library.atomic_files import write_text  # noqa: E402
 from library.io import ST_DTYPES, atomic_folder, atomic_path  # noqa: E402
 from library.training.config import PRECISION_DTYPES  # noqa: E402
@@ -161,23 +161,21 @@ NOT_COPIED = (".safetensors", ".index.json", ".bin", ".pt", ".pth", ".ckpt", ".g
 ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
 
 
-# fp16 rounds a value below 65504 + half its last step (16) to 65504, as any value rounds; from here on to inf
-FP16_TO_INF = 65520.0
-
-
 def cast_checked(key: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """`tensor` in `dtype`, refused (ValueError naming the key) where fp16 would write a value past its range
     as inf: a LoRA that grew a weight past 65504 was written as inf with exit status 0."""
-    if dtype == torch.float16 and tensor.numel() and tensor.detach().abs().amax().item() >= FP16_TO_INF:
-        check_in_range(key, tensor, torch.finfo(torch.float16).max, "fp16", "save bf16 or fp32")
+    if dtype == torch.float16:
+        check_in_range(key, tensor, FP16_OVERFLOW, FP16_MAX, "fp16", "save bf16 or fp32")
     return tensor.to(dtype)
 
 
-def check_in_range(key: str, tensor: torch.Tensor, limit: float, dtype_name: str, instead: str) -> None:
-    """One line naming the weight whose largest value a dtype cannot hold (NaN is left to the LoRA reader's check)."""
+def check_in_range(key: str, tensor: torch.Tensor, overflow: float, largest: float, dtype_name: str,
+                   instead: str) -> None:
+    """One line naming the weight a dtype cannot hold: its largest |value| is `overflow` or more, what the dtype
+    writes as inf or clips (below it, the value rounds to at most `largest`). NaN is the LoRA reader's check."""
     peak = tensor.detach().abs().amax().item() if tensor.numel() else 0.0
-    if peak > limit:
-        raise ValueError(f"'{key}' reaches {peak:.4g}, past the largest value {limit:g} of {dtype_name}: it cannot "
+    if peak >= overflow:
+        raise ValueError(f"'{key}' reaches {peak:.4g}, past the largest value {largest:g} of {dtype_name}: it cannot "
                          f"be written as it is; {instead}, or merge the LoRAs at a lower ratio")
 
 
@@ -312,7 +310,7 @@ class Plan:
         if mode == "fp8":  # unscaled e4m3 clamps to +-448, which would change such a weight silently
             instead = "save bf16" if self.base.fp8 is not None else \
                 "use a scaled fp8 layout (--fp8_layout comfy, block64)"
-            check_in_range(key, w, fp8.FP8_MAX, "float8_e4m3fn without a scale", instead)
+            check_in_range(key, w, fp8.FP8_OVERFLOW, fp8.FP8_MAX, "float8_e4m3fn without a scale", instead)
         if not self.stochastic:
             q, scale = fp8.quantize_weight(w, mode)
         elif mode == "fp8":
@@ -512,9 +510,11 @@ def _in_range(tensors: Iterator[tuple[str, torch.Tensor]], types: dict[str, str]
     """(GGUF name, tensor) of each checkpoint tensor, refused where its GGUF type cannot hold its values."""
     for key, tensor in tensors:
         name = base.to_model(key)
-        limit = LARGEST_VALUE.get(types[name])
-        if limit is not None:
-            check_in_range(key, tensor, limit, f"GGUF {types[name]}", "save a safetensors file (bf16 or fp32)")
+        overflow = OVERFLOWS_AT.get(types[name])
+        if overflow is not None:  # the largest value written: a 1/127 ... of the overflow rounds to fp16's 65504
+            largest = overflow * FP16_MAX / FP16_OVERFLOW
+            check_in_range(key, tensor, overflow, largest, f"GGUF {types[name]}",
+                           "save a safetensors file (bf16 or fp32)")
         yield name, tensor
 
 

@@ -40,6 +40,7 @@ from library.precision.dequantized_linear import dequantized_linear
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_OVERFLOW = 464.0  # e4m3fn rounds a value below it to at most 448; from it on a plain cast clips (ours: clamp)
 FP8_CHECKPOINT_DTYPES = ("F8_E4M3", "F8_E5M2")  # safetensors dtype names of already-fp8 tensors
 SCALE_DTYPE = torch.bfloat16
 TENSOR_SCALE_DTYPE = torch.float32  # "fp8_tensor_scaled": one scale per weight, as ComfyUI stores it

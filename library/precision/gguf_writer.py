@@ -40,11 +40,12 @@ SMALL = 1024  # elements: at most this many stay F32 (ComfyUI-GGUF convert.py's 
 FFN_DOWN = ("ffn_down", ".ffn.2.weight", ".ff.net.2.weight", ".mlp.layer2.weight", ".adaln_modulation_mlp.2.weight",
             ".feed_forward.w2.weight", ".img_mlp.net.2.weight", ".txt_mlp.net.2.weight")
 FFN_DOWN_TYPE = {"Q4_0": "Q4_1", "Q5_0": "Q5_1"}
-# The largest |value| each written type holds: F16 itself, else its fp16 block scale d = absmax / 127 (Q8_0),
-# / 16 (Q5_0), / 8 (Q4_0) or its fp16 block minimum (Q5_1, Q4_1); past it gguf writes inf and reads NaN.
-FP16_MAX = 65504.0
-LARGEST_VALUE = {"F16": FP16_MAX, "Q8_0": FP16_MAX * 127, "Q5_0": FP16_MAX * 16, "Q4_0": FP16_MAX * 8,
-                 "Q5_1": FP16_MAX, "Q4_1": FP16_MAX}
+# fp16 rounds a value below 65520 (its largest, 65504, + half its last step) to at most 65504; from 65520 on to inf
+FP16_MAX, FP16_OVERFLOW = 65504.0, 65520.0
+# The |value| from which each written type writes inf (gguf reads NaN back): F16's own, else its fp16 block
+# scale's, d = absmax / 127 (Q8_0), / 16 (Q5_0), / 8 (Q4_0), or its fp16 block minimum's (Q5_1, Q4_1).
+OVERFLOWS_AT = {"F16": FP16_OVERFLOW, "Q8_0": FP16_OVERFLOW * 127, "Q5_0": FP16_OVERFLOW * 16,
+                "Q4_0": FP16_OVERFLOW * 8, "Q5_1": FP16_OVERFLOW, "Q4_1": FP16_OVERFLOW}
 FILE_TYPES = {"Q8_0": "MOSTLY_Q8_0", "Q5_1": "MOSTLY_Q5_1", "Q5_0": "MOSTLY_Q5_0", "Q4_1": "MOSTLY_Q4_1", "Q4_0": "MOSTLY_Q4_0"}
 
 
