@@ -24,7 +24,7 @@ import sys
 import time
 import warnings
 
-from library.errors import exit_without_collecting, one_line_warnings
+from library.errors import INTERRUPTED, exit_without_collecting, one_line_warnings
 from library.training.config import build_parser
 
 # The arguments are checked before torch and the library load (seconds): --help and a bad flag answer at once.
@@ -287,7 +287,7 @@ class Trainer:
                 self.render_samples("start")
                 if requested := self.render_stop():  # as a Ctrl-C while loading: nothing trained, nothing saved
                     raise StopTraining(f"{requested} during the first samples: stopped before step 1; nothing "
-                                       f"trained, nothing saved", code=130, agreed=False)  # this process's own signal
+                                       f"trained, nothing saved", code=INTERRUPTED, agreed=False)  # this process's own signal
             self.clock = tracking.StepClock()
             while self.step < self.max_steps:
                 self.run_epoch()
@@ -318,7 +318,7 @@ class Trainer:
         self.accelerator.wait_for_everyone()
         self.accelerator.end_training()
         self.accelerator.print(f"saved {path} after {self.step} steps in {time.time() - self.started:.1f} s")
-        return 130 if interrupted else 0  # (a Ctrl-C: 130 as mid-training, with the final LoRA saved)
+        return INTERRUPTED if interrupted else 0  # (a Ctrl-C: 130 as mid-training, with the final LoRA saved)
 
     def final_samples(self) -> str | None:
         """The final samples (llm: the final eval), after the final LoRA is written. A Ctrl-C /
@@ -564,7 +564,7 @@ class Trainer:
             path = self.saver.lora(self.step, self.save_epoch())
             folder = self.saver.state(self.optimizer, self.scheduler, self.progress())
             raise StopTraining(f"{requested}: saved {path} and state {folder} at step {self.step}; "
-                               f"continue with --resume {folder}", code=130)
+                               f"continue with --resume {folder}", code=INTERRUPTED)
         self.clock.restart()
 
 
@@ -598,7 +598,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # Ctrl-C before the loop (loading, caching) or a second one inside it
         print("interrupted: stopped before the next save (cache files are written whole; a rerun reuses them)",
               file=sys.stderr)
-        return 130
+        return INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ import time
 if __package__ in (None, ""):  # run as a script: make `library` importable
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from library.errors import INTERRUPTED  # noqa: E402
 from tools.cli import Parser, check_command_line, one_line, exit_without_collecting  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 
@@ -310,7 +311,7 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:  # a second Ctrl-C: the files written so far are whole; the rest waits
         print("interrupted: the captions written so far are kept; run the same command again to caption the rest",
               file=sys.stderr)
-        return 130
+        return INTERRUPTED
     finally:
         interrupts.close()
     done = counts["written"] + counts["empty"]
@@ -319,7 +320,7 @@ def main(argv=None) -> int:
     if counts["left"]:
         print(f"{interrupts.requested}: stopped with {counts['left']} images left; run the same command again to "
               f"caption them", file=sys.stderr)
-        return 130
+        return INTERRUPTED
     return 0
 
 

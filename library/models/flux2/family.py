@@ -134,14 +134,15 @@ class Flux2Family(DiffusionFamily):
 
         return TokenLimit("Mistral Small 3.1", length, count)
 
-    def load_text_encoder(self, precision="bf16", device=None, max_length: int = 512):
+    def load_text_encoder(self, precision="bf16", device=None, max_length: int | None = None):
         from library.models.flux2.dev_text_encoder import load_dev_text_encoder
         from library.models.flux2.text_encoder import load_klein_text_encoder
         from library.models.text_encoders import encoder_precision
 
         dtype, fp8 = encoder_precision(precision)
         load = load_dev_text_encoder if self.is_dev() else load_klein_text_encoder  # Mistral Small 3.1 / Qwen3
-        encoder = load(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8, max_length=max_length)
+        encoder = load(self.text_paths["text_encoder"], dtype=dtype, fp8=fp8,
+                       max_length=max_length or self.text_options(None)["max_length"])  # unset: the pipelines' 512
         encoder.llm.to(device)
 
         def encode(captions: list[str]) -> list[dict]:
