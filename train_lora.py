@@ -287,7 +287,8 @@ class Trainer:
                 self.render_samples("start")
                 if requested := self.render_stop():  # as a Ctrl-C while loading: nothing trained, nothing saved
                     raise StopTraining(f"{requested} during the first samples: stopped before step 1; nothing "
-                                       f"trained, nothing saved", code=INTERRUPTED, agreed=False)  # this process's own signal
+                                       f"trained, nothing saved", code=INTERRUPTED,
+                                       agreed=False)  # this process's own signal
             self.clock = tracking.StepClock()
             while self.step < self.max_steps:
                 self.run_epoch()
