@@ -206,3 +206,7 @@ def test_a_loras_trained_text_length_is_honoured_only_as_the_key_takes_it():
         "note: a.safetensors was trained with max_sequence_length 64 (ss_trained_keys): rendering with it",
         "note: b.safetensors was trained with max_sequence_length 48 (ss_trained_keys); rendering with 64, as the "
         "LoRA before it"]
+    given = argparse.Namespace(model_type="flux2", max_sequence_length=128)  # the web UI passes its job's value
+    assert honour_lora_options(given, [LoRASpec("a.safetensors", 1.0)], [header(64)]) == [
+        "note: a.safetensors was trained with max_sequence_length 64 (ss_trained_keys); rendering with the "
+        "max_sequence_length given, 128"] and given.max_sequence_length == 128

@@ -267,12 +267,16 @@ def honour_lora_options(args, loras, headers: list[dict]) -> list[str]:
     for spec, header in zip(loras, headers):
         for key, (value, source) in cls.lora_trained_options(header).items():
             shown = str(value).lower() if isinstance(value, bool) else value
+            given = getattr(args, key)
             if key in honoured and honoured[key] != value:  # two LoRAs of other settings: the first one's is kept
                 notes.append(f"note: {spec.path} was trained with {key} {shown} ({source}); rendering with "
                              f"{honoured[key]}, as the LoRA before it")
-            elif getattr(args, key) == FAMILY_KEYS[key].default and value != FAMILY_KEYS[key].default:
+            elif given == FAMILY_KEYS[key].default and value != FAMILY_KEYS[key].default:
                 setattr(args, key, honoured.setdefault(key, value))
                 notes.append(f"note: {spec.path} was trained with {key} {shown} ({source}): rendering with it")
+            elif given != value and key not in honoured:  # the flag given wins, said (the web UI passes a job's)
+                notes.append(f"note: {spec.path} was trained with {key} {shown} ({source}); rendering with the "
+                             f"{key} given, {given}")
     return notes
 
 
