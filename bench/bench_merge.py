@@ -2,17 +2,23 @@
 
 Writes a bf16 FLUX-shaped BFL checkpoint of >= 2 GB (full width 3072, --double / --single blocks)
 into a temporary folder, tensor by tensor (never the whole model in memory), and a rank-16 kohya
-LoRA for it. Then, each in its own child process:
+LoRA for it; with --lokr also a LyCORIS LoKr (factor 8, rank 16) of the same modules, with --diffusers the
+base again as a diffusers folder (its fused qkv / linear1 split by rows, also tensor by tensor). Then, each in
+its own child process:
   import    python + torch + the project imported, nothing else (the floor of every run)
   copy      CheckpointReader (safe_open) tensor by tensor -> the streaming safetensors writer, fsync
   load_save safetensors.torch.load_file + save_file, fsync
-  merge     merge_lora.main(... --save_precision bf16)
+  merge     merge_lora.main(... --save_precision bf16): the kohya LoRA into the BFL file
+  merge_lokr             (--lokr) the LoKr into the BFL file (the fused qkv / linear1 merged whole)
+  merge_diffusers        (--diffusers) the kohya LoRA into the diffusers folder (split by its up's rows)
+  merge_lokr_diffusers   (both) the LoKr into the diffusers folder: each part of a fused module takes its
+                         rows of the whole delta (networks/lora_reader.py RowsOfFused)
 safetensors maps the checkpoint and its CPU tensors are views of that map, so VmHWM also counts
 the file pages a run touched (reclaimable page cache, up to the file size); the memory a run really
 holds is its anonymous RSS, sampled every 2 ms. Both are reported (from /proc/self/status). Prints
 the numbers, their ratios and a one-line summary, and appends them to bench/RESULTS.md.
 
-    python bench/bench_merge.py [--double 2] [--single 3] [--keep DIR]
+    python bench/bench_merge.py [--double 2] [--single 3] [--lokr] [--diffusers] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import dataclasses
 import datetime
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,8 +38,12 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from library.atomic_files import write_text  # noqa: E402
+from library.io import DIFFUSERS_WEIGHTS, CheckpointReader  # noqa: E402
+from library.models.flux1.checkpoint import _split_rows, diffusers_config, flux_to_diffusers_state_dict, row_tables  # noqa: E402
 from library.models.flux1.model import Flux, FluxConfig  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
+from networks.lycoris_network import LycorisNetwork  # noqa: E402
 from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 
 # Child processes: run one job, then report wall time and VmHWM as JSON on the last line.
@@ -63,7 +74,7 @@ if job == "copy":
 elif job == "load_save":
     from safetensors.torch import load_file, save_file
     save_file(load_file(src), dst)
-elif job == "merge":
+elif job.startswith("merge"):
     assert merge_lora.main(["--model", src, "--lora", lora + ":0.8", "--save_to", dst, "--save_precision", "bf16"]) == 0
 if job in ("copy", "load_save"):  # merge_lora writes through atomic_path, which fsyncs: so do the copies
     with open(dst, "rb") as f:
@@ -93,6 +104,43 @@ def write_checkpoint(path: str, config: FluxConfig) -> tuple[int, int]:
     return os.path.getsize(path), max(torch.Size(e.shape).numel() for e in entries)
 
 
+def write_diffusers(folder: str, src: str, config: FluxConfig) -> None:
+    """The BFL checkpoint `src` as a diffusers folder (flux_to_diffusers_state_dict's names and order), one BFL
+    tensor read and split at a time."""
+    reader = CheckpointReader(src)
+    keys = set(reader.keys())
+    rows, norms = row_tables(keys, reader.shape, diffusers=False)
+    with torch.device("meta"):
+        planned = flux_to_diffusers_state_dict(Flux(config).state_dict())
+    entries = [Entry(k, torch.bfloat16, tuple(v.shape)) for k, v in planned.items()]
+
+    def tensors():
+        for module, parts in rows.items():
+            for suffix in ("weight", "bias"):
+                if f"{module}.{suffix}" in keys:
+                    for target, tensor in _split_rows(reader.get(f"{module}.{suffix}"), parts).items():
+                        yield f"{target}.{suffix}", tensor
+        for bfl_key, diffusers_key in norms.items():
+            yield diffusers_key, reader.get(bfl_key)
+
+    os.makedirs(folder, exist_ok=True)
+    write_safetensors_streaming(os.path.join(folder, DIFFUSERS_WEIGHTS), entries, tensors(), {"format": "pt"})
+    write_text(os.path.join(folder, "config.json"), json.dumps(diffusers_config(config), indent=2) + "\n")
+
+
+def write_lokr(path: str, config: FluxConfig) -> int:
+    """A LyCORIS LoKr (factor 8, rank 16) of the LoRA's modules, trained on BFL names (fused qkv, linear1)."""
+    with torch.device("meta"):
+        model = Flux(config)
+    net = LycorisNetwork(model, "flux", 16, 8, network_args={"algo": "lokr", "factor": 8})
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # LoKr starts at a zero delta (one factor zero): make every factor nonzero
+        for p in net.trainable_parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.01)
+    net.save(path, dtype=torch.bfloat16)
+    return len({k.split(".")[0] for k in CheckpointReader(path).keys()})
+
+
 def write_lora(path: str, config: FluxConfig) -> int:
     with torch.device("meta"):
         model = Flux(config)
@@ -109,8 +157,10 @@ def run_child(job: str, src: str, dst: str, lora: str) -> dict:
     done = subprocess.run([sys.executable, "-c", code, job, src, dst, lora], capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{job} failed:\n{done.stderr[-2000:]}")
-    if os.path.exists(dst):
-        os.remove(dst)  # keep the disk use at two checkpoints
+    if os.path.isdir(dst):
+        shutil.rmtree(dst)  # keep the disk use at two checkpoints (three with --diffusers)
+    elif os.path.exists(dst):
+        os.remove(dst)
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
@@ -125,16 +175,28 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     parser.add_argument("--double", type=int, default=2, help="double blocks (340 M parameters each)")
     parser.add_argument("--single", type=int, default=3, help="single blocks (141 M parameters each)")
+    parser.add_argument("--lokr", action="store_true", help="also merge a LyCORIS LoKr (factor 8) of the same modules")
+    parser.add_argument("--diffusers", action="store_true", help="also merge into the base written as a diffusers folder")
     parser.add_argument("--keep", default=None, help="work in this folder instead of a temporary one")
     args = parser.parse_args(argv)
     config = FluxConfig(depth=args.double, depth_single=args.single, guidance_embed=True)
     work = args.keep or tempfile.mkdtemp(prefix="bench_merge_")
-    base, lora, out = (os.path.join(work, n) for n in ("base.safetensors", "lora.safetensors", "out.safetensors"))
+    base, lora, lokr, out = (os.path.join(work, n) for n in ("base.safetensors", "lora.safetensors", "lokr.safetensors", "out.safetensors"))
+    folder, folder_out = os.path.join(work, "base_diffusers"), os.path.join(work, "out_diffusers")
     size, largest = write_checkpoint(base, config)
     modules = write_lora(lora, config)
     print(f"checkpoint {size / 1e9:.2f} GB bf16 ({args.double} double + {args.single} single blocks, width 3072), "
           f"largest tensor {largest / 1e6:.1f} M elements = {largest * 4 / 2**20:.0f} MiB fp32; LoRA rank 16, {modules} modules")  # fmt: skip
-    results = {job: run_child(job, base, out, lora) for job in ("import", "copy", "load_save", "merge")}
+    runs = {job: (job, base, out, lora) for job in ("import", "copy", "load_save", "merge")}
+    if args.lokr:
+        print(f"LyCORIS LoKr factor 8 rank 16, {write_lokr(lokr, config)} modules (BFL names)")
+        runs["merge_lokr"] = ("merge", base, out, lokr)
+    if args.diffusers:
+        write_diffusers(folder, base, config)
+        runs["merge_diffusers"] = ("merge", folder, folder_out, lora)
+        if args.lokr:
+            runs["merge_lokr_diffusers"] = ("merge", folder, folder_out, lokr)
+    results = {name: run_child(*job) for name, job in runs.items()}
     for line in table(results):
         print(line)
     copy, merge, whole = results["copy"], results["merge"], results["load_save"]
@@ -149,25 +211,26 @@ def main(argv=None):
     print(summary)
     record(results, summary, args)
     if not args.keep:
-        for path in (base, lora):
-            os.remove(path)
-        os.rmdir(work)
+        shutil.rmtree(work)
 
 
 def table(results: dict) -> list[str]:
     """Markdown rows: time, VmHWM (counts mmapped file pages) and sampled peak RssAnon, raw and above import."""
     floor = results["import"]
-    rows = ["| run | seconds | VmHWM MiB | peak RssAnon MiB | RssAnon above import MiB |", "|---|---|---|---|---|"]
+    copy = results["copy"]["seconds"]
+    rows = ["| run | seconds | time / copy | VmHWM MiB | peak RssAnon MiB | RssAnon above import MiB |",
+            "|---|---|---|---|---|---|"]
     for job, r in results.items():
-        rows.append(f"| {job} | {r['seconds']:.1f} | {r['peak_rss_mb']:.0f} | {r['peak_anon_mb']:.0f} | "
-                    f"{r['peak_anon_mb'] - floor['peak_anon_mb']:.0f} |")  # fmt: skip
+        rows.append(f"| {job} | {r['seconds']:.1f} | {r['seconds'] / copy:.2f} | {r['peak_rss_mb']:.0f} | "
+                    f"{r['peak_anon_mb']:.0f} | {r['peak_anon_mb'] - floor['peak_anon_mb']:.0f} |")  # fmt: skip
     return rows
 
 
 def record(results: dict, summary: str, args):
     lines = [
         f"\n## bench_merge.py, {datetime.datetime.now().strftime('%Y-%m-%d %H:%M')}",
-        f"CPU: {cpu_model()}, {os.cpu_count()} cores. Command: `python bench/bench_merge.py --double {args.double} --single {args.single}`",
+        f"CPU: {cpu_model()}, {os.cpu_count()} cores. Command: `python bench/bench_merge.py --double {args.double} --single {args.single}"
+        f"{' --lokr' * args.lokr}{' --diffusers' * args.diffusers}`",
         "",
         *table(results),
         "",
