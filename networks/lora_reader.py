@@ -280,9 +280,10 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
                                   f"rows {rows}, and weight-decomposed (dora_wd: it normalises the whole fused "
                                   f"weight); apply the file to a model or checkpoint in its own naming")
         else:  # a fused module into the parts that split it: each takes its rows of the whole delta
-            fused_rows = max(b for _, _, b in parts)
-            for part in dict.fromkeys(p for p, _, _ in parts):
-                renamed[part] = RowsOfFused(delta, [(a, b) for p, a, b in parts if p == part], fused_rows)
+            fused_rows, names = max(b for _, _, b in parts), list(dict.fromkeys(p for p, _, _ in parts))
+            whole = WholeOfFused(delta, fused_rows, len(names))  # computed once for all the parts
+            for part in names:
+                renamed[part] = RowsOfFused(delta, [(a, b) for p, a, b in parts if p == part], fused_rows, whole)
     return joined(out, {**renamed, **{t: FusedRows(parts) for t, parts in rows_of.items()}}, name)
 
 
@@ -303,15 +304,36 @@ class FusedRows:
         return out
 
 
+class WholeOfFused:
+    """ratio * dW of one fused module, shared by the RowsOfFused of its parts: computed once (linear1's is 4 parts
+    of a 21504 x 3072 float32 delta at FLUX.1's width) and released once every part has taken its rows."""
+
+    def __init__(self, delta, fused_rows: int, parts: int):
+        self.delta, self.fused_rows, self.parts = delta, fused_rows, parts
+        self.key, self.whole, self.served, self.computed = None, None, 0, 0
+
+    def rows(self, rows: torch.Tensor, columns: int, multiplier: float) -> torch.Tensor:
+        if self.whole is None or self.key != (columns, multiplier):
+            self.key, self.served, self.computed = (columns, multiplier), 0, self.computed + 1
+            self.whole = self.delta.merged(torch.zeros(self.fused_rows, columns), multiplier)  # ratio * dW, float32
+        out = self.whole[rows]
+        self.served += 1
+        if self.served >= self.parts:  # the last part: nothing else takes rows of it
+            self.key, self.whole = None, None
+        return out
+
+
 @dataclass
 class RowsOfFused:
     """One part's rows of a LyCORIS module of a fused weight (a single file's qkv merged into a diffusers folder's
     to_q): W_part + ratio * dW[rows]. A LoKr / LoHa / LoCon delta does not depend on the weight it is added to, so
-    dW is the module merged into zeros of the fused shape: what merging into the fused weight and splitting gives."""
+    dW is the module merged into zeros of the fused shape: what merging into the fused weight and splitting gives.
+    The parts of one module share `whole` (lycoris_for_model), so dW is computed once for all of them."""
 
     delta: object  # anything with merged(weight, ratio) that adds a delta independent of the weight
     ranges: list[tuple[int, int]]  # the part's rows of the fused weight
     fused_rows: int
+    whole: WholeOfFused | None = None  # None: computed for this part alone
 
     def merged(self, weight: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
         """weight [rows of the part, in] -> the merged weight, float32 (a copy)."""
@@ -320,8 +342,8 @@ class RowsOfFused:
             raise CheckpointError(f"{getattr(self.delta, 'source', 'LyCORIS file')}: LyCORIS module "
                                   f"'{getattr(self.delta, 'name', '?')}' gives {len(rows)} rows of its fused weight to "
                                   f"a part of {weight.shape[0]} rows")
-        whole = self.delta.merged(torch.zeros(self.fused_rows, weight.shape[1]), multiplier)  # ratio * dW, float32
-        return weight.float() + whole[rows]
+        whole = self.whole or WholeOfFused(self.delta, self.fused_rows, 1)
+        return weight.float() + whole.rows(rows, weight.shape[1], multiplier)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -260,3 +260,46 @@ def test_a_part_of_other_rows_than_its_fused_module_gives_is_one_checkpoint_erro
     with pytest.raises(CheckpointError, match="'lora_unet_double_blocks_0_img_attn_qkv' gives 4 rows of its fused "
                                               "weight to a part of 5 rows"):
         part.merged(torch.zeros(5, 3))
+
+
+def test_the_parts_of_a_fused_lycoris_module_share_one_whole_delta(tmp_path, monkeypatch):
+    """RowsOfFused computed the whole fused delta from zeros once per part (to_q / to_k / to_v, and linear1's four
+    parts: 4 x 21504 x 3072 float32 at FLUX.1's width, bench/bench_merge.py --lokr --diffusers); the parts of one
+    module share it (WholeOfFused), computed once and released after the last part. The merged folder is unchanged:
+    exactly (fp32) what computing it for each part gave, and the merge into the BFL file split into the folder's names."""
+    from safetensors.torch import load_file
+
+    from library.models.flux1.checkpoint import flux_to_diffusers_state_dict, save_flux_diffusers
+    from networks import lora_reader, lycoris_network
+
+    model = flux_base(tmp_path)
+    save_flux_diffusers(model, FLUX_CFG, str(tmp_path / "diffusers"))
+    net = LycorisNetwork(model, "flux", 4, 2.0, network_args={"algo": "lokr", "factor": 4})
+    random_(net, 0.3)
+    net.save(str(tmp_path / "lokr.safetensors"))
+    from_zeros = []  # the modules whose whole delta was computed (merged into zeros of the fused shape)
+    merged = lycoris_network.LycorisDelta.merged
+
+    def counted(self, weight, multiplier=1.0):
+        if not weight.any():
+            from_zeros.append(self.name)
+        return merged(self, weight, multiplier)
+
+    monkeypatch.setattr(lycoris_network.LycorisDelta, "merged", counted)
+    lora = f"{tmp_path / 'lokr.safetensors'}:0.7"
+    assert merge("--model", tmp_path / "base.safetensors", "--lora", lora, "--save_to", tmp_path / "m.safetensors") == 0
+    assert from_zeros == []
+    assert merge("--model", tmp_path / "diffusers", "--lora", lora, "--save_to", tmp_path / "m") == 0
+    fused = ["lora_unet_double_blocks_0_img_attn_qkv", "lora_unet_double_blocks_0_txt_attn_qkv", "lora_unet_single_blocks_0_linear1"]
+    assert sorted(from_zeros) == fused  # once each
+    shared = lora_reader.WholeOfFused
+    monkeypatch.setattr(lora_reader, "WholeOfFused", lambda delta, rows, parts: shared(delta, rows, 1))  # each part its own
+    from_zeros.clear()
+    assert merge("--model", tmp_path / "diffusers", "--lora", lora, "--save_to", tmp_path / "each") == 0
+    assert sorted(from_zeros) == [fused[0]] * 3 + [fused[1]] * 3 + [fused[2]] * 4  # what the parts computed before
+    folder, each, base = (load_file(str(tmp_path / p / "diffusion_pytorch_model.safetensors")) for p in ("m", "each", "diffusers"))
+    want = flux_to_diffusers_state_dict(load_file(str(tmp_path / "m.safetensors")))
+    assert sorted(folder) == sorted(each) == sorted(want) and folder["transformer_blocks.0.attn.to_q.weight"].dtype == torch.float32
+    assert (folder["single_transformer_blocks.0.proj_mlp.weight"] - base["single_transformer_blocks.0.proj_mlp.weight"]).abs().max() > 0.01
+    assert all(torch.equal(folder[k], each[k]) for k in folder)
+    assert max((folder[k] - want[k]).abs().max().item() for k in folder) <= 1e-6  # W + dW against W[rows] + dW[rows]
