@@ -306,7 +306,7 @@ class FusedRows:
 
 class WholeOfFused:
     """ratio * dW of one fused module, shared by the RowsOfFused of its parts: computed once (linear1's is 4 parts
-    of a 21504 x 3072 float32 delta at FLUX.1's width) and released once every part has taken its rows."""
+    of a 21504 x 3072 float32 delta at a released model's width) and released once every part has taken its rows."""
 
     def __init__(self, delta, fused_rows: int, parts: int):
         self.delta, self.fused_rows, self.parts = delta, fused_rows, parts
