@@ -94,7 +94,7 @@ def read_lora_file(path: str, tool: str, keep_beside: bool = False) -> LoRAFile:
         prefix = next((p for p in prefixes if body and all(m.startswith(p) for m in body)), "")
         if prefix and len(body) < len(modules):  # parse_lora kept every name whole: the prefix is not all modules'
             weights = {n if n.startswith(DOTTED_TEXT_ENCODERS) else n[len(prefix) :]: w for n, w in weights.items()}
-    if layout_name(tensors, fmt) == "comfy":  # the one rule of a ComfyUI lora_A / lora_B file
+    if fmt == "peft" and layout_name(tensors, fmt) == "comfy":  # the one rule of a ComfyUI lora_A / lora_B file
         fmt = "comfy_peft"
     dtype = next(iter(weights.values())).down.dtype
     shapes = {k: torch.empty(t.shape, device="meta") for k, t in tensors.items()}
