@@ -207,6 +207,28 @@ def training_warnings(train, validation, limit: TokenLimit | None) -> list[Probl
     return problems + caption_problems(items, limit)
 
 
+# References whose tokens in training and at render differ by more than this factor (in area) are said
+REFERENCE_AREA_APART = 1.5
+
+
+def references_sized_apart(items, sample_control_bucket) -> str | None:
+    """One line where references train at another size than samples and the pipelines fit them to (the family's
+    sample_control_bucket(target, size) -> (w, h)): edit models that train a reference at the target's bucket or
+    the resolution's area, where their pipelines (ComfyUI's too) fit it to ~1 MP. Trained at 512 px, the LoRA
+    learned references of a quarter of the tokens it renders with, and said nothing. None if none."""
+    trained = [(item.bucket, size) for item in items for size in getattr(item, "control_buckets", ())]
+    apart = [(size, sample_control_bucket(bucket, size)) for bucket, size in trained]
+    apart = [(a, b) for a, b in apart
+             if not 1 / REFERENCE_AREA_APART <= (a[0] * a[1]) / (b[0] * b[1]) <= REFERENCE_AREA_APART]
+    if not apart:
+        return None
+    (tw, th), (sw, sh) = apart[0]
+    return (f"{len(apart)} of {len(trained)} reference images train at another size than samples and the model's "
+            f"pipeline give them (the first: {tw}x{th} in training, {sw}x{sh} to render): the LoRA learns references "
+            f"of {tw * th / (sw * sh):.2g}x the tokens it renders with; train at the pipeline's resolution (its "
+            f"references' ~{sw * sh / 1e6:.1f} MP) for an edit LoRA that renders as trained")
+
+
 def upscaled(items) -> str | None:
     """One line on the images (ImageItems, or anything with image_path, size and bucket) that are
     enlarged to their bucket: how many, by how much at most and the image enlarged most; None if none.

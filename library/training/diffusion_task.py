@@ -20,7 +20,8 @@ import torch.nn as nn
 from library.data.captions import drops_captions, tag_frequency
 from library.data.caches import (cache_empty_caption, cache_folder, cache_latents, cache_prompts, cache_text,
                                  hold_cache_folders, loaded_on_first_call, remove_unused_caches)
-from library.data.check import TokenLimit, refuse_long_captions, training_warnings, upscaled, warn
+from library.data.check import (TokenLimit, references_sized_apart, refuse_long_captions, training_warnings, upscaled,
+                                warn)
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import (caption_as_written, largest_step, refuse_large_buckets, scan_images,
                                        split_validation)
@@ -293,6 +294,8 @@ class DiffusionTask:
             enlarged = upscaled(train + validation)
             if enlarged:
                 self.accelerator.print(f"{self.args.dataset_config}: {enlarged}")
+            if apart := references_sized_apart(train, self.family.sample_control_bucket):
+                warnings.warn(f"{self.args.dataset_config}: {apart}", stacklevel=2)
         if validation:
             self.accelerator.print(f"validation: {len(validation)} images held out, {len(train)} for training")
         if said := preservation.set_preservation_captions(train, self.args, limit, self.args.dataset_config):
