@@ -124,7 +124,8 @@ def test_generate_takes_references_from_the_option_and_the_prompt_line(edit_set,
     assert code == 2 and "model_type flux takes no reference images" in capsys.readouterr().err
 
 
-def test_references_trained_at_another_size_than_the_pipeline_gives_them_are_said(edit_set, tmp_path, monkeypatch):
+def test_references_trained_at_another_size_than_the_pipeline_gives_them_are_said(edit_set, tmp_path, capsys,
+                                                                                 monkeypatch):
     """Kontext trains a reference at its target's bucket, and its pipeline (ComfyUI's FluxKontextImageScale too)
     fits it to ~1 MP: trained at 512 px, the LoRA learned references of a quarter of the tokens it renders with,
     without a word (on the learned tiny base an edit LoRA then rendered 0 of 12 held-out references right). One
@@ -152,3 +153,13 @@ def test_references_trained_at_another_size_than_the_pipeline_gives_them_are_sai
         assert train_lora.main(kontext_args(edit_set, tmp_path / "run", "--max_train_steps", "1", "--sample_prompts",
                                             "")) == 0
     assert sum("reference images train at another size" in str(w.message) for w in said) == 1
+    from tools import check_dataset  # with the training config: as training warns
+
+    config = tmp_path / "kontext.toml"
+    config.write_text("\n".join(f'{k} = "{v}"' for k, v in {
+        "model_type": "flux_kontext", "pretrained_model_name_or_path": edit_set["flux_bfl"],
+        "ae": edit_set["flux_vae_single"], "clip_l": edit_set["clip_l"], "t5xxl": edit_set["t5xxl"],
+        "dataset_config": edit_set["edit_dataset_config"], "output_dir": tmp_path / "out"}.items()))
+    capsys.readouterr()
+    assert check_dataset.main(["--config_file", str(config)]) == 0
+    assert "8 of 8 reference images train at another size than samples" in capsys.readouterr().out

@@ -105,7 +105,8 @@ def main(argv=None) -> int:
         takes = (family.name, family.min_controls, family.max_controls, family.takes_layers) if family else None  # as training
         largest = family.largest_image() if family else None  # the bucket training refuses before caching
         report = check_dataset(blueprint, limit, why, takes, vl_size=family.reference_vl_size if family else None,
-                               largest=largest, control_bucket=family.control_bucket if family else None)
+                               largest=largest, control_bucket=family.control_bucket if family else None,
+                               sample_control_bucket=family.sample_control_bucket if family else None)
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(one_line(e), file=sys.stderr)
         return 2

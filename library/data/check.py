@@ -255,14 +255,16 @@ def warn(problems: list[Problem]) -> None:
 
 def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
                   token_check: str = "not counted (no tokenizer)", takes: tuple[str, int, int, bool] | None = None,
-                  vl_size=None, largest: tuple[int, int] | None = None, control_bucket=None) -> DatasetReport:
+                  vl_size=None, largest: tuple[int, int] | None = None, control_bucket=None,
+                  sample_control_bucket=None) -> DatasetReport:
     """Every subset of the training and validation datasets, checked image by image, plus
     duplicates across all of them. takes: (model_type, min_controls, max_controls, takes_layers) of the
     family that trains on it: reference counts and layered targets it does not take are errors, as
     training's check_family_takes, and with takes, vl_size (its reference_vl_size) refuses references
     its Qwen-VL image processor does not take; largest: its largest_image(), a bucket over it is an error
     (refuse_large_buckets); control_bucket: its control_bucket, references whose sizes split a dataset's batches
-    are a warning (split_by_references, as training warns)."""
+    are a warning (split_by_references, as training warns), and with sample_control_bucket references trained at
+    another size than the pipeline gives them (references_sized_apart, as training warns)."""
     subsets, where = [], {}  # where: image path -> the report of its first subset
     trained, held_out = set(), {}  # held_out: image path -> the report of its first validation subset
     sections = [("datasets", blueprint.datasets), ("validation_datasets", blueprint.validation_datasets)]
@@ -292,6 +294,8 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
                 balance_regularization(di - 1, kept)
             if reports and (split := split_by_references(batched or [], ds.batch_size)):
                 reports[0].add("warning", "reference", f"{blueprint.source}: [[{name}]] #{di}: {split}")
+            if reports and sample_control_bucket and (apart := references_sized_apart(batched, sample_control_bucket)):
+                reports[0].add("warning", "reference", f"{blueprint.source}: [[{name}]] #{di}: {apart}")
             if name == "datasets" and ds.validation_split and not any(r.held_out for r in reports):
                 reports[0].add("error", "folder", no_held_out(blueprint.source, di - 1, ds))
             subsets += reports
