@@ -108,13 +108,15 @@ def test_flipped_flow_target_does_not_teach_it(concept_set, each_base_rendered_o
     assert result["after"] / result["trigger_prompts"] < FAST[model_type][1], result
 
 
-# The edit task on the learned FLUX.2 base: tools/make_tiny_dataset.py --edit's 48 pairs (a grey shape -> the same
-# shape red, each caption "make the shape red"), 36 trained on, 12 held out. The caption says neither shape nor
-# position: a render shows the reference's only where the model reads its reference. Measured (2026-12-01, the
-# shipped base, 2 threads, seed 100 + i per render), held-out references right in colour, shape and position:
-# 0/12 before (red 0, shape 2, position 6 of 12 by chance); after 300 steps 3/12, 600 steps 9/12, 1000 at 2e-3
-# 11/12 (red and position 12/12 from 300 steps on). The reference's tokens are appended at t = 10 as the
-# pipeline places them (library/models/flux2/references.py); a LoRA cannot learn this from a model that drops them.
+# The edit task on a learned base: tools/make_tiny_dataset.py --edit's 48 pairs (a grey shape -> the same shape
+# red, each caption "make the shape red"), 36 trained on, 12 held out. The caption says neither shape nor position:
+# a render shows the reference's only where the model reads its reference. Measured (2026-12-01, the shipped
+# bases, 2 threads, seed 100 + i per render), held-out references right in colour, shape and position:
+# FLUX.2 0/12 before (red 0, shape 2, position 6 of 12 by chance); after 300 steps 3/12, 600 steps 9/12, 1000 at
+# 2e-3 11/12 (red and position 12/12 from 300 steps on). FLUX.1 Kontext on the learned FLUX.1 base: 0/12 -> 9/12
+# at 600 steps, its samples' references at the trained 64 px (patched: its pipeline's are ~1 MP, 256x the tokens:
+# 0/12 after, which training now warns about). The references' tokens are placed as the pipelines place them
+# (FLUX.2 at t = 10, Kontext at first axis 1); a LoRA cannot learn this from a model that drops them.
 EDIT_STEPS, EDIT_HELD_OUT = 600, 12
 
 
@@ -138,12 +140,12 @@ def held_out_edit_set(out) -> tuple[dict, list]:
     return paths, held
 
 
-def edits_right(family, model, vae, held: list) -> int:
-    """How many held-out references render red in the reference's shape at its position."""
+def edits_right(family, model, vae, text: dict, held: list) -> int:
+    """How many held-out references render red in the reference's shape at its position (`text`: the prompt's)."""
     from library.data.shape_detector import detect
-    from tools.learned_base import encode_prompts, to_images
+    from tools.learned_base import to_images
 
-    text, right = encode_prompts(family, ["make the shape red"]), 0
+    right = 0
     for i, (reference, scene) in enumerate(held):
         width, height, images = family.sample_references([reference], 64, 64)
         latents = family.sample_latents(model, text, width, height, 8, 100 + i, 1.0,
@@ -152,20 +154,27 @@ def edits_right(family, model, vae, held: list) -> int:
     return right
 
 
-def test_an_edit_lora_learns_to_draw_what_its_reference_shows(tmp_path):
+@pytest.mark.parametrize("model_type, base", [("flux2", "flux2"), ("flux_kontext", "flux")])
+def test_an_edit_lora_learns_to_draw_what_its_reference_shows(tmp_path, monkeypatch, model_type, base):
+    from library.models.family import get_family
+    from library.models.flux1 import kontext
+    from library.training.config import load_config
     from networks.factory import network_from_file
-    from tools.learned_base import learned_family
+    from tools.learned_base import encode_prompts, learned_family
 
+    monkeypatch.setattr(kontext, "PREFERRED_RESOLUTIONS", [(64, 64)])  # Kontext's samples: the references trained
     paths, held = held_out_edit_set(tmp_path)
-    overrides = [f"--{k}={v}" for k, v in learned_paths("flux2").items()] + [
-        "--dataset_config", paths["edit_dataset_config"], "--output_dir", str(tmp_path / "out"), "--output_name", "edit",
-        "--fp8_base", "false", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "3e-3",
-        "--network_dim", "16", "--network_alpha", "16", "--max_train_steps", str(EDIT_STEPS), "--sample_prompts", "",
-        "--sample_at_first", "false", "--save_every_n_steps", "0"]
-    assert train_lora.main(["--config_file", os.path.join(ROOT, "configs", learned_spec("flux2").config), *overrides]) == 0
-    family = learned_family("flux2")
+    config = ["--config_file", os.path.join(ROOT, "configs", learned_spec(base).config), "--model_type", model_type,
+              *(f"--{k}={v}" for k, v in learned_paths(base).items()), "--dataset_config", paths["edit_dataset_config"],
+              "--output_dir", str(tmp_path / "out"), "--output_name", "edit", "--fp8_base", "false", "--optimizer_type",
+              "AdamW", "--optimizer_args", "--learning_rate", "3e-3", "--network_dim", "16", "--network_alpha", "16",
+              "--max_train_steps", str(EDIT_STEPS), "--sample_prompts", "", "--sample_at_first", "false",
+              "--save_every_n_steps", "0"]
+    assert train_lora.main(config) == 0
+    family = get_family(load_config(config))
+    text = encode_prompts(learned_family(base), ["make the shape red"])  # an edit model's text is its base's
     model, vae = family.load_transformer(torch.float32).requires_grad_(False).eval(), family.load_vae(torch.float32)
-    before = edits_right(family, model, vae, held)
+    before = edits_right(family, model, vae, text, held)
     network_from_file(model, family.arch, str(tmp_path / "out" / "edit.safetensors")).apply()
-    after = edits_right(family, model, vae, held)
+    after = edits_right(family, model, vae, text, held)
     assert before <= 1 and after >= EDIT_HELD_OUT // 2, (before, after)
