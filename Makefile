@@ -37,7 +37,7 @@ demo: $(STAMP)
 # tests, one run); 618-925 s in stop 94's three clean-clone runs (2989-2990 tests, 18 skipped): the 925 s one
 # over the target on a slower hour (its slowest tests 1.5-1.8x the 618 s run's, the code the same but for a mend);
 # 879, 922 and 887 s in stop 95's three (2981 tests, 17 skipped), the second with a 24 s test trimmed: machine
-# variance; 332-355 s in stop 96's (3004 tests) and 257-267 s in stop 97's three (3079-3080 tests, 22 skipped) on
+# variance; 332-355 s in stop 96's (3004 tests) and 257-283 s in stop 97's four (3079-3081 tests, 22 skipped) on
 # AMD EPYCs with AVX-512: a faster machine, not a faster suite.
 # The longest are multi-process (web UI, DDP / FSDP launches) and the full-size planner's tests (~90
 # worker-seconds).
