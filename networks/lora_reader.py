@@ -283,7 +283,7 @@ def lycoris_for_model(deltas: dict, tensors: dict, metadata: dict[str, str], arc
             fused_rows, names = max(b for _, _, b in parts), list(dict.fromkeys(p for p, _, _ in parts))
             whole = WholeOfFused(delta, fused_rows, len(names))  # computed once for all the parts
             for part in names:
-                renamed[part] = RowsOfFused(delta, [(a, b) for p, a, b in parts if p == part], fused_rows, whole)
+                renamed[part] = RowsOfFused(whole, [(a, b) for p, a, b in parts if p == part])
     return joined(out, {**renamed, **{t: FusedRows(parts) for t, parts in rows_of.items()}}, name)
 
 
@@ -310,11 +310,11 @@ class WholeOfFused:
 
     def __init__(self, delta, fused_rows: int, parts: int):
         self.delta, self.fused_rows, self.parts = delta, fused_rows, parts
-        self.key, self.whole, self.served, self.computed = None, None, 0, 0
+        self.key, self.whole, self.served = None, None, 0
 
     def rows(self, rows: torch.Tensor, columns: int, multiplier: float) -> torch.Tensor:
         if self.whole is None or self.key != (columns, multiplier):
-            self.key, self.served, self.computed = (columns, multiplier), 0, self.computed + 1
+            self.key, self.served = (columns, multiplier), 0
             self.whole = self.delta.merged(torch.zeros(self.fused_rows, columns), multiplier)  # ratio * dW, float32
         out = self.whole[rows]
         self.served += 1
@@ -330,20 +330,18 @@ class RowsOfFused:
     dW is the module merged into zeros of the fused shape: what merging into the fused weight and splitting gives.
     The parts of one module share `whole` (lycoris_for_model), so dW is computed once for all of them."""
 
-    delta: object  # anything with merged(weight, ratio) that adds a delta independent of the weight
+    whole: WholeOfFused  # the module's delta (anything with merged(weight, ratio) adding a delta independent of it)
     ranges: list[tuple[int, int]]  # the part's rows of the fused weight
-    fused_rows: int
-    whole: WholeOfFused | None = None  # None: computed for this part alone
 
     def merged(self, weight: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
         """weight [rows of the part, in] -> the merged weight, float32 (a copy)."""
         rows = torch.cat([torch.arange(a, b) for a, b in self.ranges])
         if weight.shape[0] != len(rows):  # a checkpoint of other sizes: else a broadcast error, no file named
-            raise CheckpointError(f"{getattr(self.delta, 'source', 'LyCORIS file')}: LyCORIS module "
-                                  f"'{getattr(self.delta, 'name', '?')}' gives {len(rows)} rows of its fused weight to "
+            delta = self.whole.delta
+            raise CheckpointError(f"{getattr(delta, 'source', 'LyCORIS file')}: LyCORIS module "
+                                  f"'{getattr(delta, 'name', '?')}' gives {len(rows)} rows of its fused weight to "
                                   f"a part of {weight.shape[0]} rows")
-        whole = self.whole or WholeOfFused(self.delta, self.fused_rows, 1)
-        return weight.float() + whole.rows(rows, weight.shape[1], multiplier)
+        return weight.float() + self.whole.rows(rows, weight.shape[1], multiplier)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -247,7 +247,7 @@ def test_a_part_of_other_rows_than_its_fused_module_gives_is_one_checkpoint_erro
     """RowsOfFused on a checkpoint of other sizes raised torch's broadcast RuntimeError, which merge_lora does not
     turn into its one line."""
     from library.io import CheckpointError
-    from networks.lora_reader import RowsOfFused
+    from networks.lora_reader import RowsOfFused, WholeOfFused
 
     class Delta:  # a LyCORIS module's merge: W + ratio * ones
         name, source = "lora_unet_double_blocks_0_img_attn_qkv", "lokr.safetensors"
@@ -255,7 +255,7 @@ def test_a_part_of_other_rows_than_its_fused_module_gives_is_one_checkpoint_erro
         def merged(self, weight, multiplier=1.0):
             return weight + multiplier
 
-    part = RowsOfFused(Delta(), [(4, 8)], 12)
+    part = RowsOfFused(WholeOfFused(Delta(), 12, 1), [(4, 8)])
     assert torch.equal(part.merged(torch.zeros(4, 3), 0.5), torch.full((4, 3), 0.5))
     with pytest.raises(CheckpointError, match="'lora_unet_double_blocks_0_img_attn_qkv' gives 4 rows of its fused "
                                               "weight to a part of 5 rows"):
