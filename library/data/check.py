@@ -294,7 +294,8 @@ def check_dataset(blueprint: DatasetBlueprint, limit: TokenLimit | None = None,
                 balance_regularization(di - 1, kept)
             if reports and (split := split_by_references(batched or [], ds.batch_size)):
                 reports[0].add("warning", "reference", f"{blueprint.source}: [[{name}]] #{di}: {split}")
-            if reports and sample_control_bucket and (apart := references_sized_apart(batched or [], sample_control_bucket)):
+            apart = references_sized_apart(batched or [], sample_control_bucket) if sample_control_bucket else None
+            if reports and apart:
                 reports[0].add("warning", "reference", f"{blueprint.source}: [[{name}]] #{di}: {apart}")
             if name == "datasets" and ds.validation_split and not any(r.held_out for r in reports):
                 reports[0].add("error", "folder", no_held_out(blueprint.source, di - 1, ds))
