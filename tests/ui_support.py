@@ -1,4 +1,5 @@
-"""Shared by the web UI tests: a tiny FLUX job's config on the session's tiny set, and waiting."""
+"""Shared by the web UI tests: a tiny FLUX job's config on the session's tiny set, waiting, and a built
+page's blocks and event functions run as gradio runs them."""
 
 from __future__ import annotations
 
@@ -159,3 +160,28 @@ def job_pid(jobs_dir: str, job_id: int) -> int | None:
 
     with sqlite3.connect(os.path.join(jobs_dir, "jobs.sqlite")) as db:
         return db.execute("SELECT pid FROM jobs WHERE id = ?", (job_id,)).fetchone()[0]
+
+
+# -- a built page (library/ui/app.py build_app) driven without a server -----------------------------------
+
+def block(app, elem_id: str):
+    return next(b for b in app.blocks.values() if getattr(b, "elem_id", None) == elem_id)
+
+
+def event(app, name: str, elem_id: str | None = None, api_name: str | None = None):
+    """The function gradio runs on event `name` of the block with `elem_id` (or the one named `api_name`)."""
+    if api_name:
+        return next(fn for fn in app.fns.values() if fn.api_name == api_name)
+    return next(fn for fn in app.fns.values() if (block(app, elem_id)._id, name) in fn.targets)
+
+
+def run(fn, values: dict, *event_data) -> None:
+    """`fn` as gradio runs it: its inputs read from `values` (block id -> the page's value), its outputs
+    written back there."""
+    out = fn.fn(*[values.get(block._id) for block in fn.inputs], *event_data)
+    out = out if len(fn.outputs) > 1 else [out]
+    values.update({block._id: value for block, value in zip(fn.outputs, out)})
+
+
+def labelled(app, label: str):
+    return next(b for b in app.blocks.values() if getattr(b, "label", None) == label)

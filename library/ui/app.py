@@ -436,6 +436,8 @@ def planner_tab(ui: WebUI, form: dict) -> None:
 def dataset_tab(ui: WebUI) -> None:
     with gr.Row():
         path = file_picker(ui, (".toml",), "dataset TOML", scale=3)
+        training = file_picker(ui, (".toml",), "training config (optional: captions counted in its text encoder's "
+                                               "tokens, its family's checks)", scale=3)
         check = gr.Button("Check", scale=1)
     summary = gr.Markdown()
     with gr.Row():
@@ -453,16 +455,16 @@ def dataset_tab(ui: WebUI) -> None:
     shown = gr.State([])  # the gallery's entries (handlers.CaptionFile), in its order
     shown_caption = gr.State(None)  # the picked file's text as shown (or last saved): a Save checks it is still that
 
-    def on_check(p):
+    def on_check(p, config=None):  # optional in the API too (a client passing the dataset alone)
         try:
-            view = ui.dataset(p)
+            view = ui.dataset(p, config or None)
         except (OutsideRoots, OSError, ValueError) as e:
             return f"⚠ {e}", None, None, [], []
         if not view["ok"]:
             return f"⚠ {view['error']}", None, None, [], []
         return view["summary"], view["buckets"], view["problems"], view["images"], view["captions"]
 
-    check.click(on_check, [path], [summary, buckets, problems, images, shown], api_name="dataset")
+    check.click(on_check, [path, training], [summary, buckets, problems, images, shown], api_name="dataset")
 
     def on_select(entries, event: gr.SelectData):
         entry = entries[event.index]

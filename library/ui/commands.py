@@ -156,11 +156,13 @@ def suggested_keys(fit: Fit) -> dict:
 
 # -- the dataset checker -----------------------------------------------------------------------
 
-def check_dataset(workdir: str, dataset_config: str, python: str = sys.executable,
-                  helper=None) -> tuple[Result, dict | None]:
+def check_dataset(workdir: str, dataset_config: str, python: str = sys.executable, helper=None,
+                  training_config: str | None = None) -> tuple[Result, dict | None]:
     """tools/check_dataset.py --json: per subset its sizes, buckets and problems (None: it failed). A
-    dataset with errors exits 1 with its report: that is a report, not a failure."""
-    result = run_tool("check_dataset.py", [dataset_config, "--json"], workdir, python, helper=helper)
+    dataset with errors exits 1 with its report: that is a report, not a failure. training_config: checked
+    as that config trains it (its text encoder's caption tokens, its family's reference sizes)."""
+    config = ["--config_file", training_config] if training_config else []
+    result = run_tool("check_dataset.py", [dataset_config, "--json", *config], workdir, python, helper=helper)
     if not result.stdout.strip():  # the config could not be read (exit 2, one line on stderr)
         return result, None
     try:

@@ -485,11 +485,14 @@ class WebUI:
         planned = {k: v for k, v in keys.items() if k in FORM_KEYS}
         return new_text, {**form_values({**written, **keys}), **form, **planned}
 
-    def dataset(self, path: str) -> dict:
-        """check_dataset.py's report (buckets, problems) and the images with their captions."""
+    def dataset(self, path: str, training_config: str | None = None) -> dict:
+        """check_dataset.py's report (buckets, problems) and the images with their captions; with a training
+        config, as that config trains the dataset (without one, no caption was counted against a text encoder's
+        tokens: the page said nothing of captions a 64-token encoder cuts)."""
         real = self.roots.resolve(path, "dataset config")
+        config = self.roots.resolve(training_config, "training config") if training_config else None
         self._check_dataset_reads(real)
-        result, report = commands.check_dataset(self.workdir, real, self.python, self.checker)
+        result, report = commands.check_dataset(self.workdir, real, self.python, self.checker, config)
         if report is None:
             return {"ok": False, "error": result.output}
         entries = self._caption_files(real)
