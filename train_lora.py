@@ -188,8 +188,11 @@ class Trainer:
         self.task = task = build_task(args, accelerator, state, held)
         self.data_digests = item_digests(task.data_items())  # once: a save stats no file
 
-        optimizer = create_optimizer(task.param_groups(args.learning_rate), args.optimizer_type, args.learning_rate,
-                                     optimizer_kwargs(args))
+        groups = task.param_groups(args.learning_rate)
+        for group in (g for g in groups if "matches" in g):  # network_reg_lrs: the log's lr/reg<i> is this regex's
+            accelerator.print(f"param group {group['name']}: the {group['modules']} modules network_reg_lrs' "
+                              f"{group['matches']!r} matches, at lr {group['lr']:g}")
+        optimizer = create_optimizer(groups, args.optimizer_type, args.learning_rate, optimizer_kwargs(args))
         self.max_steps = plan_steps(args, task.batches_per_epoch(), state.progress if state else None)
         if args.max_train_epochs:  # it wins over max_train_steps: say what it came to, as sd-scripts does
             per_epoch = epoch_steps(args, task.batches_per_epoch())

@@ -34,8 +34,10 @@ from networks.lora_args import (
     _warn_rank_above_width,
     check_lora_args,
     diffusers_module_map,
+    first_match,
     lora_targets,
     parse_indices,
+    regex_values,
 )
 from networks.lora_files import (
     LoRAWeights,
@@ -334,6 +336,9 @@ class LoRANetwork(nn.Module):
           rank: an include matching only types of rank 0 is refused.
       dropout, rank_dropout, module_dropout: see LoRAModule
       loraplus_lr_ratio: lora_up learning rate = lr * ratio (LoRA+)
+      network_reg_dims / network_reg_lrs: "regex=value,..." (sd-scripts'): the first regex that re.search-es a
+          trained module's kohya name gives its rank (0 drops it; over the *_dim ranks) / its learning rate (in
+          place of learning_rate, LoRA+'s ratio still on lora_up); a regex matching no trained module is refused
       dora / use_dora: weight-decomposed LoRA (DoRA, see LoRAModule); the magnitudes train at lr
       refused_args (sd-scripts args): accepted when false; true is refused with the spec's reason
     select=False builds an empty network that load_weights() fills with the modules a file names.
@@ -353,6 +358,7 @@ class LoRANetwork(nn.Module):
         self._applied = False
         args = self._check_args(self.network_args)
         self.loraplus_lr_ratio = _as_float("loraplus_lr_ratio", args.get("loraplus_lr_ratio"))
+        self.reg_lrs = regex_values("network_reg_lrs", args.get("network_reg_lrs"))
         self.dropouts = {k: _as_float(k, args.get(k)) for k in ("dropout", "rank_dropout", "module_dropout")}
         self.dora = _as_bool("dora", args.get("dora", args.get("use_dora", False)))
         selected = self._select(model, args) if select else []
@@ -441,9 +447,31 @@ class LoRANetwork(nn.Module):
                 selected.append((path, module, rank))
                 selected_types.add(mtype)
         self._refuse_ranks_of_blocks_off(args, ranks, selected_types)
+        selected = self._regex_ranked(selected, regex_values("network_reg_dims", args.get("network_reg_dims")))
+        self._refuse_regexes_matching_none("network_reg_lrs", self.reg_lrs, selected)
         if not selected:
             raise ValueError(f"LoRA: network_args {self.network_args} select no module of the {self.arch} model")
         return selected
+
+    def _regex_ranked(self, selected: list, regexes: list) -> list:
+        """The selected modules at network_reg_dims' ranks where a regex searches their kohya name (sd-scripts:
+        over the type ranks), a rank of 0 dropping the module."""
+        self._refuse_regexes_matching_none("network_reg_dims", regexes, selected)
+        ranked = []
+        for path, module, rank in selected:
+            match = first_match(regexes, kohya_name(path, self.spec.kohya_prefix))
+            rank = rank if match is None else match[1]
+            if rank > 0:
+                ranked.append((path, module, rank))
+        return ranked
+
+    def _refuse_regexes_matching_none(self, key: str, regexes: list, selected: list) -> None:
+        """A regex that searches no trained module's name would set nothing (a typo, dotted names for kohya's)."""
+        names = [kohya_name(path, self.spec.kohya_prefix) for path, _, _ in selected]
+        for pattern, _ in regexes:
+            if not any(pattern.search(name) for name in names):
+                raise ValueError(f"network_args '{key}': {pattern.pattern!r} searches no trained module's name "
+                                 f"(kohya names, e.g. '{names[0] if names else '-'}')")
 
     @staticmethod
     def _refuse_includes_of_rank_0(include, candidates, ranks) -> None:
@@ -538,15 +566,30 @@ class LoRANetwork(nn.Module):
         return [p for m in self.lora_modules() for p in m.parameters_to_train()]
 
     def param_groups(self, lr: float) -> list[dict]:
-        """One named group, or two with LoRA+ (lora_up at lr * loraplus_lr_ratio)."""
-        downs = [m.lora_down.weight for m in self.lora_modules()]
-        downs += [m.dora_scale for m in self.lora_modules() if m.dora_scale is not None]  # magnitudes at lr
-        ups = [m.lora_up.weight for m in self.lora_modules()]
+        """One named group, or two with LoRA+ (lora_up at lr * loraplus_lr_ratio); network_reg_lrs adds one (two)
+        per regex matching a module, named reg<i> (reg<i>_down / reg<i>_up), at its rate, as sd-scripts."""
+        by_rate: dict[int | None, list[LoRAModule]] = {}
+        for m in self.lora_modules():
+            match = first_match(self.reg_lrs, kohya_name(m.name, self.spec.kohya_prefix))
+            by_rate.setdefault(None if match is None else match[0], []).append(m)
+        groups = []
+        for index, modules in sorted(by_rate.items(), key=lambda item: -1 if item[0] is None else item[0]):
+            name, rate = ("lora", lr) if index is None else (f"reg{index}", self.reg_lrs[index][1])
+            for group in self._module_groups(modules, name, rate):
+                # what the run's first lines say of the group its log names lr/reg<i>
+                groups.append(group if index is None else {**group, "matches": self.reg_lrs[index][0].pattern,
+                                                           "modules": len(modules)})
+        return groups
+
+    def _module_groups(self, modules: list[LoRAModule], name: str, lr: float) -> list[dict]:
+        downs = [m.lora_down.weight for m in modules]
+        downs += [m.dora_scale for m in modules if m.dora_scale is not None]  # magnitudes at lr
+        ups = [m.lora_up.weight for m in modules]
         if not self.loraplus_lr_ratio:
-            return [{"name": "lora", "params": downs + ups, "lr": lr}]
+            return [{"name": name, "params": downs + ups, "lr": lr}]
         return [
-            {"name": "lora_down", "params": downs, "lr": lr},
-            {"name": "lora_up", "params": ups, "lr": lr * self.loraplus_lr_ratio},
+            {"name": f"{name}_down", "params": downs, "lr": lr},
+            {"name": f"{name}_up", "params": ups, "lr": lr * self.loraplus_lr_ratio},
         ]
 
     # -- files -------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ from library.models.spec import LoRATargets, load_symbol
 
 COMMON_ARGS = {
     "dropout", "rank_dropout", "module_dropout", "include_patterns", "exclude_patterns",
-    "loraplus_lr_ratio", "dora", "use_dora",
+    "loraplus_lr_ratio", "dora", "use_dora", "network_reg_dims", "network_reg_lrs",
 }  # train_modulation: only where the spec has modulation_types (elsewhere it would switch nothing)
 # The network_args that choose which modules train (beside the <type>_dim / in_dims ranks): a LyCORIS
 # network passes them to our selection; a network built from a file's modules (dim_from_weights) has none.
@@ -79,6 +79,8 @@ def _check_lora_values(spec: LoRATargets, args: dict) -> None:
     _refuse_indices_of_blocks_off(spec, args)
     for key in ("include_patterns", "exclude_patterns"):
         _as_patterns(key, args.get(key))
+    regex_values("network_reg_dims", args.get("network_reg_dims"))
+    regex_values("network_reg_lrs", args.get("network_reg_lrs"))
     for key in args:
         if key.endswith("_dim") and _as_int(key, args[key]) < 0:
             raise ValueError(f"network_args '{key}': expected a rank >= 0 (0 skips the type), got {args[key]!r}")
@@ -169,6 +171,46 @@ def _as_patterns(key, value) -> list[re.Pattern]:
         except re.error as e:
             raise ValueError(f"network_args '{key}': bad regex {v!r}: {e}") from None
     return compiled
+
+
+def regex_values(key, value) -> list[tuple[re.Pattern, int | float]]:
+    """sd-scripts' network_reg_dims / network_reg_lrs: "regex=value,regex=value" (its split: a regex holds no
+    ',' or '='; a TOML table / dict literal {regex: value} takes any) -> [(pattern, value)] in order, the first
+    pattern that re.search-es a module's kohya name (lora_unet_double_blocks_0_img_attn_qkv) giving its value.
+    Dims are ranks >= 0 (0 drops the module), lrs finite rates > 0. sd-scripts skips a malformed pair with a
+    log line; here it is refused."""
+    if value is None:
+        return []
+    if isinstance(value, str):
+        pairs = [pair.split("=", 1) for pair in value.split(",") if pair.strip()]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError(f"network_args '{key}': expected 'regex=value,regex=value', got {value!r}")
+    elif isinstance(value, dict):
+        pairs = list(value.items())
+    else:
+        raise ValueError(f"network_args '{key}': expected 'regex=value,...' or a table of regex = value, got {value!r}")
+    out = []
+    for pattern, number in pairs:
+        pattern = str(pattern).strip()
+        try:
+            compiled = re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"network_args '{key}': bad regex {pattern!r}: {e}") from None
+        if key == "network_reg_dims":
+            number = _as_int(key, number.strip() if isinstance(number, str) else number)
+            if number < 0:
+                raise ValueError(f"network_args '{key}': {pattern!r} = {number}: expected a rank >= 0 (0 drops)")
+        else:
+            number = _as_float(key, number)
+            if not 0 < number < math.inf:
+                raise ValueError(f"network_args '{key}': {pattern!r} = {number!r}: expected a finite rate > 0")
+        out.append((compiled, number))
+    return out
+
+
+def first_match(regexes: list[tuple[re.Pattern, int | float]], name: str) -> tuple[int, int | float] | None:
+    """(index, value) of the first of regex_values' pairs whose pattern searches `name`, else None."""
+    return next(((i, value) for i, (pattern, value) in enumerate(regexes) if pattern.search(name)), None)
 
 
 def parse_indices(key, value, count: int | None) -> set[int]:

@@ -67,7 +67,8 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
     dataset = their_dataset(tmp_path, tiny_set["image_dir"], color_aug="true")
     out = tmp_path / "ours.toml"
     command = documented_command(tiny_set, dataset, str(tmp_path / "run"), "--noise_offset 0.1",
-                                 "--network_args split_qkv=True img_attn_dim=8 ggpo_beta=0.01 dropout=0.1")
+                                 "--network_args split_qkv=True img_attn_dim=8 ggpo_beta=0.01 dropout=0.1 "
+                                 "network_reg_dims=double_blocks=16,single_blocks_0_=4")
     code, rows, text = convert(["--command", command, "--out", str(out)], capsys)
     assert code == 0, text
     assert rows["network_dim"] == ("kept", "") and rows["mixed_precision"] == ("kept", "")
@@ -82,7 +83,8 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
         assert rows[refused][0] == "not carried", refused
     assert "check: train_lora.py reads it as written" in text
     ours = toml_loads(out.read_text())
-    assert ours["network_module"] == "networks.lora" and ours["network_args"] == ["img_attn_dim=8"]
+    assert ours["network_module"] == "networks.lora" and ours["network_args"] == [
+        "img_attn_dim=8", "network_reg_dims=double_blocks=16,single_blocks_0_=4"]  # carried since 2026-12-01
     assert (ours["timestep_sampling"], ours["guidance_scale"], ours["blocks_to_swap"]) == ("flux_shift", 1.0, 27)
     assert ours["dataset_config"] == str(tmp_path / "ours_dataset.toml")
     args = load_config(["--config_file", str(out)])

@@ -472,6 +472,54 @@ def test_loraplus_param_groups():
     assert len(LoRANetwork(StandIn(llm_names(1)), "llm", rank=2).param_groups(1e-4)) == 1
 
 
+def test_network_reg_dims_rank_modules_by_regex_over_the_type_ranks_as_sd_scripts():
+    """sd-scripts' network_reg_dims (refused until 2026-12-01): the first regex that re.search-es a module's
+    kohya name gives its rank, over the *_dim ranks; 0 drops the module. A string or a table alike."""
+    model = StandIn(flux_names(2, 2))
+    text = "double_blocks_0_img=16, double_blocks_0=8 ,single_blocks_1=0"
+    net = LoRANetwork(model, "flux", rank=4, network_args={"network_reg_dims": text, "attn_dim": 2})
+    ranks = selected(net)
+    assert {n: r for n, r in ranks.items() if n.startswith("double_blocks.0.")} == {
+        **{f"double_blocks.0.img_{p}": 16 for p in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2", "mod.lin")},
+        **{f"double_blocks.0.txt_{p}": 8 for p in ("attn.qkv", "attn.proj", "mlp.0", "mlp.2", "mod.lin")}}
+    assert not any(n.startswith("single_blocks.1.") for n in ranks)
+    assert ranks["double_blocks.1.img_attn.qkv"] == 2 and ranks["double_blocks.1.img_mlp.0"] == 4
+    table = {"double_blocks_0_img": 16, "double_blocks_0": 8, "single_blocks_1": 0}
+    assert selected(LoRANetwork(model, "flux", 4, network_args={"network_reg_dims": table, "attn_dim": 2})) == ranks
+    assert net.lora_modules()[0].lora_down.weight.shape[0] == ranks[net.lora_modules()[0].name]
+
+
+def test_network_reg_lrs_give_matching_modules_their_own_groups_and_rates():
+    net = LoRANetwork(StandIn(flux_names(2, 1)), "flux", rank=2,
+                      network_args={"network_reg_lrs": "single_blocks=5e-5,double_blocks_1=2e-4"})
+    groups = net.param_groups(1e-4)
+    assert [(g["name"], g["lr"]) for g in groups] == [("lora", 1e-4), ("reg0", 5e-5), ("reg1", 2e-4)]
+    assert [(g.get("matches"), g.get("modules")) for g in groups] == [
+        (None, None), ("single_blocks", 3), ("double_blocks_1", 10)]
+    assert [len(g["params"]) for g in groups] == [2 * 10, 2 * 3, 2 * 10]  # double 0, single 0, double 1
+    plus = LoRANetwork(StandIn(flux_names(1, 1)), "flux", rank=2,
+                       network_args={"network_reg_lrs": {"single": 1e-5}, "loraplus_lr_ratio": 4})
+    assert [(g["name"], g["lr"]) for g in plus.param_groups(1e-4)] == [
+        ("lora_down", 1e-4), ("lora_up", 4e-4), ("reg0_down", 1e-5), ("reg0_up", 4e-5)]
+    every = {id(p) for g in groups for p in g["params"]}
+    assert every == {id(p) for p in net.trainable_parameters()} and len(every) == sum(len(g["params"]) for g in groups)
+
+
+@pytest.mark.parametrize("args, message", [
+    ({"network_reg_dims": r"double_blocks\.0=8"}, r"'double_blocks\\.0' searches no trained module's name"),
+    ({"network_reg_lrs": "txt_attn=1e-4,nothing_here=1e-4"}, "'nothing_here' searches no trained module's name"),
+    ({"network_reg_dims": "img_attn"}, "expected 'regex=value,regex=value'"),
+    ({"network_reg_dims": "img_(=8"}, "bad regex 'img_('"),
+    ({"network_reg_dims": "img_attn=-1"}, "expected a rank >= 0"),
+    ({"network_reg_dims": "img_attn=4.5"}, "expected an integer"),
+    ({"network_reg_lrs": "img_attn=0"}, "expected a finite rate > 0"),
+    ({"network_reg_lrs": ["img_attn=1e-4"]}, "expected 'regex=value,...' or a table"),
+])
+def test_bad_network_reg_args_are_one_line_naming_the_key(args, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LoRANetwork(StandIn(flux_names(1, 1)), "flux", rank=2, network_args=args)
+
+
 # ----------------------------------------------------------------------------------------------
 # fp8-like base and real tiny models
 

@@ -198,6 +198,20 @@ def test_loraplus_with_prodigy_is_refused_before_training(tmp_path):
                                           r"different learning rates, which Prodigy does not take"):
         load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
     load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--optimizer_type", "AdamW"])
+    cfg = write(tmp_path, BASE + 'optimizer_type = "Prodigy"\nlearning_rate = 1.0\n'
+                                 'network_args = ["network_reg_lrs=single_blocks=0.5"]\n')
+    with pytest.raises(ConfigError, match=r"network_args 'network_reg_lrs=single_blocks=0.5' gives the parameter "
+                                          r"groups different learning rates, which Prodigy does not take"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
+
+
+def test_network_reg_dims_is_refused_with_dim_from_weights(tmp_path):
+    """dim_from_weights trains the file's modules at the file's ranks: a rank regex would do nothing."""
+    (tmp_path / "init.safetensors").write_bytes(b"")
+    cfg = write(tmp_path, BASE + 'network_args = ["network_reg_dims=single=2"]\n')
+    with pytest.raises(ConfigError, match="network_args 'network_reg_dims' selects modules or ranks"):
+        load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--dim_from_weights", "true",
+                     "--network_weights", str(tmp_path / "init.safetensors")])
 
 
 def test_weight_decay_1d_is_refused_where_no_pretraining_reads_it(tmp_path):

@@ -264,8 +264,7 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     if is_schedule_free_class(optimizer):  # before validate, whose lr_warmup_steps line names another schedule
         check_schedule_free_run(args, origins, where)
     validate(args, where, origins)
-    ratio = lora_network_args(args).get("loraplus_lr_ratio")
-    group_lrs = f"network_args 'loraplus_lr_ratio={ratio}'" if ratio not in (None, 1, "1") else None
+    group_lrs = _group_lrs(lora_network_args(args))
     try:  # fail now, not after minutes of caching
         check_optimizer(args.optimizer_type, args.learning_rate, optimizer_kwargs(args), group_lrs,
                         blame(origins, where, "learning_rate"))
@@ -336,10 +335,21 @@ def _validate_dim_from_weights(args, origins: dict[str, str], where: str) -> Non
                           f"is built by its network_args)")
     from networks.lora_args import SELECTION_ARGS
 
-    chosen = [k for k in lora_network_args(args) if k in SELECTION_ARGS or k.endswith("_dim") or k == "in_dims"]
+    chosen = [k for k in lora_network_args(args)
+              if k in SELECTION_ARGS or k.endswith("_dim") or k in ("in_dims", "network_reg_dims")]
     if chosen:
         raise ConfigError(f"{origins.get('network_args', where)}: network_args '{chosen[0]}' selects modules or "
                           f"ranks; with dim_from_weights the network holds network_weights' modules at their ranks")
+
+
+def _group_lrs(network_args: dict) -> str | None:
+    """The network_args that give parameter groups their own learning rates (said where an optimizer refuses them)."""
+    ratio = network_args.get("loraplus_lr_ratio")
+    if ratio not in (None, 1, "1"):
+        return f"network_args 'loraplus_lr_ratio={ratio}'"
+    if network_args.get("network_reg_lrs"):
+        return f"network_args 'network_reg_lrs={network_args['network_reg_lrs']}'"
+    return None
 
 
 def lora_network_args(args, where: str | None = None) -> dict[str, Any]:

@@ -184,8 +184,6 @@ LORA_ARGS_REFUSED = {
     "train_t5xxl": "ours caches T5's outputs before training: no T5-XXL LoRA",
     "ggpo_beta": "GGPO's weight perturbation: ours perturbs nothing",
     "ggpo_sigma": "GGPO's weight perturbation: ours perturbs nothing",
-    "network_reg_lrs": "learning rates per module regex: ours has one rate (and loraplus_lr_ratio)",
-    "network_reg_dims": "ranks per module regex: ours sets ranks per module type (img_attn_dim ...)",
 }
 
 
