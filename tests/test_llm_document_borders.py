@@ -102,7 +102,7 @@ def test_document_starts_are_kept_for_documents_and_conversations(tmp_path):
     (tmp_path / "b.jsonl").write_text(json.dumps({"text": "de"}) + "\n" + json.dumps({"messages": [{"role": "user", "content": "x"}]}) + "\n"
                                       + json.dumps({"text": "f"}) + "\n")
     encode = lambda s: [ord(c) for c in s]  # noqa: E731
-    chat = lambda messages, where: ([7, 8, 9, 10], [False, False, True, True])  # noqa: E731
+    chat = lambda messages, where, tools: ([7, 8, 9, 10], [False, False, True, True])  # noqa: E731
     ids, trained, starts = text_corpus.tokenize_corpus([str(tmp_path / "a.txt"), str(tmp_path / "b.jsonl")], encode,
                                                        encode, eos_id=0, chat=chat)
     assert starts.tolist() == [0, 4, 7, 11] and len(ids) == 13

@@ -238,7 +238,6 @@ SHAREGPT_CHAT = [{"from": "system", "value": "Be brief."}, {"from": "human", "va
                  {"from": "assistant", "value": "It is 4."}]
 ANOTHER_LAYOUT = {  # a record in another trainer's layout, and the "messages" it trains as
     "sharegpt": ({"conversations": SHAREGPT_CHAT, "id": "x1"}, CHAT[:4] + CHAT[5:]),
-    "prompt_completion": ({"prompt": "What is 2 + 2?", "completion": "It is 4."}, [CHAT[3], CHAT[5]]),
     "trl_conversational": ({"prompt": CHAT[:4], "completion": CHAT[5:]}, CHAT[:4] + CHAT[5:]),
     "content_parts": ({"messages": [{"role": "system", "content": parts("Be brief.")},
                                     {"role": "user", "content": parts("Hi ", "there")},
@@ -271,7 +270,7 @@ def test_sharegpt_prompt_completion_and_content_part_records_train_as_their_mess
 
 
 @pytest.mark.parametrize("record, layout", [({"conversations": SHAREGPT_CHAT}, '"conversations"'),
-                                           ({"prompt": "q", "completion": "a"}, '"prompt" / "completion"')])
+                                           ({"prompt": CHAT[:4], "completion": CHAT[5:]}, '"prompt" / "completion"')])
 def test_a_converted_record_without_a_chat_template_is_refused_naming_its_layout(tmp_path, record, layout):
     path = write_jsonl(tmp_path / "c.jsonl", [{"text": "a document"}, record])
     with pytest.raises(ConfigError) as e:
@@ -536,8 +535,9 @@ def test_the_no_eos_warning_counts_documents_not_conversations(chat_llm, tmp_pat
         LLMTask(args, train_lora.make_accelerator(args))
     said = [str(w.message) for w in caught if "eos_token" in str(w.message)]
     assert said == ([] if warned is None else [f"{chat_llm}: the tokenizer names no eos_token, so the {warned} documents of "
-                                               f"train_data (.txt files and \"text\" records) run together with no "
-                                               f"border between them (set eos_token in its tokenizer_config.json)"])
+                                               f"train_data (.txt files, \"text\" and plain-text \"prompt\" / "
+                                               f"\"completion\" records) run together with no border between them "
+                                               f"(set eos_token in its tokenizer_config.json)"])
 
 
 def many_turn_chat(turns: int, system: bool) -> list:

@@ -1,7 +1,8 @@
 """An LLM's .jsonl train data, one JSON object a line as PEFT / TRL / axolotl / unsloth datasets hold it:
 {"text": "..."} (a document) or {"messages": [{"role": ..., "content": ...}, ...]} (a conversation), or a
-conversation as ShareGPT's "conversations" or TRL's "prompt" / "completion", read as the "messages" it
-converts to (record_as_messages).
+conversation as ShareGPT's "conversations" or TRL's conversational "prompt" / "completion", read as the
+"messages" it converts to (record_as_messages); TRL's plain-text "prompt" / "completion" is raw text, as its
+SFTTrainer tokenizes it (no chat template).
 
 A file is checked whole before the model loads (check_jsonl: the first bad line is one ConfigError naming
 file:line), then read again a line at a time while tokenizing (jsonl_records). A conversation is rendered
@@ -25,11 +26,13 @@ FORMS = ('{"text": "..."}, {"messages": [{"role": ..., "content": "..."}, ...]},
 # A record's layouts by the keys that make them (a record holds one): what record_as_messages reads
 LAYOUTS = {'"text"': ("text",), '"messages"': ("messages",), '"conversations"': ("conversations",),
            '"prompt" / "completion"': ("prompt", "completion")}
-SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant"}
+SHAREGPT_ROLES = {"system": "system", "human": "user", "gpt": "assistant", "user": "user", "assistant": "assistant",
+                  "function_call": "assistant", "observation": "tool"}  # LLaMA-Factory's tool turns
 SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # where a line may hold half a UTF-16 pair (lone_surrogate)
 BLANK = object()  # jsonl_records' marker of a blank line
-# A conversation's (ids, trained): one flag a token (True: the loss predicts it), or True for all of them.
-ChatEncoder = Callable[[list, str], "tuple[list[int], bool | list[bool]]"]
+# A conversation's (ids, trained): one flag a token (True: the loss predicts it), or True for all of them. Called
+# with its messages, where it is ('file:line') and its tools (None: none).
+ChatEncoder = Callable[[list, str, "list | None"], "tuple[list[int], bool | list[bool]]"]
 
 
 def jsonl_records(path: str) -> Iterator[tuple[str, dict]]:
@@ -73,15 +76,19 @@ class RecordProblem(ValueError):
 
 
 def record_as_messages(record) -> dict:
-    """The one place a record's layout is read: a parsed line as it is trained, {"text": ...} (a document) or
-    {"messages": [...], "key": ...} (a conversation; key: the record's key it was read from). The first
-    layout the record holds is read (one of LAYOUTS: a record of two is refused as ambiguous); its other keys are
-    ignored (UltraChat's "prompt" beside its "messages"):
+    """The one place a record's layout is read: a parsed line as it is trained, one of
+    - {"text": ...}: a document;
+    - {"prompt": ..., "completion": ...}: TRL's plain-text prompt-completion, raw text (raw_prompt_completion);
+    - {"messages": [...], "key": ..., "tools": [...]}: a conversation (key: the record's key it was read from;
+      "tools" only where the record gives some, record_tools).
+    The first layout the record holds is read (one of LAYOUTS: a record of two is refused as ambiguous); its other
+    keys are ignored (UltraChat's "prompt" beside its "messages"), but for a conversation's "tools":
     - "messages": as they are, a content given as OpenAI's parts joined into its text (chat_messages);
-    - ShareGPT's "conversations": {"from": human / gpt / ..., "value"} turns as role / content (sharegpt_messages);
-    - TRL's "prompt" and "completion": a user turn and the assistant turn, or two lists of messages
-      (prompt_completion_messages).
-    So a record trains exactly as the "messages" record it converts to. Raises RecordProblem."""
+    - ShareGPT's "conversations": {"from": human / gpt / ..., "value"} turns as role / content, LLaMA-Factory's
+      top-level "system" and tool turns too (sharegpt_messages);
+    - TRL's "prompt" and "completion": two strings are raw text, as TRL's SFTTrainer trains them; two lists of
+      messages (its conversational form) are the conversation (prompt_completion_messages).
+    So a converted conversation trains exactly as the "messages" record it converts to. Raises RecordProblem."""
     if not isinstance(record, dict):
         raise RecordProblem(f"the line is {json_kind(record)}; expected an object, {FORMS}")
     held = [name for name, keys in LAYOUTS.items() if all(k in record for k in keys)]
@@ -93,16 +100,59 @@ def record_as_messages(record) -> dict:
             raise RecordProblem(f"\"text\" is {json_kind(text)}; expected a string")
         return {"text": text}
     if "messages" in record:
-        return {"messages": chat_messages(record["messages"], "messages"), "key": "messages"}
-    pair = "prompt" in record and "completion" in record
+        return conversation(chat_messages(record["messages"], "messages"), "messages", record)
     if "conversations" in record:
-        return {"messages": sharegpt_messages(record["conversations"]), "key": "conversations"}
-    if pair:
-        return {"messages": prompt_completion_messages(record["prompt"], record["completion"]), "key": "prompt"}
+        return conversation(sharegpt_messages(record["conversations"], record.get("system")), "conversations", record)
+    if "prompt" in record and "completion" in record:
+        prompt, completion = record["prompt"], record["completion"]
+        if isinstance(prompt, str) and isinstance(completion, str):
+            return raw_prompt_completion(record)
+        return conversation(prompt_completion_messages(prompt, completion), "prompt", record)
     keys = ", ".join(map(repr, record)) or "none"
     lone = ("; a \"prompt\" without a \"completion\" is nothing to train on (preference data, \"chosen\" / "
             "\"rejected\", is not read)") if "prompt" in record else ""
     raise RecordProblem(f"expected one of {FORMS}; found keys {keys}{lone}")
+
+
+def conversation(messages: list, key: str, record: dict) -> dict:
+    """A conversation as record_as_messages reads it: its messages, the key they came from and the record's tools."""
+    tools = record_tools(record.get("tools"))
+    return {"messages": messages, "key": key, **({"tools": tools} if tools else {})}
+
+
+def record_tools(tools) -> list | None:
+    """A conversation's "tools" (TRL's column, LLaMA-Factory's ShareGPT key): the tool definitions the chat template
+    renders (transformers' apply_chat_template(tools=...)), a list of objects or its JSON text (LLaMA-Factory writes
+    a string; TRL json.loads one). None, "" and []: none. Raises RecordProblem."""
+    given = tools
+    if isinstance(tools, str):
+        if not tools.strip():
+            return None
+        try:
+            tools = json.loads(tools)
+        except (ValueError, RecursionError) as e:
+            raise RecordProblem(f"\"tools\" is a string that is not JSON ({e}); expected a list of tool objects or "
+                                f"its JSON text") from None
+    if tools is None or tools == []:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        what = json_kind(tools) if tools is given else f"JSON text of {json_kind(tools)}"
+        if isinstance(tools, list):
+            what = f"{what} holding {json_kind(next(t for t in tools if not isinstance(t, dict)))}"
+        raise RecordProblem(f"\"tools\" is {what}; expected a list of tool objects ({{\"name\": ..., \"parameters\": "
+                            f"...}} or OpenAI's {{\"type\": \"function\", \"function\": {{...}}}}) or its JSON text")
+    return tools
+
+
+def raw_prompt_completion(record: dict) -> dict:
+    """TRL's standard (plain-text) prompt-completion record as its SFTTrainer reads it: raw text, no chat template
+    (text_corpus.prompt_completion_ids tokenizes it). Its "tools" would be dropped: refused. Raises RecordProblem."""
+    if not record["completion"].strip():
+        raise RecordProblem("\"completion\" is empty; expected the reply to train on")
+    if record_tools(record.get("tools")):
+        raise RecordProblem("\"tools\" beside a plain-text \"prompt\" and \"completion\", which train as raw text (no "
+                            "chat template renders the tools); give the prompt and completion as lists of messages")
+    return {"prompt": record["prompt"], "completion": record["completion"]}
 
 
 def chat_messages(messages, name: str) -> list:
@@ -150,12 +200,18 @@ def text_of_parts(parts: list, label: str) -> str:
     return "".join(part["text"] for part in parts)
 
 
-def sharegpt_messages(turns) -> list:
+def sharegpt_messages(turns, system=None) -> list:
     """ShareGPT's "conversations" ([{"from": "system" | "human" | "gpt", "value": "..."}], "user" / "assistant"
-    too) as messages: human -> user, gpt -> assistant. Raises RecordProblem naming conversations[i]."""
+    too) as messages: human -> user, gpt -> assistant, and LLaMA-Factory's tool turns: function_call -> an
+    assistant message calling the tools its value names (sharegpt_calls), observation -> a tool message (its
+    result). LLaMA-Factory's top-level "system" (`system`; None or "": none) is a first system message; beside a
+    system turn it is refused (LLaMA-Factory lets the turn win, unsaid). Raises RecordProblem naming
+    conversations[i]."""
     if not isinstance(turns, list) or not turns:
         raise RecordProblem("\"conversations\" must be a list of at least one {\"from\": ..., \"value\": \"...\"} "
                             "object")
+    if system is not None and not isinstance(system, str):
+        raise RecordProblem(f"\"system\" is {json_kind(system)}; expected a string (the system prompt)")
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
@@ -167,18 +223,37 @@ def sharegpt_messages(turns) -> list:
         if not isinstance(turn.get("value"), str):
             raise RecordProblem(f"conversations[{i}] ({speaker}) value is {json_kind(turn.get('value'))}; "
                                 f"expected a string")
-        messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
-    return chat_messages(messages, "conversations")
+        if speaker == "system" and system:
+            raise RecordProblem(f"a top-level \"system\" and a system turn, conversations[{i}]; expected one of them")
+        if speaker == "function_call":
+            messages.append({"role": "assistant", "content": None, "tool_calls": sharegpt_calls(turn["value"], i)})
+        else:
+            messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
+    # checked before the system message goes first: chat_messages names conversations[i] as the record counts them
+    head = [{"role": "system", "content": system}] if system else []
+    return head + chat_messages(messages, "conversations")
+
+
+def sharegpt_calls(value: str, i: int) -> list:
+    """A function_call turn's value, LLaMA-Factory's JSON text of a call {"name": ..., "arguments": {...}} or of a
+    list of them, as OpenAI's tool_calls (arguments as given: an object, or JSON text that decoded_arguments
+    decodes). Raises RecordProblem naming conversations[i]."""
+    try:
+        calls = json.loads(value)
+    except (ValueError, RecursionError):
+        calls = None
+    calls = calls if isinstance(calls, list) else [calls]
+    if not calls or not all(isinstance(c, dict) and isinstance(c.get("name"), str) for c in calls):
+        shown = value if len(value) <= 40 else value[:40] + "..."
+        raise RecordProblem(f"conversations[{i}] (function_call) value {shown!r} is no call; expected the JSON text of "
+                            f"{{\"name\": ..., \"arguments\": {{...}}}} or of a list of them (LLaMA-Factory's)")
+    return [{"type": "function", "function": {"name": c["name"], "arguments": c.get("arguments", {})}} for c in calls]
 
 
 def prompt_completion_messages(prompt, completion) -> list:
-    """TRL's prompt-completion record as messages: two strings are a user turn and the assistant turn (rendered
-    by the chat template; TRL's SFTTrainer joins them as raw text); two lists of messages (its conversational
-    form) are the conversation, the completion opening with the assistant's reply. Raises RecordProblem."""
-    if isinstance(prompt, str) and isinstance(completion, str):
-        if not completion.strip():
-            raise RecordProblem("\"completion\" is empty; expected the reply to train on")
-        return [{"role": "user", "content": prompt}, {"role": "assistant", "content": completion}]
+    """TRL's conversational prompt-completion record as messages: two lists of messages are the conversation, the
+    completion opening with the assistant's reply (two strings are raw text: raw_prompt_completion). Raises
+    RecordProblem."""
     if isinstance(prompt, list) and isinstance(completion, list):
         opening, reply = chat_messages(prompt, "prompt"), chat_messages(completion, "completion")
         if reply[0]["role"] != "assistant":
@@ -253,14 +328,17 @@ def lone_surrogate(record: dict) -> str | None:
 
 
 def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> tuple[int, int]:
-    """Check every line of a .jsonl file; returns how many "text" records hold text (documents) and how
-    many conversations ("messages", "conversations", "prompt" / "completion" records) it has. no_template: why a
-    conversation cannot be rendered (the tokenizer has no chat template), None when it can.
+    """Check every line of a .jsonl file; returns how many documents ("text" records that hold text, plain-text
+    "prompt" / "completion" records: raw text ended by EOS) and how many conversations ("messages",
+    "conversations", conversational "prompt" / "completion" records) it has. no_template: why a conversation
+    cannot be rendered (the tokenizer has no chat template), None when it can.
     With the loss on assistant tokens only, a conversation without an assistant message, or starting
     with one, is refused."""
     documents = conversations = 0
     for where, record in jsonl_records(path):
-        if "messages" in record:
+        if "prompt" in record:  # raw text, no template: its completion is never empty (raw_prompt_completion)
+            documents += 1
+        elif "messages" in record:
             key = record["key"]
             if no_template:
                 layout = '"prompt" / "completion"' if key == "prompt" else f'"{key}"'
@@ -277,31 +355,45 @@ def check_jsonl(path: str, no_template: str | None, all_tokens: bool) -> tuple[i
     return documents, conversations
 
 
-def render_chat(tokenizer, messages: list, where: str, generation_prompt: bool = False) -> str:
+def render_chat(tokenizer, messages: list, where: str, generation_prompt: bool = False,
+                tools: list | None = None) -> str:
     """The conversation's text as the tokenizer's chat template renders it (transformers'
-    apply_chat_template); a template that fails on it is a ConfigError naming `where`."""
+    apply_chat_template, with the record's tools); a template that fails on it is a ConfigError naming `where`."""
     from jinja2 import TemplateError
 
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+                                             add_generation_prompt=generation_prompt)
     except (TemplateError, ValueError, TypeError, KeyError, IndexError) as e:
         raise ConfigError(f"{where}: the tokenizer's chat template fails on this conversation: {e}") from None
 
 
 def chat_encoder(tokenizer, all_tokens: bool) -> ChatEncoder:
-    """A conversation's ids as the tokenizer's chat template renders it (tokenized as transformers'
+    """A conversation's ids as the tokenizer's chat template renders it with its tools (tokenized as transformers'
     apply_chat_template does: no special tokens added, the template writes its own), trained on every
     token (all_tokens) or on the assistant messages' tokens only (assistant_spans)."""
 
-    def encode(messages: list, where: str):
+    def encode(messages: list, where: str, tools: list | None = None):
         messages = decoded_arguments(messages, where)
+        render = lambda m, g=False: render_chat(tokenizer, m, where, g, tools)  # noqa: E731
+        if tools:
+            refuse_unrendered_tools(render(messages), render_chat(tokenizer, messages, where), where)
         if all_tokens:
-            return tokenizer(render_chat(tokenizer, messages, where), add_special_tokens=False)["input_ids"], True
-        text, spans = assistant_spans(lambda m, g=False: render_chat(tokenizer, m, where, g), messages, where)
+            return tokenizer(render(messages), add_special_tokens=False)["input_ids"], True
+        text, spans = assistant_spans(render, messages, where)
         encoded = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
         return encoded["input_ids"], starts_inside(encoded["offset_mapping"], spans)
 
     return encode
+
+
+def refuse_unrendered_tools(with_tools: str, without: str, where: str):
+    """A template that reads no `tools` (the tiny ChatML ones, many base models') renders a record's tools as
+    nothing: the LoRA would learn calls to tools it was never shown. Refused, naming the record."""
+    if with_tools == without:
+        raise ConfigError(f"{where}: the record gives \"tools\", but the tokenizer's chat template renders none of "
+                          f"them (it reads no `tools`), so they would be dropped; use a template that renders tools "
+                          f"(Qwen2.5's, Llama 3.1's) or leave \"tools\" out")
 
 
 def starts_inside(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:

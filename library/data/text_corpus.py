@@ -66,7 +66,8 @@ def is_jsonl(path: str) -> bool:
 class TextCounts(NamedTuple):
     """What train_data holds, by how the stream borders it."""
 
-    documents: int  # .txt files and "text" records holding more than whitespace: each ended by EOS
+    documents: int  # .txt files, "text" records holding more than whitespace, plain-text prompt / completion records:
+    # raw text, each ended by EOS
     conversations: int  # "messages" (or converted) records: each bordered by its chat template's own tokens
 
 
@@ -255,12 +256,14 @@ class Corpus(NamedTuple):
 
 
 def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode_more: Callable[[str], list[int]],
-                    eos_id: int | None, chat: ChatEncoder | None = None) -> Corpus:
+                    eos_id: int | None, chat: ChatEncoder | None = None, all_tokens: bool = False) -> Corpus:
     """The token stream of train_data's files (corpus_files), read a file piece or a .jsonl line at a time:
     only the ids (and the trained mask) are kept. A .txt file and a .jsonl "text" record are documents
-    (tokenize_documents' pieces and eos_id); a conversation record (its "messages", record_as_messages) is what
-    `chat` renders, its own template's tokens its borders (no eos_id added), trained where `chat` says.
-    Returns a Corpus: the ids, the trained mask (None when every token is trained) and the document starts."""
+    (tokenize_documents' pieces and eos_id); a plain-text "prompt" / "completion" record is raw text too, ended by
+    eos_id, trained on its completion unless all_tokens (prompt_completion_ids); a conversation record (its
+    "messages", record_as_messages) is what `chat` renders, its own template's tokens its borders (no eos_id added),
+    trained where `chat` says. Returns a Corpus: the ids, the trained mask (None when every token is trained) and
+    the document starts."""
     split = pieces_keep_tokens(encode, encode_more)
     end, stream = [eos_id] if eos_id is not None else [], TokenStream()
     for path in files:
@@ -271,17 +274,33 @@ def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode
             if "text" in record:  # an empty one is no document (it trained BOS -> EOS: "stop at once")
                 if record["text"].strip():
                     add_text(stream, text_pieces(record["text"]) if split else [record["text"]], encode, encode_more, end)
+            elif "prompt" in record:
+                stream.start_document()
+                stream.add(*prompt_completion_ids(record["prompt"], record["completion"], encode, end, all_tokens))
             else:
                 stream.start_document()
-                stream.add(*chat(record["messages"], where))
+                stream.add(*chat(record["messages"], where, record.get("tools")))
     return Corpus(*stream.finish(), stream.document_starts())
+
+
+def prompt_completion_ids(prompt: str, completion: str, encode: Callable[[str], list[int]], end: list[int],
+                          all_tokens: bool) -> tuple[list[int], bool | list[bool]]:
+    """TRL's plain-text prompt-completion record as its SFTTrainer tokenizes it: prompt + completion as one raw
+    text (encode: with the tokenizer's special tokens, no chat template), then `end` (EOS, as TRL appends
+    eos_token); trained on every token after the prompt's own len(encode(prompt)) (its completion_only_loss,
+    the default), or on all of them (all_tokens)."""
+    ids = list(encode(prompt + completion)) + end
+    if all_tokens:
+        return ids, True
+    n = len(encode(prompt))  # TRL's rule: a token the two texts share at the cut counts as the prompt's
+    return ids, [i >= n for i in range(len(ids))]
 
 
 def measured(chat: ChatEncoder, lengths: list[int]) -> ChatEncoder:
     """chat, appending each conversation's token count to `lengths` (what warn_long_conversations reads)."""
 
-    def encode(messages: list, where: str):
-        ids, trained = chat(messages, where)
+    def encode(messages: list, where: str, tools: list | None = None):
+        ids, trained = chat(messages, where, tools)
         lengths.append(len(ids))
         return ids, trained
 

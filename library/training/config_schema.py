@@ -189,7 +189,8 @@ SCHEMA: dict[str, Arg] = {
     "train_data": A(list, [], "llm: .txt files (a document each) and .jsonl files (a {\"text\": ...} or {\"messages\": [...]} "
                               "record a line), or folders whose .txt / .jsonl files (any case, subfolders too) are read"),
     "train_on_all_tokens": A(bool, False, "llm: .jsonl \"messages\" records: the loss on every token of the conversation "
-                                          "(system, user, the template's), not only the assistant messages'"),
+                                          "(system, user, the template's), not only the assistant messages'; plain-text "
+                                          "\"prompt\" / \"completion\" records: on the prompt's too"),
     "attend_across_documents": A(bool, False, "llm: false (default): in a window that packs several documents / "
                                               "conversations, each attends only to itself, its positions restart "
                                               "at 0 and the target after its end (the next one's first token) is "

@@ -2,8 +2,9 @@
 the whole model (pretrain = true) from a checkpoint or from a config.json alone (random init).
 
 Data: .txt files and .jsonl records -> one token stream (each document encoded with the tokenizer's own
-special tokens, e.g. Llama's BOS, and ended by EOS; each conversation rendered by the chat template, the
-loss on its assistant tokens unless train_on_all_tokens) -> train/val split -> sliding
+special tokens, e.g. Llama's BOS, and ended by EOS; a plain-text prompt / completion record likewise, the loss
+on its completion; each conversation rendered by the chat template, the loss on its assistant tokens; all
+tokens with train_on_all_tokens) -> train/val split -> sliding
 windows of max_length + 1 tokens. Unless attend_across_documents, a window that packs several documents
 attends within each alone (a block-diagonal causal mask), counts each one's positions from 0 and does not
 train the target after a document's end (the next document's first token): the windows' `documents`.
@@ -270,17 +271,20 @@ class LLMTask:
                               f"({source} = {config.context_length})")
 
     def _load_data(self, files: list[str], documents: int, vocab: int):
-        """documents: the .txt files and "text" records that hold text, each ended by EOS (conversations are
-        bordered by their chat template's tokens, EOS or not); vocab: the model's vocab_size."""
+        """documents: the .txt files, "text" records that hold text and plain-text prompt / completion records, each
+        ended by EOS (conversations are bordered by their chat template's tokens, EOS or not); vocab: the model's
+        vocab_size."""
         args = self.args
         eos = self.tokenizer.eos_token_id
         if eos is None and documents > 1:
             warnings.warn(f"{args.pretrained_model_name_or_path}: the tokenizer names no eos_token, so the {documents} "
-                          f"documents of train_data (.txt files and \"text\" records) run together with no border "
-                          f"between them (set eos_token in its tokenizer_config.json)", stacklevel=2)
+                          f"documents of train_data (.txt files, \"text\" and plain-text \"prompt\" / \"completion\" "
+                          f"records) run together with no border between them (set eos_token in its "
+                          f"tokenizer_config.json)", stacklevel=2)
         chat_lengths = []  # each conversation's tokens
         chat = measured(chat_encoder(self.tokenizer, args.train_on_all_tokens), chat_lengths)
-        ids, trained, starts = tokenize_corpus(files, self.encode, self.encode_more, eos, chat)
+        ids, trained, starts = tokenize_corpus(files, self.encode, self.encode_more, eos, chat,
+                                               args.train_on_all_tokens)
         warn_long_conversations(chat_lengths, args.max_length)
         if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
             top = int(ids.max())
@@ -301,13 +305,13 @@ class LLMTask:
         self.val_ids = val_ids
         if len(val_ids) > 1 and not self.scores_held_out():
             warnings.warn(f"train_data: val_fraction {args.val_fraction:g} holds out the last {len(val_ids)} tokens, "
-                          f"none of them an assistant token: no held-out loss is reported (raise val_fraction, or "
-                          f"end the last file with a conversation's reply)", stacklevel=2)
+                          f"none of them an assistant token or a completion's: no held-out loss is reported (raise "
+                          f"val_fraction, or end the last file with a conversation's reply)", stacklevel=2)
         if len(train) == 0:
-            what = " with an assistant token" if trained is not None else ""
+            what = " with an assistant token or a completion's" if trained is not None else ""
             raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length "
                               f"{args.max_length}{what}")
-        counted = f" ({int(trained.sum())} trained on: assistant tokens)" if trained is not None else ""
+        counted = f" ({int(trained.sum())} trained on: assistant / completion tokens)" if trained is not None else ""
         self.accelerator.print(f"text: {len(ids)} tokens{counted}, {len(train)} train windows, "
                                f"{self.held_out_windows()} val windows ({len(val_ids)} tokens held out)")
         return train
