@@ -241,3 +241,60 @@ def test_merge_lora_into_a_plain_fp8_folder_keeps_it_fp8(tmp_path):
     assert all(torch.equal(merged[k].view(torch.uint8), wide[k].to(torch.float8_e4m3fn).view(torch.uint8)) for k in fp8
                if k.endswith("_proj.weight"))
     assert sum(not torch.equal(merged[k].float(), fp8[k].float()) for k in fp8) == 2 * 7  # every adapted Linear
+
+
+@pytest.mark.parametrize("header, dropout", [({}, 0.0), ({"ss_network_dropout": "None"}, 0.0),
+                                             ({"ss_network_dropout": "0.25"}, 0.25),
+                                             ({"ss_network_args": json.dumps({"dropout": 0.1})}, 0.1)])
+def test_kohya_to_peft_says_the_dropout_the_lora_trained_with(tmp_path, header, dropout):
+    """adapter_config.json's lora_dropout is the file's trained dropout, as training writes it: sd-scripts'
+    ss_network_dropout ("None" when unset), or our ss_network_args' dropout (network_dropout goes there). It was
+    0.0 whatever the file said."""
+    net = trained_lora(hf_folder(tmp_path / "base", False))
+    net.save(str(tmp_path / "k.safetensors"), metadata=header)
+    assert convert_lora.main([str(tmp_path / "k.safetensors"), str(tmp_path / "p"), "--to", "peft"]) == 0
+    assert json.loads((tmp_path / "p" / "adapter_config.json").read_text())["lora_dropout"] == dropout
+
+
+@pytest.mark.parametrize("given", ["folder", "relative_file"])
+def test_kohya_to_peft_names_the_model_base_folder_absolute_as_training_does(tmp_path, monkeypatch, capsys, given):
+    """--model (the base's folder, or its .safetensors given relative) is written as training writes it: the folder,
+    absolute, which AutoPeftModelForCausalLM loads from any working directory. It was the header's ss_sd_model_name,
+    a basename ("base"), read by from_pretrained as a hub id; without --model it still is, with a warning."""
+    from peft import AutoPeftModelForCausalLM
+
+    trained_lora(hf_folder(tmp_path / "base", False)).save(str(tmp_path / "k.safetensors"),
+                                                           metadata={"ss_sd_model_name": "base"})
+    monkeypatch.chdir(tmp_path)
+    model = str(tmp_path / "base") if given == "folder" else os.path.join("base", "model.safetensors")
+    assert convert_lora.main(["k.safetensors", "p", "--to", "peft", "--model", model]) == 0
+    written = json.loads((tmp_path / "p" / "adapter_config.json").read_text())["base_model_name_or_path"]
+    assert written == str(tmp_path / "base") and "warning" not in capsys.readouterr().err
+    monkeypatch.chdir(tmp_path / "base")  # another working directory: the adapter still finds its base
+    assert AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "p")).peft_config["default"].r == 4
+    assert convert_lora.main([str(tmp_path / "k.safetensors"), str(tmp_path / "q"), "--to", "peft"]) == 0
+    assert json.loads((tmp_path / "q" / "adapter_config.json").read_text())["base_model_name_or_path"] == "base"
+    assert "ss_sd_model_name 'base', a local base's folder name without its path" in capsys.readouterr().err
+    hub = [str(tmp_path / "k.safetensors"), str(tmp_path / "h"), "--to", "peft", "--model", "Qwen/Qwen2.5-0.5B"]
+    assert convert_lora.main(hub) == 0  # a hub id: as given
+    assert json.loads((tmp_path / "h" / "adapter_config.json").read_text())["base_model_name_or_path"] == "Qwen/Qwen2.5-0.5B"
+
+
+def test_a_bad_model_or_dropout_for_peft_is_one_line_naming_it(tmp_path, capsys):
+    trained_lora(hf_folder(tmp_path / "base", False)).save(str(tmp_path / "k.safetensors"))
+    (tmp_path / "empty").mkdir()
+    k = str(tmp_path / "k.safetensors")
+    for argv, said in (([k, str(tmp_path / "p"), "--to", "peft", "--model", str(tmp_path / "nope")],
+                        f"--model {tmp_path / 'nope'}: no such file or folder (nor a hub id, 'org/name')"),
+                       ([k, str(tmp_path / "p"), "--to", "peft", "--model", str(tmp_path / "empty")],
+                        f"--model {tmp_path / 'empty'}: no config.json beside it; expected the base LLM's folder"),
+                       ([k, str(tmp_path / "o.safetensors"), "--to", "kohya", "--model", str(tmp_path / "base")],
+                        f"--model {tmp_path / 'base'}: only for --to peft")):
+        assert convert_lora.main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {said}") and err.count("\n") == 1
+    trained_lora(load_llm(str(tmp_path / "base"))).save(k, metadata={"ss_network_dropout": "high"})
+    assert convert_lora.main([k, str(tmp_path / "p"), "--to", "peft"]) == 2
+    assert capsys.readouterr().err == (f"error: {k}: ss_network_dropout = 'high' is no dropout; expected a number in "
+                                       f"[0, 1)\n")
+    assert not os.path.exists(tmp_path / "p")

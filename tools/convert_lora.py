@@ -1,7 +1,7 @@
 """Convert a diffusion family's LoRA between kohya, diffusers/PEFT and ComfyUI layouts, and an LLM
 LoRA between a kohya file and a PEFT adapter folder.
 
-    python tools/convert_lora.py IN OUT --to kohya|diffusers|comfy|peft [--model_type TYPE] [--alpha X]
+    python tools/convert_lora.py IN OUT --to kohya|diffusers|comfy|peft [--model_type TYPE] [--alpha X] [--model BASE]
 
 The source layout (kohya `lora_unet_*`, PEFT `transformer.*.lora_A/B`, ComfyUI `diffusion_model.*`)
 and the architecture are told from the tensor names: each architecture's spec lists the names only
@@ -34,7 +34,11 @@ wrote before PEFT folders became the default) <-> PEFT adapter folders (`OUT/ada
 `OUT/adapter_model.safetensors`, keys `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`,
 what PeftModel.from_pretrained, vLLM and llama.cpp's convert_lora_to_gguf.py read). Nothing is folded:
 the PEFT config carries lora_alpha (the most common alpha) and r, with rank_pattern / alpha_pattern
-for modules that differ, so kohya -> PEFT -> kohya gives back the same tensors bit for bit.
+for modules that differ, so kohya -> PEFT -> kohya gives back the same tensors bit for bit. Its lora_dropout
+is the dropout the LoRA trained with (a PEFT source's own, sd-scripts' ss_network_dropout, or the `dropout` of
+ss_network_args, where our trainer's network_dropout goes), and its base_model_name_or_path --model's, as
+training writes it (a local base: its folder, absolute; a hub id as given); without --model a PEFT source's
+own, else the header's ss_sd_model_name (a local base's folder name only).
 
 DoRA: the magnitude travels along (`dora_scale` [out, 1] in kohya and ComfyUI files, which is what
 ComfyUI reads, `lora_magnitude_vector` [out] in diffusers/PEFT files); it is per output row, so fused modules split and join exactly
@@ -49,7 +53,9 @@ the reason: a Kronecker or Hadamard factor is no down / up pair.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import sys
 
 if __package__ in (None, ""):  # run as a script: make `library` importable
@@ -74,6 +80,10 @@ def build_parser() -> Parser:
                         help="default: told from the names (where two architectures share names, also metadata "
                              "and shapes); a variant's LoRA has its base architecture's layout")
     parser.add_argument("--alpha", type=float, default=None, help="kohya output: store this alpha (up rescaled)")
+    parser.add_argument("--model", default=None,
+                        help="--to peft: the base LLM (its folder, .safetensors or index file, or a hub id 'org/name') "
+                             "that adapter_config.json's base_model_name_or_path names (a local one: its folder, "
+                             "absolute, as training writes it); default: the source's own, else its ss_sd_model_name")
     return parser
 
 
@@ -82,6 +92,7 @@ if __name__ == "__main__":
     check_command_line(build_parser)
 
 from library.io import CheckpointError  # noqa: E402
+from library.models.llm_lora_files import peft_base_path  # noqa: E402
 from library.models.family import lora_arch  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 from library.models.spec import load_symbol  # noqa: E402
@@ -223,13 +234,16 @@ def check_destination(src: str, dst: str, to: str) -> None:
                          f"would replace whole; name a new folder or a PEFT adapter folder")
 
 
-def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alpha: float | None = None) -> dict:
-    """Convert `src` to layout `to` ("kohya" | "diffusers" | "comfy" | "peft") at `dst`; returns what was done."""
+def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alpha: float | None = None,
+                 base_model: str | None = None) -> dict:
+    """Convert `src` to layout `to` ("kohya" | "diffusers" | "comfy" | "peft") at `dst`; returns what was done.
+    base_model: --model, the base a PEFT folder names (given_base)."""
     if to not in ("kohya", "diffusers", "comfy", "peft"):
         raise ValueError(f"--to {to!r}: expected kohya, diffusers, comfy or peft")
     if alpha is not None and (to != "kohya" or not 0 < alpha < float("inf")):  # inf rescaled every up to 0
         raise ValueError(f"--alpha {alpha}: only for --to kohya, and must be a finite number > 0 (diffusers output "
                          f"has alpha folded in)")
+    base_model = given_base(base_model, to)  # before the LoRA is read: a typo fails at once
     check_destination(src, dst, to)
     model_type = model_type and lora_arch(model_type)
     tensors, metadata, adapter_config = read_lora_tensors(src)  # a file, or a PEFT adapter folder
@@ -268,7 +282,9 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
         tensors = kohya_state_dict(weights, dtype, prefix)
         write_lora_tensors({**tensors, **kept_te}, dst, header)  # sd-scripts' text-encoder modules as they were
     elif to == "peft":
-        write_peft_folder(weights, dst, dtype=dtype, metadata=header, base_model=metadata.get("ss_sd_model_name"))
+        write_peft_folder(weights, dst, dtype=dtype, metadata=header,
+                          base_model=base_model or source_base(src, metadata, adapter_config),
+                          lora_dropout=trained_dropout(src, metadata, adapter_config))
     else:  # alpha / rank folded into lora_B; comfy: DoRA's magnitude named and shaped as ComfyUI reads it
         try:
             tensors = comfy_state_dict(weights, dtype) if to == "comfy" else peft_state_dict(weights, "transformer", dtype)
@@ -278,10 +294,71 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     return {"from": fmt, "to": to, "model_type": model_type, "modules": len(weights), "scale_known": known}
 
 
+# A Hugging Face Hub repo id: a name, or an owner and a name ("Qwen/Qwen2.5-0.5B"); a path would have more parts
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def given_base(model: str | None, to: str) -> str | None:
+    """--model as adapter_config.json's base_model_name_or_path, as training writes it: a local base (its folder,
+    its .safetensors or its index file, config.json beside) as its folder, absolute (peft_base_path); a hub id
+    as given. Only for --to peft."""
+    if model is None:
+        return None
+    if to != "peft":
+        raise ValueError(f"--model {model}: only for --to peft (the base adapter_config.json names); --to {to} "
+                         f"writes no base")
+    if os.path.exists(model):
+        if not os.path.isfile(os.path.join(peft_base_path(model), "config.json")):
+            raise ValueError(f"--model {model}: no config.json beside it; expected the base LLM's folder (or its "
+                             f".safetensors / index file)")
+        return peft_base_path(model)
+    if not HUB_ID.fullmatch(model):
+        raise ValueError(f"--model {model}: no such file or folder (nor a hub id, 'org/name')")
+    return model
+
+
+def source_base(src: str, metadata: dict, adapter_config: dict | None) -> str | None:
+    """The base a PEFT folder names without --model: a PEFT source's own, else the header's ss_sd_model_name,
+    which for a local base is its folder's name alone (the header keeps no path: networks/lora_metadata.py):
+    warned, since from_pretrained reads such a name as a hub id."""
+    if (adapter_config or {}).get("base_model_name_or_path"):
+        return adapter_config["base_model_name_or_path"]
+    name = metadata.get("ss_sd_model_name")
+    if name and "/" not in name:
+        print(f"warning: {src}: adapter_config.json's base_model_name_or_path is the header's ss_sd_model_name "
+              f"{name!r}, a local base's folder name without its path (the header keeps none); pass --model with "
+              f"the base's folder for AutoPeftModelForCausalLM to find it", file=sys.stderr)
+    return name
+
+
+def trained_dropout(src: str, metadata: dict, adapter_config: dict | None) -> float:
+    """adapter_config.json's lora_dropout: the dropout the LoRA trained with, as training writes it (networks/lora.py
+    save_peft): a PEFT source's own lora_dropout, sd-scripts' ss_network_dropout or the `dropout` of ss_network_args
+    (where our network_dropout goes), the first one set; 0.0 for none (sd-scripts writes "None" when unset)."""
+    try:
+        network_args = json.loads(metadata.get("ss_network_args") or "{}")
+    except ValueError:  # a header we do not convert from: its other keys still convert
+        network_args = {}
+    said = (("adapter_config.json lora_dropout", (adapter_config or {}).get("lora_dropout")),
+            ("ss_network_dropout", metadata.get("ss_network_dropout")),
+            ("ss_network_args 'dropout'", network_args.get("dropout") if isinstance(network_args, dict) else None))
+    for key, value in said:
+        if value in (None, "None", ""):
+            continue
+        try:
+            dropout = float(value)
+        except (TypeError, ValueError):
+            dropout = None
+        if dropout is None or not 0 <= dropout < 1:  # nan too
+            raise CheckpointError(f"{src}: {key} = {value!r} is no dropout; expected a number in [0, 1)")
+        return dropout
+    return 0.0
+
+
 def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(argv)
-        done = convert_lora(args.input, args.output, args.to, args.model_type, args.alpha)
+        done = convert_lora(args.input, args.output, args.to, args.model_type, args.alpha, args.model)
     except (ValueError, OSError) as e:  # CheckpointError is a ValueError
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2

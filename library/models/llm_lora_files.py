@@ -1,7 +1,9 @@
 """LLM LoRA files: the module paths tools/convert_lora.py resolves kohya names against (through
-llm_spec.py's LORA_FILES)."""
+llm_spec.py's LORA_FILES), and the base a PEFT adapter folder names."""
 
 from __future__ import annotations
+
+import os
 
 LAYER_LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -34,3 +36,12 @@ def module_map_of_lora(weights: dict, counts: dict[str, int]) -> dict[str, list[
     one module for one: such an adapter reads as ours."""
     ours = {p: "model." + p.removeprefix(NESTED) if p.startswith(NESTED) else p for p in weights}
     return {ours[p]: [(p, 0, w.up.shape[0])] for p, w in weights.items()}
+
+
+def peft_base_path(path: str) -> str:
+    """A PEFT adapter's base_model_name_or_path for a local base given as its folder, its .safetensors or its index
+    file: the folder, what AutoPeftModelForCausalLM hands to from_pretrained (a file there read as a malformed hub
+    id), absolute (a basename or a relative path loaded only from one working directory). Training and
+    tools/convert_lora.py --model write it so."""
+    path = path.rstrip("/\\")
+    return os.path.abspath(path if os.path.isdir(path) else os.path.dirname(path))

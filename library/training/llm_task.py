@@ -35,7 +35,7 @@ from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents
 from library.models.core import checkpointing
 from library.models.llm import (LLM, LLMConfig, _find_config, config_json_path, cross_entropy_loss, generate, load_llm,
                                 perplexity, save_hf_folder)
-from library.models.llm_lora_files import nested_path, nests_language_model
+from library.models.llm_lora_files import nested_path, nests_language_model, peft_base_path
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import (ConfigError, base_precision, check_stored_precision, compute_dtype, lora_formats,
@@ -527,13 +527,10 @@ class LLMTask:
         if self.network is not None:
             written = []
             if "peft" in lora_formats(self.args):
-                # PEFT's pointer to the base, what AutoPeftModelForCausalLM hands to from_pretrained: the model's
-                # folder (a base given as its .safetensors or index file: the folder it is in), absolute, so that it
-                # loads from any working directory (a basename or a relative path loaded only from one)
-                base = os.path.dirname(config_json_path(self.args.pretrained_model_name_or_path.rstrip("/\\")))
+                # PEFT's pointer to the base: its folder, absolute (peft_base_path)
+                base = peft_base_path(self.args.pretrained_model_name_or_path)
                 nested = nests_language_model(self._base_config())
-                self.network.save_peft(folder, dtype, metadata, base_model=os.path.abspath(base),
-                                       rename=nested_path if nested else None)
+                self.network.save_peft(folder, dtype, metadata, base_model=base, rename=nested_path if nested else None)
                 written.append(folder)
             if "kohya" in lora_formats(self.args):
                 self.network.save(path, dtype=dtype, metadata=metadata)
