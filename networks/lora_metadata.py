@@ -27,6 +27,7 @@ METADATA_KEYS = {
     "fp8_compute": "ss_fp8_compute",  # the base's Linears ran as fp8 GEMMs (library/precision/fp8_compute.py)
     "base_loras": "ss_base_loras",  # LoRAs merged into the frozen base while training (not in this file)
     "scale_weight_norms": "ss_scale_weight_norms",  # sd-scripts' max-norm regularization's bound
+    "ip_noise_gamma": "ss_ip_noise_gamma",  # sd-scripts' input perturbation (written where it is on)
     "output_preservation": "ss_output_preservation",  # diff_output_preservation / blank_prompt_preservation's prompt
     "trained_keys": "ss_trained_keys",  # the family's keys it renders right only with (ConfigKey.renders), as set
     "mixed_precision": "ss_mixed_precision",

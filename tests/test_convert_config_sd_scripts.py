@@ -67,6 +67,7 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
     dataset = their_dataset(tmp_path, tiny_set["image_dir"], color_aug="true")
     out = tmp_path / "ours.toml"
     command = documented_command(tiny_set, dataset, str(tmp_path / "run"), "--noise_offset 0.1",
+                                 "--ip_noise_gamma 0.1 --ip_noise_gamma_random_strength",
                                  "--network_args split_qkv=True img_attn_dim=8 ggpo_beta=0.01 dropout=0.1 "
                                  "network_reg_dims=double_blocks=16,single_blocks_0_=4")
     code, rows, text = convert(["--command", command, "--out", str(out)], capsys)
@@ -86,6 +87,7 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
     assert ours["network_module"] == "networks.lora" and ours["network_args"] == [
         "img_attn_dim=8", "network_reg_dims=double_blocks=16,single_blocks_0_=4"]  # carried since 2026-12-01
     assert (ours["timestep_sampling"], ours["guidance_scale"], ours["blocks_to_swap"]) == ("flux_shift", 1.0, 27)
+    assert (ours["ip_noise_gamma"], ours["ip_noise_gamma_random_strength"]) == (0.1, True)  # carried since 2026-12-01
     assert ours["dataset_config"] == str(tmp_path / "ours_dataset.toml")
     args = load_config(["--config_file", str(out)])
     assert (args.model_type, args.optimizer_type, args.max_train_epochs, args.network_alpha) == ("flux", "AdamW8bit", 10, 1.0)

@@ -545,3 +545,17 @@ def test_every_key_is_named_in_the_configuration_docs():
         with open(os.path.join(root, name)) as f:
             docs += f.read()
     assert [key for key in SCHEMA if f"`{key}`" not in docs and f"{key} = " not in docs] == []
+
+
+def test_ip_noise_gamma_is_checked_before_training(tmp_path):
+    """A negative gamma and a random strength without gamma are one line each; an LLM run refuses both keys."""
+    quickstart = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "quickstart.toml")
+    run = ["--config_file", quickstart, "--output_dir", str(tmp_path)]
+    with pytest.raises(ConfigError, match="key 'ip_noise_gamma' must be >= 0"):
+        load_config(run + ["--ip_noise_gamma", "-0.1"])
+    with pytest.raises(ConfigError, match="key 'ip_noise_gamma_random_strength' does nothing with ip_noise_gamma = 0"):
+        load_config(run + ["--ip_noise_gamma_random_strength", "true"])
+    args = load_config(run + ["--ip_noise_gamma", "0.1", "--ip_noise_gamma_random_strength", "true"])
+    assert (args.ip_noise_gamma, args.ip_noise_gamma_random_strength) == (0.1, True)
+    with pytest.raises(ConfigError, match="key 'ip_noise_gamma' is read by the diffusion models"):
+        load_config(["--config_file", write(tmp_path, BASE), "--ip_noise_gamma", "0.1"])

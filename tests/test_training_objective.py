@@ -83,6 +83,39 @@ def test_flux_step_feeds_sigma_in_0_1_the_guidance_and_the_token_count_shift(tin
     assert loss.item() == pytest.approx(((pred - pack_latents(noise - latents)) ** 2).mean().item(), rel=1e-6)
 
 
+@pytest.mark.parametrize("random_strength", [False, True])
+def test_ip_noise_gamma_perturbs_the_input_noise_not_the_target(tiny_set, random_strength):
+    """sd-scripts' input perturbation (refused until 2026-12-01): the transformer sees (1 - s) x0 + s (noise + g xi),
+    xi drawn after the sample's noise and sigma from its generator, g = gamma or uniform in [0, gamma) per sample;
+    the loss still targets noise - x0. gamma = 0 leaves the step as it was, bit for bit."""
+    family = FluxFamily(tiny_set["flux_bfl"])
+    model = Recorder(family.load_transformer(torch.float32))
+    latents, seeds = torch.randn(2, 16, 8, 16), [21, 22]
+    text = {"t5": torch.randn(2, 7, 32), "clip_pooled": torch.randn(2, 32)}
+    args = loss_args(ip_noise_gamma=0.5, ip_noise_gamma_random_strength=random_strength)
+    loss, sigmas = family.training_loss(model, latents, text, args, [torch.Generator().manual_seed(s) for s in seeds])
+    noise, expected_input = [], []
+    for seed in seeds:  # the sample's draws in training_loss' order: noise, sigma, xi (and its strength)
+        g = torch.Generator().manual_seed(seed)
+        noise.append(torch.randn(latents.shape[1:], generator=g))
+        fm.sample_sigmas(1, "flux_shift", generator=g, image_seq_len=32)
+        xi = torch.randn(latents.shape[1:], generator=g)
+        strength = float(torch.rand(1, generator=g)) * 0.5 if random_strength else 0.5
+        assert 0 <= strength < 0.5 if random_strength else strength == 0.5
+        expected_input.append(noise[-1] + strength * xi)
+    noise, expected_input = torch.stack(noise), torch.stack(expected_input)
+    (call,) = model.calls
+    assert torch.allclose(call["img"], pack_latents(fm.noisy_input(latents, expected_input, sigmas)), atol=1e-6)
+    assert not torch.allclose(call["img"], pack_latents(fm.noisy_input(latents, noise, sigmas)), atol=1e-3)
+    pred = model.model(**call)
+    assert loss.item() == pytest.approx(((pred - pack_latents(noise - latents)) ** 2).mean().item(), rel=1e-6)
+    off = loss_args(ip_noise_gamma=0.0)
+    plain, _ = family.training_loss(model, latents, text, off, [torch.Generator().manual_seed(s) for s in seeds])
+    unset, _ = family.training_loss(model, latents, text, loss_args(),
+                                    [torch.Generator().manual_seed(s) for s in seeds])
+    assert torch.equal(plain, unset) and torch.equal(model.calls[-1]["img"], model.calls[-2]["img"])
+
+
 def test_a_schnell_checkpoint_draws_unshifted_sigmas_by_default(tiny_set):
     """FLUX.1 schnell (no guidance embedding) samples without a shift; with timestep_sampling unset it
     trained on FLUX.1-dev's flux_shift draw (86% of sigmas above 0.5 at 1024 px). The unshifted sigmoid

@@ -128,6 +128,12 @@ class CheckpointNames:
     parts_are_model: bool = False
 
 
+def input_perturbation(noise: torch.Tensor, args, generators: list[torch.Generator]) -> torch.Tensor | None:
+    """The noise of the model's input under the config's ip_noise_gamma (flow_matching.perturbed_noise), or None."""
+    return fm.perturbed_noise(noise, getattr(args, "ip_noise_gamma", 0.0),
+                              getattr(args, "ip_noise_gamma_random_strength", False), generators)
+
+
 def takes(key, value) -> bool:
     """Whether a family ConfigKey takes `value` as the config check would (its type; an int >= 1 and <= most)."""
     if key.type is int:
@@ -456,18 +462,20 @@ class DiffusionFamily:
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
                             args.loss_type, args.huber_c, mask, sample_weights, control=control,
-                            preservation=preservation)
+                            preservation=preservation, input_noise=input_perturbation(noise, args, generators))
         return loss, sigmas
 
     def loss_at(self, model, latents: torch.Tensor, text: dict, noise: torch.Tensor, sigmas: torch.Tensor,
                 guidance: float | None, weighting: str = "none", loss_type: str = "l2", huber_c: float = 0.1,
                 mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
-                control: list[torch.Tensor] | None = None, preservation: Preservation | None = None):
+                control: list[torch.Tensor] | None = None, preservation: Preservation | None = None,
+                input_noise: torch.Tensor | None = None):
         """The flow-matching loss at given noise (float32, latents' shape) and sigmas (float32 [B]),
         all on the latents' device: scalar float32. training_loss draws them; validation fixes them.
-        Only the target's tokens are in the loss (predict returns no reference tokens)."""
+        Only the target's tokens are in the loss (predict returns no reference tokens). input_noise: the
+        noise of the model's input where it is not `noise` (ip_noise_gamma: input_perturbation)."""
         h, w = latents.shape[-2] // self.patch, latents.shape[-1] // self.patch
-        x_t = self.pack_target(fm.noisy_input(latents, noise, sigmas))
+        x_t = self.pack_target(fm.noisy_input(latents, noise if input_noise is None else input_noise, sigmas))
         pred = self.predict(model, x_t, sigmas, text, h, w, guidance, **control_kwargs(control))
         target = self.pack_target(fm.flow_target(latents, noise))
         if mask is not None:  # one weight per latent element, packed like the latents

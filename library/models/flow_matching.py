@@ -112,6 +112,22 @@ def noisy_input(x0: torch.Tensor, noise: torch.Tensor, sigmas: torch.Tensor) -> 
     return (1.0 - s) * x0.float() + s * noise.float()
 
 
+def perturbed_noise(noise: torch.Tensor, gamma: float, random_strength: bool,
+                    generators: list[torch.Generator]) -> torch.Tensor | None:
+    """The noise the model's input is made of under input perturbation (sd-scripts' ip_noise_gamma): noise + g xi,
+    xi ~ N(0, 1) drawn after the sample's noise and sigma from its generator (so gamma = 0 leaves every draw as it
+    was), g = gamma, or uniform in [0, gamma) per sample with random_strength (sd-scripts draws one per batch: here a
+    sample's draw does not depend on its batch). The target stays noise - x0. None when gamma is 0. float32."""
+    if not gamma:
+        return None
+    shape = noise.shape[1:]
+    xi = torch.stack([torch.randn(shape, generator=g, dtype=torch.float32) for g in generators])
+    strength = torch.tensor([gamma] * len(generators), dtype=torch.float32)
+    if random_strength:
+        strength = torch.cat([torch.rand(1, generator=g, dtype=torch.float32) * gamma for g in generators])
+    return noise.float() + _per_sample(strength, xi).to(noise.device) * xi.to(noise.device)
+
+
 def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """The velocity d x_t / d s = noise - x0, float32."""
     return noise.float() - x0.float()

@@ -503,7 +503,7 @@ RANGES = {
     ">= 0": ("blocks_to_swap", "validate_every_n_steps", "save_every_n_steps", "save_every_n_epochs",
              "save_last_n_saves", "sample_every_n_steps", "sample_every_n_epochs", "max_grad_norm",
              "lr_warmup_steps", "max_data_loader_n_workers", "ema_start_step", "prior_loss_weight", "eval_every_n_steps",
-             "guidance_scale", "temperature", "top_k"),
+             "guidance_scale", "temperature", "top_k", "ip_noise_gamma"),
     "> 0": ("learning_rate", "scale_weight_norms", "discrete_flow_shift", "sigmoid_scale", "huber_c", "lr_scheduler_power",
             "diff_output_preservation_multiplier", "blank_prompt_preservation_multiplier"),
     "in [0, 1)": ("network_dropout", "val_fraction"),

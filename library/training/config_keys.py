@@ -18,7 +18,8 @@ LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "
              "dim_from_weights", "scale_weight_norms")
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
                   "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "discrete_flow_shift",
-                  "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "guidance_scale", "prior_loss_weight",
+                  "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "ip_noise_gamma",
+                  "ip_noise_gamma_random_strength", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
                   "validate_every_n_steps", "persistent_data_loader_workers", "max_data_loader_n_workers",
                   "torch_compile", "keep_cache", "diff_output_preservation", "trigger_word", "diff_output_preservation_class",
@@ -54,6 +55,7 @@ IDLE_UNLESS = {
     "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
     "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
     "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
+    "ip_noise_gamma_random_strength": ("ip_noise_gamma", lambda v: v > 0, "ip_noise_gamma > 0 (e.g. 0.1)"),
     # (base_precision = "fp8" / "fp8_scaled" sets fp8_base first: config._validate_base_precision); musubi-tuner
     # refuses fp8_scaled without fp8_base too
     "fp8_scaled": ("fp8_base", bool, 'fp8_base = true (a base stored in fp8), or base_precision = "fp8"'),

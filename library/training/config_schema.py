@@ -149,6 +149,9 @@ SCHEMA: dict[str, Arg] = {
     "weighting_scheme": A(str, "none", "loss weighting", ("none", "sigma_sqrt", "cosmap")),
     "loss_type": A(str, "l2", "loss", ("l2", "huber")),
     "huber_c": A(float, 0.1, "huber threshold"),
+    "ip_noise_gamma": A(float, 0.0, "input perturbation (sd-scripts'): the model sees (1 - s) x0 + s (noise + "
+                                    "gamma xi), xi a second draw, and still learns noise - x0; 0 = off"),
+    "ip_noise_gamma_random_strength": A(bool, False, "each sample's gamma drawn uniform in [0, ip_noise_gamma)"),
     "guidance_scale": A(float, 1.0, "guidance fed to a guidance-distilled model's embedding during training"),
     # output preservation (ai-toolkit's; library/training/preservation.py): a second prompt's prediction held to the base's
     "diff_output_preservation": A(bool, False, "hold the prediction for each caption with trigger_word replaced by "

@@ -18,7 +18,7 @@ from functools import cached_property
 import torch
 
 from library.models import flow_matching as fm
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare, input_perturbation
 from library.models.ideogram4.spec import SPEC
 from library.models.latents import unpack_latents
 
@@ -232,7 +232,8 @@ class Ideogram4Family(DiffusionFamily):
         sigmas = torch.cat([training_sigmas(1, lh * self.vae_downsample, lw * self.vae_downsample, g) for g in generators])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
-                            args.loss_type, args.huber_c, mask, sample_weights, preservation=preservation)
+                            args.loss_type, args.huber_c, mask, sample_weights, preservation=preservation,
+                            input_noise=input_perturbation(noise, args, generators))
         return loss, sigmas
 
     @torch.no_grad()

@@ -316,10 +316,10 @@ class QwenImage21Family(DiffusionFamily):
         return pack_latents(from_tokens(out, h, w)) if packed else out
 
     def loss_at(self, model, latents, text, noise, sigmas, guidance, weighting="none", loss_type="l2", huber_c=0.1,
-                mask=None, sample_weights=None, control=None, preservation=None):
+                mask=None, sample_weights=None, control=None, preservation=None, input_noise=None):
         """The shared flow-matching loss (DiffusionFamily.loss_at) on latent-pixel tokens."""
         h, w = latents.shape[2], latents.shape[3]
-        x_t = to_tokens(fm.noisy_input(latents, noise, sigmas))
+        x_t = to_tokens(fm.noisy_input(latents, noise if input_noise is None else input_noise, sigmas))
         pred = self.predict(model, x_t, sigmas, text, h, w, guidance, **control_kwargs(control))
         target = to_tokens(fm.flow_target(latents, noise))
         if mask is not None:  # one weight per latent element, laid out like the latents

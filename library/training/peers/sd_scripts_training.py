@@ -232,7 +232,7 @@ def _huber_key(t: Translation, key: str, value: Any) -> None:
 
 def _ip_noise_gamma_random_strength(t: Translation, key: str, value: Any) -> None:
     if is_true(value) and not is_off(their(t, "ip_noise_gamma")):
-        t.refuse(key, value, "goes with ip_noise_gamma, not carried")
+        t.set(key, True, key, value)
     else:
         t.drop(key, value, "off" if not is_true(value) else "no ip_noise_gamma")
 
@@ -268,7 +268,7 @@ RULES: dict[str, Rule] = {
                                                            "recommend raw)"),
     "loss_type": custom(_loss_type),
     **{key: custom(_huber_key) for key in ("huber_c", "huber_scale", "huber_schedule")},
-    "ip_noise_gamma": unsupported("input perturbation noise: ours adds none"),
+    "ip_noise_gamma": unless_off("off (0)"),
     "ip_noise_gamma_random_strength": custom(_ip_noise_gamma_random_strength),
     **{key: ignored(IGNORED) for key in (
         "noise_offset", "noise_offset_random_strength", "multires_noise_iterations", "multires_noise_discount",
