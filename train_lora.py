@@ -45,10 +45,10 @@ from tqdm import tqdm  # noqa: E402
 
 from library.io import CheckpointError  # noqa: E402
 from library.training import fsdp, run_locks, tracking  # noqa: E402
-from library.training.optim import LRLogger, create_optimizer, create_scheduler, progress_postfix, step_ds  # noqa: E402
+from library.training.optim import LRLogger, create_optimizer, progress_postfix, run_scheduler, step_ds  # noqa: E402
 from library.training.config import ConfigError, load_config, optimizer_kwargs  # noqa: E402
 from library.training.output_names import sample_tag  # noqa: E402
-from library.training.run_length import check_planned_steps, epoch_steps, plan_steps, warmup_steps  # noqa: E402
+from library.training.run_length import check_planned_steps, epoch_steps, plan_steps  # noqa: E402
 from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
@@ -203,8 +203,7 @@ class Trainer:
         check_planned_steps(args, self.max_steps)  # (an llm's epochs: known now)
         # Stepped by hand once per optimizer step (accelerate would step a prepared scheduler once
         # per process), so the schedule is the same on 1 or N processes.
-        self.scheduler = create_scheduler(optimizer, args.lr_scheduler, warmup_steps(args.lr_warmup_steps, self.max_steps),
-                                          self.max_steps, args.lr_scheduler_num_cycles, args.lr_scheduler_power)
+        self.scheduler = run_scheduler(optimizer, args, self.max_steps)
         # Batches are sharded by the task itself (explicit epochs make resume exact), so only the
         # trainable module (DDP-wrapped on several processes) and the optimizer are prepared.
         if fsdp.uses_fsdp(accelerator):  # the base is sharded by the task; the LoRA is prepared as for DDP

@@ -24,7 +24,7 @@ from library.text_files import read_utf8, toml_loads
 from library.training.config_schema import FAMILY_KEYS, KEEPING_KEYS, PRECISION_NAMES, SCHEMA
 from library.training.output_names import check_name_length
 from library.training.preservation import validate_preservation
-from library.training.run_length import check_ema_start, check_warmup
+from library.training.run_length import check_decay, check_ema_start, check_warmup
 
 
 def __getattr__(name: str):
@@ -272,7 +272,8 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         keys = ("optimizer_type", "optimizer_args") + (("network_args",) if group_lrs else ())
         raise ConfigError(f"{blame(origins, where, *keys)}: {e}") from None
     try:
-        check_scheduler(args.lr_scheduler, args.learning_rate, args.lr_scheduler_power)
+        check_scheduler(args.lr_scheduler, args.learning_rate, args.lr_scheduler_power, args.lr_scheduler_min_lr_ratio,
+                        args.lr_scheduler_timescale)
     except ConfigError as e:
         raise ConfigError(f"{blame(origins, where, 'learning_rate', 'lr_scheduler')}: {e}") from None
     return args
@@ -498,6 +499,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
 RANGES = {
     ">= 1": ("network_dim", "max_train_steps", "max_train_epochs", "gradient_accumulation_steps",
              "text_encoder_batch_size", "vae_batch_size", "block_swap_prefetch", "lr_scheduler_num_cycles",
+             "lr_scheduler_timescale",
              "max_length", "stride", "batch_size", "sample_max_new_tokens",
              *(k for k, a in FAMILY_KEYS.items() if a.type is int)),  # the families' counts and sizes: tokens, layers, px
     ">= 0": ("blocks_to_swap", "validate_every_n_steps", "save_every_n_steps", "save_every_n_epochs",
@@ -505,8 +507,9 @@ RANGES = {
              "lr_warmup_steps", "max_data_loader_n_workers", "ema_start_step", "prior_loss_weight", "eval_every_n_steps",
              "guidance_scale", "temperature", "top_k", "ip_noise_gamma"),
     "> 0": ("learning_rate", "scale_weight_norms", "discrete_flow_shift", "sigmoid_scale", "huber_c", "lr_scheduler_power",
+            "lr_decay_steps",
             "diff_output_preservation_multiplier", "blank_prompt_preservation_multiplier"),
-    "in [0, 1)": ("network_dropout", "val_fraction"),
+    "in [0, 1)": ("network_dropout", "val_fraction", "lr_scheduler_min_lr_ratio"),  # (a ratio of 1: constant)
 }
 _IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
              "in [0, 1)": lambda v: 0 <= v < 1}
@@ -527,11 +530,15 @@ def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: s
         if getattr(args, key) is not None and getattr(args, key) > most:  # else the encoder refuses it, after caching
             raise ConfigError(f"{blame(origins, where, key)}: key '{key}' must be <= {most} for model_type "
                               f"{args.model_type}, got {getattr(args, key)}")
-    if args.lr_warmup_steps >= 1 and not float(args.lr_warmup_steps).is_integer():  # int() would cut it (sd-scripts refuses)
-        raise ConfigError(f"{blame(origins, where, 'lr_warmup_steps')}: key 'lr_warmup_steps' must be a whole number of "
-                          f"steps (>= 1) or a fraction of max_train_steps (< 1), got {args.lr_warmup_steps:g}")
+    for key in ("lr_warmup_steps", "lr_decay_steps"):  # 1.5 steps: int() would cut it (sd-scripts refuses it)
+        value = getattr(args, key)
+        if value is not None and value >= 1 and not float(value).is_integer():
+            raise ConfigError(f"{blame(origins, where, key)}: key '{key}' must be a whole number of "
+                              f"steps (>= 1) or a fraction of max_train_steps (< 1), got {value:g}")
     if not args.max_train_epochs:  # else the steps come from the dataset (DiffusionTask, Trainer)
         check_warmup(args, args.max_train_steps, blame(origins, where, "lr_warmup_steps", "max_train_steps"))
+        check_decay(args, args.max_train_steps, blame(origins, where, "lr_warmup_steps", "lr_decay_steps",
+                                                      "max_train_steps"))
     if not 0 <= args.seed < 2**64:  # torch.manual_seed's range (beyond it: "Overflow when unpacking long long")
         raise ConfigError(f"{blame(origins, where, 'seed')}: key 'seed' must be 0 to 2^64 - 1, got {args.seed}")
     for key, arg in SCHEMA.items():  # the rest: any finite number

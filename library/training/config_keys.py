@@ -44,14 +44,30 @@ def validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> N
                               f"{args.model_type}{extra}")
 
 
+# The schedules that read lr_scheduler_num_cycles (sd-scripts' get_scheduler_fix; transformers' two count half-waves).
+CYCLING_SCHEDULES = ("cosine_with_restarts", "cosine_with_min_lr", "warmup_stable_decay")
+# A schedule -> the key it cannot run without, and why (sd-scripts: transformers stops on the first without it
+# at the scheduler's build, after caching; the second's default 0 never decays, a constant_with_warmup).
+SCHEDULE_NEEDS = {
+    "cosine_with_min_lr": ("lr_scheduler_min_lr_ratio", "the lr it ends at, as a fraction of learning_rate, e.g. 0.1"),
+    "warmup_stable_decay": ("lr_decay_steps", "its decay's steps at the run's end, or a fraction of the run, e.g. "
+                                              "0.1; without it the lr never decays"),
+}
+
 # key -> (the key (or keys) whose values decide whether it is read, that test, what it needs): the
 # schedulers and the loss read these only there (diffusers' get_scheduler drops num_cycles and
-# power elsewhere), as sd-scripts does; the DataLoader keeps no workers alive without workers, the EMA
+# power elsewhere, sd-scripts' get_scheduler_fix the min lr ratio, decay steps and timescale), as
+# sd-scripts does; the DataLoader keeps no workers alive without workers, the EMA
 # lives nowhere without ema_decay, log_prefix names only a tracker's run, and a run without
 # intermediate saves has none to prune (its one Ctrl-C save is the newest).
 IDLE_UNLESS = {
-    "lr_scheduler_num_cycles": ("lr_scheduler", lambda v: v == "cosine_with_restarts", 'lr_scheduler = "cosine_with_restarts"'),
+    "lr_scheduler_num_cycles": ("lr_scheduler", lambda v: v in CYCLING_SCHEDULES,
+                                'lr_scheduler = "cosine_with_restarts", "cosine_with_min_lr" or "warmup_stable_decay"'),
     "lr_scheduler_power": ("lr_scheduler", lambda v: v == "polynomial", 'lr_scheduler = "polynomial"'),
+    "lr_scheduler_min_lr_ratio": ("lr_scheduler", lambda v: v in ("cosine_with_min_lr", "warmup_stable_decay"),
+                                  'lr_scheduler = "cosine_with_min_lr" or "warmup_stable_decay"'),
+    "lr_decay_steps": ("lr_scheduler", lambda v: v == "warmup_stable_decay", 'lr_scheduler = "warmup_stable_decay"'),
+    "lr_scheduler_timescale": ("lr_scheduler", lambda v: v == "inverse_sqrt", 'lr_scheduler = "inverse_sqrt"'),
     "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
     "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
     "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
@@ -95,6 +111,10 @@ def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where:
     if args.lr_warmup_steps and args.lr_scheduler == "constant":  # diffusers' constant ignores it (sd-scripts refuses)
         raise ConfigError(f"{blame(origins, where, 'lr_warmup_steps', 'lr_scheduler')}: key 'lr_warmup_steps' does "
                           f"nothing with lr_scheduler = \"constant\"; use \"constant_with_warmup\" (or another schedule)")
+    if args.lr_scheduler in SCHEDULE_NEEDS and getattr(args, SCHEDULE_NEEDS[args.lr_scheduler][0]) is None:
+        key, what = SCHEDULE_NEEDS[args.lr_scheduler]
+        raise ConfigError(f"{blame(origins, where, 'lr_scheduler', key)}: lr_scheduler = \"{args.lr_scheduler}\" needs "
+                          f"key '{key}' ({what})")
     for key, (others, used, needs) in IDLE_UNLESS.items():  # set off its default where nothing reads it
         others = (others,) if isinstance(others, str) else others
         values = [getattr(args, other) for other in others]

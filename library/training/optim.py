@@ -16,6 +16,7 @@ import torch
 
 from library.errors import ConfigError
 from library.io import append_csv_row, atomic_path
+from library.training import run_length
 from library.training.schedule_free import OptimizerModes
 
 BNB_OPTIMIZERS = ("AdamW8bit", "PagedAdamW8bit", "Lion8bit", "PagedLion8bit", "SGD8bit", "AdEMAMix8bit", "PagedAdamW")
@@ -184,23 +185,61 @@ def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, grou
                       f"around 1.0", stacklevel=2)
 
 
-def check_scheduler(name: str, lr: float, power: float = 1.0) -> None:
+def check_scheduler(name: str, lr: float, power: float = 1.0, min_lr_ratio: float | None = None,
+                    timescale: int | None = None) -> None:
     """The schedule built on a stand-in optimizer at learning_rate: a value it refuses is a ConfigError
     now, not after caching and loading (diffusers' polynomial decays to a fixed lr_end of 1e-7, which
     learning_rate must exceed). The step counts are stand-ins: no schedule's check reads them."""
     stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     try:
-        create_scheduler(stand_in, name, 0, 2, power=power)
+        create_scheduler(stand_in, name, 0, 2, power=power, min_lr_ratio=min_lr_ratio, decay_steps=1,
+                         timescale=timescale)
     except ValueError as e:
         raise ConfigError(f"learning_rate = {lr:g} does not fit lr_scheduler = \"{name}\": {e}") from None
 
 
-def create_scheduler(optimizer, name: str, warmup_steps: int, max_steps: int, num_cycles: int = 1, power: float = 1.0):
-    """diffusers schedulers; warmup_steps in steps (run_length.warmup_steps reads lr_warmup_steps' fraction form)."""
+# The schedules diffusers' get_scheduler lacks, which sd-scripts and musubi-tuner take from transformers.
+TRANSFORMERS_SCHEDULES = ("cosine_with_min_lr", "warmup_stable_decay", "inverse_sqrt")
+
+
+def create_scheduler(optimizer, name: str, warmup_steps: int, max_steps: int, num_cycles: int = 1, power: float = 1.0,
+                     min_lr_ratio: float | None = None, decay_steps: int = 0, timescale: int | None = None):
+    """diffusers' schedules, and transformers' TRANSFORMERS_SCHEDULES; warmup_steps and decay_steps in steps
+    (run_length reads their fraction forms). run_scheduler gives these from a run's keys."""
+    if name in TRANSFORMERS_SCHEDULES:
+        return _transformers_scheduler(optimizer, name, warmup_steps, max_steps, num_cycles, min_lr_ratio,
+                                       decay_steps, timescale)
     from diffusers.optimization import get_scheduler
 
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps,
                          num_cycles=num_cycles, power=power)
+
+
+def _transformers_scheduler(optimizer, name: str, warmup: int, max_steps: int, num_cycles: int,
+                            min_lr_ratio: float | None, decay: int, timescale: int | None):
+    """As sd-scripts' get_scheduler_fix calls them: num_cycles counts half-waves there (1: one half-cosine down,
+    transformers' 0.5); warmup_stable_decay holds learning_rate from the warmup's end until its decay takes the
+    run's last decay steps, and its floor defaults to 0; inverse_sqrt's timescale defaults (None) to the warmup's
+    steps, or 10000 without a warmup."""
+    from transformers import optimization as schedules  # here: importing transformers takes seconds
+
+    if name == "inverse_sqrt":
+        return schedules.get_inverse_sqrt_schedule(optimizer, num_warmup_steps=warmup, timescale=timescale)
+    if name == "cosine_with_min_lr":
+        return schedules.get_cosine_with_min_lr_schedule_with_warmup(
+            optimizer, num_warmup_steps=warmup, num_training_steps=max_steps, num_cycles=num_cycles / 2,
+            min_lr_rate=min_lr_ratio)
+    return schedules.get_wsd_schedule(optimizer, num_warmup_steps=warmup, num_decay_steps=decay,
+                                      num_stable_steps=max_steps - warmup - decay, num_cycles=num_cycles / 2,
+                                      min_lr_ratio=min_lr_ratio or 0.0)
+
+
+def run_scheduler(optimizer, args, max_steps: int):
+    """The run's schedule from its keys, once its max_steps is known (train_lora.py builds it so)."""
+    warmup = run_length.warmup_steps(args.lr_warmup_steps, max_steps)
+    return create_scheduler(optimizer, args.lr_scheduler, warmup, max_steps, args.lr_scheduler_num_cycles,
+                            args.lr_scheduler_power, args.lr_scheduler_min_lr_ratio,
+                            run_length.decay_steps(args.lr_decay_steps, max_steps), args.lr_scheduler_timescale)
 
 
 def adapts_step_size(optimizer) -> bool:

@@ -41,7 +41,8 @@ KEPT_SINCE = ("network_dropout",  # its own key: network_args' dropout=... was c
 
 # The schedule's shape: the scheduler's state holds its step, not its lambda, which the resumed run
 # rebuilds from these. Compared where the state has them (states written before they were kept resume).
-SCHEDULE_IDENTITY = ("lr_warmup_steps", "lr_scheduler_num_cycles", "lr_scheduler_power")
+SCHEDULE_IDENTITY = ("lr_warmup_steps", "lr_scheduler_num_cycles", "lr_scheduler_power", "lr_scheduler_min_lr_ratio",
+                     "lr_decay_steps", "lr_scheduler_timescale")
 
 # An LLM's windows (and its held-out share): another max_length / stride cuts the text into other batches,
 # so the resumed run would skip batches of another set; train_on_all_tokens changes which targets are
@@ -222,13 +223,17 @@ def check_trainable_fit(folder: str, saved: dict[str, torch.Tensor], network: di
                               f"with (network_dim, network_args, network_weights, dim_from_weights)")
 
 
+# The schedules whose lr at a step does not read the run's length (inverse_sqrt's decays from the warmup's end on).
+LENGTHLESS_SCHEDULES = ("constant", "constant_with_warmup", "inverse_sqrt")
+
+
 def check_resumed_length(folder: str, progress: dict, max_steps: int, args) -> None:
     """A schedule whose lr at a step depends on the run's length (one that decays to its end, or a
     warmup given as a fraction of it) is rebuilt for this run's max_steps: another length than the
     state's would move the lr onto another curve at the resumed step. A constant schedule may be
     extended. States written before max_steps was kept resume unchecked."""
     saved = progress.get("max_steps")
-    follows_length = args.lr_scheduler not in ("constant", "constant_with_warmup") or 0 < args.lr_warmup_steps < 1
+    follows_length = args.lr_scheduler not in LENGTHLESS_SCHEDULES or 0 < args.lr_warmup_steps < 1
     if saved is None or saved == max_steps or not follows_length:
         return
     raise ValueError(f"{folder}: state was written by a run of {saved} steps, this run has {max_steps} "

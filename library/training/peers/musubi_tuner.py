@@ -18,6 +18,8 @@ from functools import partial
 from typing import Any
 
 from library.models.registry import arch_specs, spec_of
+from library.training.config_keys import CYCLING_SCHEDULES
+from library.training.config_schema import SCHEMA
 from library.training.peers import musubi_models as models
 from library.training.peers.musubi_dataset import translate_dataset
 from library.training.peers.rules import (
@@ -36,6 +38,8 @@ from library.training.peers.rules import (
     renamed,
     same,
     sample_when,
+    schedule_key,
+    schedule_lacks,
     unless_schedule_free,
     unsupported,
     warmup_steps,
@@ -369,20 +373,33 @@ def _cfg_as_ours(flags: list[str], cfg) -> list[str]:
     return [*kept, f"l {cfg.ours(peer_l, has_negative):g}"]
 
 
-def _read_by_scheduler(scheduler: str, t: Translation, key: str, value: Any, run: Run) -> None:
-    if run.flat.get("lr_scheduler", "constant") == scheduler:
-        t.set(key, value, key, value)
-    else:
-        t.drop(key, value, f"read by lr_scheduler {scheduler} only")
+SCHEDULERS = SCHEMA["lr_scheduler"].choices  # ours: diffusers' six, and transformers' three as musubi-tuner calls them
+# musubi-tuner's scheduler keys -> the schedulers that read them (its get_scheduler: sd-scripts' get_scheduler_fix,
+# and its rex, which ours lacks, reads the min lr ratio).
+SCHEDULER_KEYS = {
+    "lr_scheduler_num_cycles": CYCLING_SCHEDULES, "lr_scheduler_power": ("polynomial",),
+    "lr_decay_steps": ("warmup_stable_decay",), "lr_scheduler_timescale": ("inverse_sqrt",),
+    "lr_scheduler_min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay", "rex"),
+}
 
 
-SCHEDULERS = ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial")
-
-
-def _scheduler(value: Any) -> str:
+def _lr_scheduler(t: Translation, key: str, value: Any, run: Run) -> None:
     if value not in SCHEDULERS:
-        raise ValueError(f"ours offers {', '.join(SCHEDULERS)}")
-    return value
+        t.refuse(key, value, f"ours offers {', '.join(SCHEDULERS)}")
+    elif schedule_lacks(t, value, run.flat):
+        t.refuse(key, value, schedule_lacks(t, value, run.flat))
+    else:
+        t.set(key, value, key, value)
+
+
+def _scheduler_key(t: Translation, key: str, value: Any, run: Run) -> None:
+    schedule, readers = run.flat.get("lr_scheduler", "constant"), SCHEDULER_KEYS[key]
+    if schedule not in readers:
+        t.drop(key, value, f"read by lr_scheduler {' / '.join(readers)} only")
+    elif schedule not in SCHEDULERS:
+        t.refuse(key, value, f"goes with lr_scheduler {schedule!r}, not carried")
+    else:
+        schedule_key(t, key, value, run.flat)
 
 
 def _dataset_config(t: Translation, key: str, value: Any, run: Run) -> None:
@@ -447,14 +464,10 @@ RULES: dict[str, Rule] = {
     "optimizer_args": same(convert=_as_list),
     "learning_rate": same(), "max_grad_norm": same(),
     **{key: unless_schedule_free(rule) for key, rule in {  # (a schedule-free optimizer_type reads none of them)
-        "lr_scheduler": same(convert=_scheduler),
+        "lr_scheduler": joint(_lr_scheduler),
         "lr_warmup_steps": joint(lambda t, key, value, run: warmup_steps(t, key, value, run.flat)),
-        "lr_decay_steps": unsupported("a decay length of its own: ours decays over the run"),
-        "lr_scheduler_num_cycles": joint(partial(_read_by_scheduler, "cosine_with_restarts")),
-        "lr_scheduler_power": joint(partial(_read_by_scheduler, "polynomial")),
-        "lr_scheduler_timescale": unsupported("inverse_sqrt's timescale: that schedule is not offered"),
-        "lr_scheduler_min_lr_ratio": unsupported("a floor under the schedule: ours decays to 0"),
-        "lr_scheduler_type": unsupported("a scheduler class of its own: ours offers diffusers' schedules"),
+        **{key: joint(_scheduler_key) for key in SCHEDULER_KEYS},
+        "lr_scheduler_type": unsupported("a scheduler class of its own: ours offers the lr_scheduler schedules"),
         "lr_scheduler_args": unsupported("that scheduler class's arguments"),
     }.items()},
     # memory

@@ -259,7 +259,43 @@ def warmup_steps(t: Translation, key: str, value: Any, given: dict[str, Any]) ->
                                                      f"{given['max_train_steps']} steps; ours takes steps from 1 up")
     else:
         t.refuse(key, value, f"{t.peer} reads it as {fraction:g} x the run's steps, which the config does not give "
-                             f"(max_train_steps): write our lr_warmup_steps as steps")
+                             f"(max_train_steps): write our {key} as steps")
+
+
+# The scheduler keys whose "" (and, but for the ratio, 0) is not given there: a GUI's empty field, or the default.
+SCHEDULE_KEYS_OFF = {
+    "lr_decay_steps": "0: no decay (the default there)",
+    "lr_scheduler_timescale": "not given (0: a GUI's empty field): ours' default too, the warmup's steps (or 10000)",
+    "lr_scheduler_min_lr_ratio": "not given",
+}
+
+
+def schedule_key(t: Translation, key: str, value: Any, given: dict[str, Any]) -> None:
+    """A scheduler key where sd-scripts' or musubi-tuner's lr_scheduler reads it (get_scheduler_fix; `given`: the
+    peer's keys): lr_decay_steps read as lr_warmup_steps is (int_or_float), a key of SCHEDULE_KEYS_OFF not given
+    dropped (a min lr ratio of 0 is a ratio), the rest as it is."""
+    if key in SCHEDULE_KEYS_OFF and is_off(value) and not (key == "lr_scheduler_min_lr_ratio" and value == 0):
+        t.drop(key, value, SCHEDULE_KEYS_OFF[key])
+    elif key == "lr_decay_steps":
+        warmup_steps(t, key, value, given)
+    else:
+        t.set(key, value, key, value)
+
+
+def schedule_lacks(t: Translation, schedule: str, given: dict[str, Any]) -> str:
+    """Why ours does not run the peer's lr_scheduler with its keys (`given`), "" where it does: the key it needs
+    (config_keys.SCHEDULE_NEEDS) is not given. The peers' transformers stops on cosine_with_min_lr without its
+    ratio; their warmup_stable_decay at lr_decay_steps 0 (the default) never decays."""
+    from library.training.config_keys import SCHEDULE_NEEDS  # (here: it loads the families' registry)
+
+    needed = SCHEDULE_NEEDS.get(schedule, ("",))[0]
+    value = given.get(needed)
+    if not needed or not is_off(value) or (needed == "lr_scheduler_min_lr_ratio" and value == 0):
+        return ""
+    if schedule == "cosine_with_min_lr":
+        return f"{t.peer} stops on it without lr_scheduler_min_lr_ratio (transformers' min_lr_rate); ours needs it too"
+    return (f"without lr_decay_steps (0, the default there) the lr never decays in {t.peer}, which ours refuses: "
+            f"give lr_decay_steps, or use lr_scheduler constant_with_warmup")
 
 
 def flatten_tables(config: dict[str, Any]) -> dict[str, Any]:

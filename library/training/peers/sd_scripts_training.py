@@ -8,11 +8,12 @@ from __future__ import annotations
 from typing import Any
 
 from library.models.registry import SAMPLING_METHODS
+from library.training.config_keys import CYCLING_SCHEDULES
 from library.training.config_schema import SCHEMA
 from library.training.peers import sd_scripts_models as models
 from library.training.peers.rules import (
-    KEPT, RENAMED, Rule, Translation, custom, ignored, implied, is_off, is_true, same, unless_off, unless_schedule_free,
-    unsupported, warmup_steps,
+    KEPT, RENAMED, Rule, Translation, custom, ignored, implied, is_off, is_true, same, schedule_key, schedule_lacks,
+    unless_off, unless_schedule_free, unsupported, warmup_steps,
 )
 from library.training.peers.sd_scripts_defaults import note, their
 
@@ -71,30 +72,30 @@ def _optimizer_switch(t: Translation, key: str, value: Any) -> None:
         t.lines[-1].value = value
 
 
-SCHEDULERS = SCHEMA["lr_scheduler"].choices  # ours: diffusers' constant ... polynomial, sd-scripts' names too
+SCHEDULERS = SCHEMA["lr_scheduler"].choices  # ours: diffusers' six, and transformers' three as sd-scripts calls them
 # sd-scripts' scheduler keys -> the schedulers that read them (train_util.get_scheduler_fix).
 SCHEDULER_KEYS = {
-    "lr_scheduler_num_cycles": ("cosine_with_restarts",), "lr_scheduler_power": ("polynomial",),
+    "lr_scheduler_num_cycles": CYCLING_SCHEDULES, "lr_scheduler_power": ("polynomial",),
     "lr_decay_steps": ("warmup_stable_decay",), "lr_scheduler_timescale": ("inverse_sqrt",),
     "lr_scheduler_min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay"),
 }
 
 
 def _lr_scheduler(t: Translation, key: str, value: Any) -> None:
-    if value in SCHEDULERS:
-        t.set(key, value, key, value)
-    else:
+    if value not in SCHEDULERS:
         t.refuse(key, value, f"ours: {', '.join(SCHEDULERS)}")
+    elif schedule_lacks(t, value, t.given):
+        t.refuse(key, value, schedule_lacks(t, value, t.given))
+    else:
+        t.set(key, value, key, value)
 
 
 def _scheduler_key(t: Translation, key: str, value: Any) -> None:
-    schedule, readers = their(t, "lr_scheduler"), SCHEDULER_KEYS[key]
-    if schedule not in readers:
+    readers = SCHEDULER_KEYS[key]
+    if their(t, "lr_scheduler") not in readers:
         t.drop(key, value, f"read only by lr_scheduler {' / '.join(readers)}")
-    elif schedule in SCHEDULERS:
-        t.set(key, value, key, value)
     else:
-        t.refuse(key, value, f"goes with lr_scheduler {schedule!r}, not carried")
+        schedule_key(t, key, value, t.given)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -251,7 +252,8 @@ RULES: dict[str, Rule] = {
     "lr_scheduler": unless_schedule_free(custom(_lr_scheduler)),
     "lr_warmup_steps": unless_schedule_free(custom(lambda t, key, value: warmup_steps(t, key, value, t.given))),
     **{key: unless_schedule_free(custom(_scheduler_key)) for key in SCHEDULER_KEYS},
-    "lr_scheduler_type": unless_schedule_free(unsupported("a scheduler class of its own: ours runs the diffusers schedules")),
+    "lr_scheduler_type": unless_schedule_free(unsupported("a scheduler class of its own: ours runs the lr_scheduler "
+                                                          "schedules")),
     "lr_scheduler_args": unless_schedule_free(unsupported("arguments of a scheduler class (lr_scheduler_type): ours has none")),
     "fused_backward_pass": ignored("sd-scripts' LoRA training does not read it (its full fine-tuning does)"),
     "gradient_accumulation_steps": same(),
