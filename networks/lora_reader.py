@@ -315,7 +315,8 @@ class WholeOfFused:
     def rows(self, rows: torch.Tensor, columns: int, multiplier: float) -> torch.Tensor:
         if self.whole is None or self.key != (columns, multiplier):
             self.key, self.served = (columns, multiplier), 0
-            self.whole = self.delta.merged(torch.zeros(self.fused_rows, columns), multiplier)  # ratio * dW, float32
+            # ratio * dW, float32: the module merged into zeros of the fused shape, one zero expanded (only read)
+            self.whole = self.delta.merged(torch.zeros(()).expand(self.fused_rows, columns), multiplier)
         out = self.whole[rows]
         self.served += 1
         if self.served >= self.parts:  # the last part: nothing else takes rows of it

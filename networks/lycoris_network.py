@@ -639,6 +639,10 @@ class LycorisDelta:
         except RuntimeError as e:
             raise CheckpointError(f"{self.source}: LyCORIS module '{self.name}' does not fit a weight of shape "
                                   f"{tuple(weight.shape)}: {e}") from None
+        finally:
+            # LyCORIS' module is a reference cycle (its hooks hold its bound methods) that holds the holder: left
+            # there, each merged weight stayed in memory until Python's cycle collector ran, several modules later
+            holder.weight = None
 
     _merged = staticmethod(merged_weight)
 

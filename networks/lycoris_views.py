@@ -64,15 +64,43 @@ def dora_at_comfyui_strength(module) -> None:
 
 
 def merged_weight(module, w: torch.Tensor) -> torch.Tensor:
-    """What an applied LoKr / LoHa / LoCon `module` makes of the weight w (float32 math; LycorisDelta's notes)."""
+    """What an applied LoKr / LoHa / LoCon `module` makes of the weight w (float32 math; LycorisDelta's notes).
+    w is only read. A LoKr / LoHa's w + dW * scalar, then w + multiplier * (that - w), run in place in the one
+    weight-sized buffer dW is built in, with the roundings of those expressions: each made a full-size temporary (3
+    fp32 copies of a 21504 x 3072 linear1 beside w; bench/RESULTS.md, LoKr merge memory)."""
     from lycoris.modules import LoConModule
 
     if isinstance(module, LoConModule):
         return module.get_merged_weight(module.multiplier, shape=tuple(w.shape), device=w.device)[0]
-    adapted = w + module.get_weight(tuple(w.shape)).to(w.dtype) * module.scalar  # LoKr, LoHa
+    adapted = _owned(weight_delta(module, tuple(w.shape)).to(w.dtype), module).mul_(module.scalar).add_(w)
     if module.wd:
         return module.apply_weight_decompose(adapted, module.multiplier)
-    return w + module.multiplier * (adapted - w)
+    return adapted.sub_(w).mul_(module.multiplier).add_(w)
+
+
+def weight_delta(module, shape: tuple) -> torch.Tensor:
+    """A LoKr / LoHa module's get_weight(shape). A LoKr's Kronecker product on the CPU is scaled in place: LyCORIS'
+    own kron(w1, w2) * scale holds two full-size tensors at once (the host memory of a merge). The same product
+    and multiply, so the same bits; on a GPU its fused kernels may scale inside the product, so it is left to them."""
+    from lycoris.functional.lokr import kron_weight
+    from lycoris.modules import LokrModule
+
+    dropping = module.training and getattr(module, "rank_dropout", 0)  # get_weight drops rows at random: its own
+    if not isinstance(module, LokrModule) or module.alpha.device.type != "cpu" or dropping:
+        return module.get_weight(shape)
+    low_rank_w2 = not module.use_w2
+    delta = kron_weight(module.lokr_w1 if module.use_w1 else None,
+                        None if module.use_w1 else module.lokr_w1_a, None if module.use_w1 else module.lokr_w1_b,
+                        None if low_rank_w2 else module.lokr_w2,
+                        module.lokr_w2_a if low_rank_w2 else None, module.lokr_w2_b if low_rank_w2 else None,
+                        module.lokr_t2 if module.tucker and low_rank_w2 else None, scale=1.0).view(shape)
+    return delta.mul_(module.scale) if module.scale != 1 else delta  # LyCORIS' make_kron skips a scale of 1 too
+
+
+def _owned(delta: torch.Tensor, module) -> torch.Tensor:
+    """delta, or a copy of it where it shares memory with one of `module`'s tensors: merged_weight writes into it."""
+    held = {t.untyped_storage().data_ptr() for t in (*module.parameters(), *module.buffers())}
+    return delta.clone() if delta.untyped_storage().data_ptr() in held else delta
 
 
 def lycoris_wrapped(module):

@@ -303,3 +303,72 @@ def test_the_parts_of_a_fused_lycoris_module_share_one_whole_delta(tmp_path, mon
     assert (folder["single_transformer_blocks.0.proj_mlp.weight"] - base["single_transformer_blocks.0.proj_mlp.weight"]).abs().max() > 0.01
     assert all(torch.equal(folder[k], each[k]) for k in folder)
     assert max((folder[k] - want[k]).abs().max().item() for k in folder) <= 1e-6  # W + dW against W[rows] + dW[rows]
+
+
+def lycoris_module(kind: str, name: str, layer: torch.nn.Linear):
+    """A LyCORIS module of `layer` with every factor random (LoKr starts with one at zero), as trained."""
+    from lycoris.modules import LohaModule, LokrModule
+
+    make = {"lokr": lambda: LokrModule(name, layer, 1.0, 4, 2.0, factor=4),  # low-rank w2, alpha / rank 0.5
+            "lokr_both": lambda: LokrModule(name, layer, 1.0, 1, 2.0, factor=4, decompose_both=True),
+            "lokr_full": lambda: LokrModule(name, layer, 1.0, 4, 2.0, factor=4, full_matrix=True),  # scale 1
+            "loha": lambda: LohaModule(name, layer, 1.0, 4, 2.0)}[kind]
+    torch.manual_seed(3)
+    module = make()
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape) * 0.3)
+    return module.eval()
+
+
+@pytest.mark.parametrize("kind", ["lokr", "lokr_both", "lokr_full", "loha"])
+def test_a_lycoris_merge_is_the_modules_own_weight_bit_for_bit(kind):
+    """LycorisDelta builds the delta in one buffer and adds in place (a LoKr's Kronecker product scaled in place:
+    LyCORIS' kron * scale made a second full-size tensor); the merged weight is bit for bit the module's own
+    W + multiplier * ((W + get_weight() * scalar) - W), out of place, into a whole weight or a fused one's rows."""
+    from networks.lora_reader import RowsOfFused, WholeOfFused
+    from networks.lycoris_network import LycorisDelta
+    from networks.lycoris_views import weight_delta
+
+    name, layer = "lora_unet_double_blocks_0_img_attn_qkv", torch.nn.Linear(64, 96, bias=False)
+    module = lycoris_module(kind, name, layer)
+    tensors = {f"{name}.{k}": v.detach().clone() for k, v in module.state_dict().items()}
+    w = torch.randn(96, 64, generator=torch.Generator().manual_seed(5))
+    kept = w.clone()
+    own = module.get_weight((96, 64))
+    assert torch.equal(weight_delta(module, (96, 64)), own) and own.abs().max() > 0.1
+    for ratio in (1.0, 0.7, -0.5):
+        assert torch.equal(LycorisDelta(name, tensors).merged(w, ratio), w + ratio * ((w + own * module.scalar) - w))
+    part = RowsOfFused(WholeOfFused(LycorisDelta(name, tensors), 96, 1), [(32, 64)])
+    zeros = torch.zeros(96, 64)
+    assert torch.equal(part.merged(w[32:64], 0.7), w[32:64] + (zeros + 0.7 * ((zeros + own) - zeros))[32:64])
+    assert torch.equal(w, kept)  # only read
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha", "locon", "lokr_dora_wd"])
+def test_a_lycoris_merge_leaves_no_weight_to_the_cycle_collector(kind):
+    """LyCORIS' module is a reference cycle (its hooks hold its bound methods) holding the Linear LycorisDelta builds
+    it around, and that Linear held the weight merged: every merge left one weight to Python's cycle collector, which
+    ran only every few modules (bench/bench_merge.py --lokr: 2.3 GiB above import at FLUX.1's width against the
+    kohya LoRA's 0.6). After the merge nothing but the caller's tensor holds the weight's memory."""
+    import gc
+
+    from networks.lycoris_network import lycoris_deltas
+
+    net_args = {"lokr": {"algo": "lokr", "factor": 4}, "loha": {"algo": "loha"}, "locon": {"algo": "locon"},
+                "lokr_dora_wd": {"algo": "lokr", "factor": 4, "dora_wd": True}}[kind]
+    model = Flux(FLUX_CFG)
+    net = LycorisNetwork(model, "flux", 4, 2.0, network_args=net_args)
+    random_(net, 0.3)
+    name = "lora_unet_double_blocks_0_img_attn_qkv"
+    delta = lycoris_deltas({k: v.detach() for k, v in net.state_dict().items() if k.startswith(name + ".")})[name]
+    weight = model.double_blocks[0].img_attn.qkv.weight.detach().clone()
+    gc.collect()
+    gc.disable()  # what the merge leaves in a cycle stays there: no collection may run in between
+    try:
+        merged = delta.merged(weight, 0.7)
+        holders = [o for o in gc.get_objects()
+                   if isinstance(o, torch.Tensor) and o is not weight and o.data_ptr() == weight.data_ptr()]
+    finally:
+        gc.enable()
+    assert holders == [] and (merged - weight).abs().max() > 1e-3
