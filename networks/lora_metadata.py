@@ -41,6 +41,7 @@ METADATA_KEYS = {
     "lr": "ss_learning_rate",
     "lr_scheduler": "ss_lr_scheduler",
     "timestep_sampling": "ss_timestep_sampling",
+    "timestep_bias": "ss_timestep_bias",  # high_noise / low_noise (written where it is not none)
     "shift": "ss_discrete_flow_shift",
     "guidance": "ss_guidance_scale",
     "seed": "ss_seed",

@@ -267,7 +267,8 @@ def verdict(t, key: str):
     ("train", "timestep_type", "linear", RENAMED, {"timestep_sampling": "uniform"}),
     ("train", "timestep_type", "weighted", NOT_CARRIED, {}),
     ("train", "timestep_type", "shift", NOT_CARRIED, {}),
-    ("train", "content_or_style", "style", NOT_CARRIED, {}),
+    ("train", "content_or_style", "style", RENAMED, {"timestep_bias": "low_noise"}),  # carried since 2026-12-01
+    ("train", "content_or_style", "content", RENAMED, {"timestep_bias": "high_noise"}),
     ("train", "loss_type", "mse", RENAMED, {"loss_type": "l2"}),
     ("train", "optimizer", "automagic", NOT_CARRIED, {}),
     ("train", "optimizer", "adafactor", RENAMED, {"optimizer_type": "Adafactor"}),

@@ -264,3 +264,23 @@ def test_constant_shift_is_the_time_shift_at_mu_ln_k_for_training_and_inference(
     base = torch.linspace(1.0, 0.25, 4)
     torch.testing.assert_close(sigmas[:-1], k * base / (1 + (k - 1) * base))
     assert fm.resolution_mu(dataclasses.replace(sampling, train_shift=None), 256) == math.log(3.0)
+
+
+def test_a_timestep_bias_draws_the_methods_law_at_a_cubed_quantile_as_ai_toolkit():
+    """timestep_bias (2026-12-01): ai-toolkit's content / style index its descending timesteps with u^3 (its
+    linear grid: sigma ~ 1 - u^3 for content); ours draws each method's law at the quantile 1 - u^3 / u^3."""
+    from statistics import NormalDist
+
+    u = torch.rand(4000, generator=torch.Generator().manual_seed(5))
+    high = fm.sample_sigmas(4000, "uniform", generator=torch.Generator().manual_seed(5), bias="high_noise")
+    assert torch.allclose(high, (1 - u ** 3).clamp(1e-6, 1 - 1e-6))
+    low = fm.sample_sigmas(4000, "sigmoid", generator=torch.Generator().manual_seed(5), bias="low_noise")
+    quantiles = (u ** 3).clamp(1e-6, 1 - 1e-6).tolist()
+    expected = torch.sigmoid(torch.tensor([NormalDist().inv_cdf(q) for q in quantiles], dtype=torch.float32))
+    assert torch.allclose(low, expected, atol=1e-5)
+    medians = {bias: fm.sample_sigmas(4000, "flux_shift", generator=torch.Generator().manual_seed(5), bias=bias,
+                                      image_seq_len=1024).median().item()
+               for bias in ("none", "high_noise", "low_noise")}
+    assert medians["low_noise"] < medians["none"] - 0.2 and medians["high_noise"] > medians["none"] + 0.1, medians
+    plain = fm.sample_sigmas(8, "sigmoid", generator=torch.Generator().manual_seed(5))  # none: the draws as before
+    assert torch.equal(plain, torch.sigmoid(torch.randn(8, generator=torch.Generator().manual_seed(5))))

@@ -116,6 +116,21 @@ def test_ip_noise_gamma_perturbs_the_input_noise_not_the_target(tiny_set, random
     assert torch.equal(plain, unset) and torch.equal(model.calls[-1]["img"], model.calls[-2]["img"])
 
 
+def test_the_timestep_bias_reaches_the_sigma_draw(tiny_set):
+    family = FluxFamily(tiny_set["flux_bfl"])
+    model = family.load_transformer(torch.float32)
+    latents, seeds = torch.randn(2, 16, 8, 16), [31, 32]
+    text = {"t5": torch.randn(2, 7, 32), "clip_pooled": torch.randn(2, 32)}
+    _, sigmas = family.training_loss(model, latents, text, loss_args(timestep_bias="high_noise"),
+                                     [torch.Generator().manual_seed(s) for s in seeds])
+    expected = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        torch.randn(latents.shape[1:], generator=g)
+        expected.append(fm.sample_sigmas(1, "flux_shift", generator=g, image_seq_len=32, bias="high_noise"))
+    assert torch.equal(sigmas, torch.cat(expected))
+
+
 def test_a_schnell_checkpoint_draws_unshifted_sigmas_by_default(tiny_set):
     """FLUX.1 schnell (no guidance embedding) samples without a shift; with timestep_sampling unset it
     trained on FLUX.1-dev's flux_shift draw (86% of sigmas above 0.5 at 1024 px). The unshifted sigmoid

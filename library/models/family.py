@@ -456,7 +456,8 @@ class DiffusionFamily:
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
         sigmas = torch.cat([
             fm.sample_sigmas(1, method, generator=g, shift=args.discrete_flow_shift,
-                             sigmoid_scale=args.sigmoid_scale, image_seq_len=h * w)
+                             sigmoid_scale=args.sigmoid_scale, image_seq_len=h * w,
+                             bias=getattr(args, "timestep_bias", "none"))
             for g in generators
         ])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)

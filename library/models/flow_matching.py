@@ -24,10 +24,11 @@ from typing import Callable
 import numpy as np
 import torch
 
-from library.models.registry import SAMPLING_METHODS, arch_specs  # the names the config schema offers
+from library.models.registry import SAMPLING_METHODS, TIMESTEP_BIASES, arch_specs  # the names the config offers
 from library.models.spec import MuLine, Sampling, load_symbol
 
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap")
+QUANTILE_EDGE = 1e-6  # a biased quantile's distance from 0 and 1 (erfinv(+-1) is infinite)
 SIGMA_SQRT_FLOOR = 1e-3  # the smallest sigma of a 1000-step scheduler (loss_weighting)
 LOSS_TYPES = ("l2", "huber")
 
@@ -76,20 +77,43 @@ def time_shift(mu: float, sigmas: torch.Tensor) -> torch.Tensor:
 # Training
 
 
+def standard_normal(batch: int, generator: torch.Generator | None, bias: str = "none",
+                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[batch] N(0, 1) draws; with a timestep_bias, the normal quantile of the biased q (TIMESTEP_BIASES), so a
+    law made of the normal (sigmoid(n), its shifts) keeps its shape and leans to high or low sigmas."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    if bias == "none":
+        return torch.randn(batch, generator=generator, device=device, dtype=dtype)
+    q = biased_quantile(batch, generator, bias, dtype).double()  # erfinv near +-1 in float64: q ~ 1e-6 keeps digits
+    return (math.sqrt(2.0) * torch.special.erfinv(2.0 * q - 1.0)).to(dtype)
+
+
+def biased_quantile(batch: int, generator: torch.Generator | None, bias: str, dtype=torch.float32) -> torch.Tensor:
+    """[batch] quantiles in (0, 1): 1 - u^3 (high_noise: sigma near 1 more often) or u^3 (low_noise)."""
+    if bias not in TIMESTEP_BIASES[1:]:
+        raise ValueError(f"timestep_bias {bias!r} is not one of {', '.join(TIMESTEP_BIASES)}")
+    device = generator.device if generator is not None else torch.device("cpu")
+    cubed = torch.rand(batch, generator=generator, device=device, dtype=dtype) ** 3
+    return (1.0 - cubed if bias == "high_noise" else cubed).clamp(QUANTILE_EDGE, 1.0 - QUANTILE_EDGE)
+
+
 def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None, shift: float = 3.0,
-                  sigmoid_scale: float = 1.0, image_seq_len: int | None = None) -> torch.Tensor:
+                  sigmoid_scale: float = 1.0, image_seq_len: int | None = None, bias: str = "none") -> torch.Tensor:
     """One sigma per sample, float32 [batch] in [0, 1], on the generator's device.
 
     uniform: U(0, 1]; sigmoid: sigmoid(sigmoid_scale * randn); shift: the sigmoid draw then
     s' = k s / (1 + (k - 1) s) with k = shift; an architecture's method (its spec's sampling.method):
     the sigmoid draw then the time_shift with that architecture's mu for image_seq_len (at its
-    train_mu_steps where mu depends on a step count; ln of its constant train shift where it has one)."""
+    train_mu_steps where mu depends on a step count; ln of its constant train shift where it has one).
+    bias: timestep_bias (TIMESTEP_BIASES), the uniform draw's quantile or the normal's biased; "none": as ever."""
     if method not in SAMPLING_METHODS:
         raise ValueError(f"timestep_sampling {method!r} is not one of {', '.join(SAMPLING_METHODS)}")
     device = generator.device if generator is not None else torch.device("cpu")
+    if method == "uniform" and bias != "none":  # sigma = the quantile itself (in (0, 1))
+        return biased_quantile(batch, generator, bias)
     if method == "uniform":  # 1 - U[0, 1): never exactly 0, where sigma_sqrt weighting is infinite
         return 1.0 - torch.rand(batch, generator=generator, device=device, dtype=torch.float32)
-    sigmas = torch.sigmoid(sigmoid_scale * torch.randn(batch, generator=generator, device=device, dtype=torch.float32))
+    sigmas = torch.sigmoid(sigmoid_scale * standard_normal(batch, generator, bias))
     if method == "shift":
         return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
     if method == "sigmoid":

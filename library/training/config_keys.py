@@ -17,8 +17,8 @@ LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max
 LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout",
              "dim_from_weights", "scale_weight_norms")
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
-                  "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "discrete_flow_shift",
-                  "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "ip_noise_gamma",
+                  "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "timestep_bias",
+                  "discrete_flow_shift", "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "ip_noise_gamma",
                   "ip_noise_gamma_random_strength", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
                   "validate_every_n_steps", "persistent_data_loader_workers", "max_data_loader_n_workers",

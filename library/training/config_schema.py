@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from library.models.registry import BASE_PRECISIONS, FAMILIES, SAMPLING_METHODS, arch_specs
+from library.models.registry import BASE_PRECISIONS, FAMILIES, SAMPLING_METHODS, TIMESTEP_BIASES, arch_specs
 
 PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (config.PRECISION_DTYPES)
 
@@ -155,6 +155,8 @@ SCHEMA: dict[str, Arg] = {
     "prior_loss_weight": A(float, 1.0, "loss weight of regularization images (dataset subsets with is_reg = true)"),
     "timestep_sampling": A(str, None, "sigma sampling; default per model", SAMPLING_METHODS),
     "discrete_flow_shift": A(float, 3.0, "k for timestep_sampling = shift"),
+    "timestep_bias": A(str, "none", "lean the sigma draw to high or low noise (ai-toolkit's Timestep Bias, "
+                                    "content_or_style content / style): its quantile 1 - u^3 or u^3", TIMESTEP_BIASES),
     "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
     "weighting_scheme": A(str, "none", "loss weighting", ("none", "sigma_sqrt", "cosmap")),
     "loss_type": A(str, "l2", "loss", ("l2", "huber")),

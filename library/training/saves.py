@@ -45,6 +45,7 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         output_preservation=facts.get("output_preservation"), trained_keys=facts.get("trained_keys"),
         scale_weight_norms=getattr(args, "scale_weight_norms", None),
         ip_noise_gamma=getattr(args, "ip_noise_gamma", 0) or None,  # (an LLM's args have none)
+        timestep_bias=None if getattr(args, "timestep_bias", "none") == "none" else args.timestep_bias,
         mixed_precision=args.mixed_precision, resolution=facts["resolution"],
         steps=step, max_steps=max_steps, epochs=epochs, epoch=epoch,
         batch_size=facts["batch_size"], optimizer=args.optimizer_type

@@ -229,7 +229,8 @@ class Ideogram4Family(DiffusionFamily):
 
         _, _, lh, lw = latents.shape
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
-        sigmas = torch.cat([training_sigmas(1, lh * self.vae_downsample, lw * self.vae_downsample, g) for g in generators])
+        sigmas = torch.cat([training_sigmas(1, lh * self.vae_downsample, lw * self.vae_downsample, g,
+                                            bias=getattr(args, "timestep_bias", "none")) for g in generators])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
                             args.loss_type, args.huber_c, mask, sample_weights, preservation=preservation,

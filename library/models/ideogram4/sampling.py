@@ -14,6 +14,8 @@ import math
 
 import torch
 
+from library.models import flow_matching as fm
+
 BASE_MU, STD, LOGSNR_MIN, LOGSNR_MAX = 0.0, 1.5, -15.0, 18.0
 STEPS = 48
 GUIDANCE_SCHEDULE = (7.0,) * 45 + (3.0,) * 3
@@ -39,9 +41,10 @@ def inference_sigmas(steps: int, height: int, width: int, base_mu: float = BASE_
 
 
 def training_sigmas(batch: int, height: int, width: int, generator: torch.Generator | None = None,
-                    base_mu: float = BASE_MU, std: float = STD) -> torch.Tensor:
-    """[batch] float32 sigmas drawn from the pipeline's logit-normal law at this resolution (pixels)."""
-    n = torch.randn(batch, generator=generator, dtype=torch.float64)
+                    base_mu: float = BASE_MU, std: float = STD, bias: str = "none") -> torch.Tensor:
+    """[batch] float32 sigmas drawn from the pipeline's logit-normal law at this resolution (pixels); bias: the
+    config's timestep_bias (flow_matching.standard_normal)."""
+    n = fm.standard_normal(batch, generator, bias, torch.float64)
     return _clamp_sigma(torch.special.expit(resolution_mu(height, width, base_mu) + std * n)).to(torch.float32)
 
 

@@ -113,6 +113,17 @@ def _preservation(t: Job, key: str, value: Any) -> None:
             t.set("trigger_word", trigger, "trigger_word", trigger, KEPT, "trigger_word")
 
 
+def _bias(t: Job, key: str, value: Any) -> None:
+    """content_or_style (its UI's Timestep Bias): content = High Noise, style = Low Noise: ours' timestep_bias."""
+    ours = {"content": "high_noise", "style": "low_noise"}.get(str(value))
+    if ours:
+        t.set("timestep_bias", ours, key, value, RENAMED, f"timestep_bias = {ours}")
+    elif value == "balanced":
+        t.drop(key, value, "ours draws timesteps the same way for every image (timestep_bias = \"none\")")
+    else:
+        t.refuse(key, value, "expected balanced, content or style")
+
+
 def _timesteps(t: Job, key: str, value: Any) -> None:
     """ai-toolkit's flow-matching draws: sigmoid (sigmoid of a normal draw, unshifted) and linear (uniform) are ours."""
     train = t.section("train")
@@ -170,7 +181,7 @@ TRAIN_RULES: dict[str, Rule] = {f"train.{k}": r for k, r in {
     "timestep_type": custom(_timesteps),
     "linear_timesteps": unsupported("bell-curved loss weights per timestep (with uniform draws): not ours"),
     "linear_timesteps2": unsupported("half-bell loss weights per timestep (with uniform draws): not ours"),
-    "content_or_style": implied(lambda v: v == "balanced", "ours draws timesteps the same way for every image"),
+    "content_or_style": custom(_bias),
     "noise_scheduler": implied(lambda v: v == "flowmatch", "ours trains flow matching"),
     "loss_type": custom(_loss),
     "reg_weight": our_key("prior_loss_weight", convert=as_number),
