@@ -3,7 +3,6 @@ prompt-completion trained as its SFTTrainer trains it (raw text, EOS, the loss o
 LLaMA-Factory's ShareGPT "system", "tools", function_call and observation turns rendered by the chat template."""
 
 import json
-import shutil
 
 import pytest
 
@@ -11,20 +10,7 @@ import train_lora
 from library.data import chat_records, text_corpus
 from library.errors import ConfigError
 from library.models.tiny_files import QWEN2_CHAT_TEMPLATE
-
-
-@pytest.fixture(scope="module")
-def chat_tokenizer():
-    from library.models.tiny_files import build_qwen_tokenizer
-
-    tok = build_qwen_tokenizer()
-    tok.chat_template = QWEN2_CHAT_TEMPLATE
-    return tok
-
-
-def write_jsonl(path, records) -> str:
-    path.write_text("".join((r if isinstance(r, str) else json.dumps(r)) + "\n" for r in records))
-    return str(path)
+from tests.test_llm_jsonl import chat_llm, chat_tokenizer, write_jsonl  # noqa: F401 (fixtures)
 
 
 def trained_text(tok, ids, trained) -> str:
@@ -63,16 +49,6 @@ def test_a_plain_text_prompt_completion_trains_as_trl_tokenizes_it(chat_tokenize
         assert trained_text(tok, ids, corpus.trained.tolist()) == " fromage<|im_end|>"
     document = write_jsonl(tmp_path / "t.jsonl", [{"text": PROMPT + COMPLETION}])
     assert text_corpus.tokenize_corpus([document], encode, encode, tok.eos_token_id).ids.tolist() == ids
-
-
-@pytest.fixture
-def chat_llm(tiny_set, tmp_path):
-    """The tiny LM's folder with Qwen2's ChatML template in its tokenizer_config.json."""
-    folder = tmp_path / "chat_llm"
-    shutil.copytree(tiny_set["llm"], folder)
-    config = json.loads((folder / "tokenizer_config.json").read_text())
-    (folder / "tokenizer_config.json").write_text(json.dumps({**config, "chat_template": QWEN2_CHAT_TEMPLATE}))
-    return str(folder)
 
 
 @pytest.mark.parametrize("all_tokens", ["false", "true"])

@@ -11,16 +11,8 @@ import pytest
 import toml
 
 from library.ui.files import OutsideRoots
-from library.ui.handlers import WebUI
+from tests.test_webui_handlers import ui  # noqa: F401 (the fixture: a WebUI on tmp_path/data)
 from tests.ui_support import event, labelled, run
-
-
-@pytest.fixture()
-def ui(tmp_path):
-    (tmp_path / "data").mkdir()
-    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
-    yield ui
-    ui.close()
 
 
 @pytest.fixture()

@@ -29,6 +29,7 @@ from library.training.peers.rules import (
     Rule,
     Translation,
     apply_rules,
+    carry_schedule,
     copy_prompts_without,
     flatten_tables,
     ignored,
@@ -39,7 +40,6 @@ from library.training.peers.rules import (
     same,
     sample_when,
     schedule_key,
-    schedule_lacks,
     unless_schedule_free,
     unsupported,
     warmup_steps,
@@ -384,12 +384,7 @@ SCHEDULER_KEYS = {
 
 
 def _lr_scheduler(t: Translation, key: str, value: Any, run: Run) -> None:
-    if value not in SCHEDULERS:
-        t.refuse(key, value, f"ours offers {', '.join(SCHEDULERS)}")
-    elif schedule_lacks(t, value, run.flat):
-        t.refuse(key, value, schedule_lacks(t, value, run.flat))
-    else:
-        t.set(key, value, key, value)
+    carry_schedule(t, key, value, run.flat, SCHEDULERS)
 
 
 def _scheduler_key(t: Translation, key: str, value: Any, run: Run) -> None:

@@ -282,6 +282,16 @@ def schedule_key(t: Translation, key: str, value: Any, given: dict[str, Any]) ->
         t.set(key, value, key, value)
 
 
+def carry_schedule(t: Translation, key: str, value: Any, given: dict[str, Any], schedules: tuple[str, ...]) -> None:
+    """A peer's lr_scheduler (its keys `given`): carried where ours offers it with what it needs, else refused why."""
+    if value not in schedules:
+        t.refuse(key, value, f"ours offers {', '.join(schedules)}")
+    elif schedule_lacks(t, value, given):
+        t.refuse(key, value, schedule_lacks(t, value, given))
+    else:
+        t.set(key, value, key, value)
+
+
 def schedule_lacks(t: Translation, schedule: str, given: dict[str, Any]) -> str:
     """Why ours does not run the peer's lr_scheduler with its keys (`given`), "" where it does: the key it needs
     (config_keys.SCHEDULE_NEEDS) is not given. The peers' transformers stops on cosine_with_min_lr without its

@@ -12,7 +12,7 @@ from library.training.config_keys import CYCLING_SCHEDULES
 from library.training.config_schema import SCHEMA
 from library.training.peers import sd_scripts_models as models
 from library.training.peers.rules import (
-    KEPT, RENAMED, Rule, Translation, custom, ignored, implied, is_off, is_true, same, schedule_key, schedule_lacks,
+    KEPT, RENAMED, Rule, Translation, carry_schedule, custom, ignored, implied, is_off, is_true, same, schedule_key,
     unless_off, unless_schedule_free, unsupported, warmup_steps,
 )
 from library.training.peers.sd_scripts_defaults import note, their
@@ -82,12 +82,7 @@ SCHEDULER_KEYS = {
 
 
 def _lr_scheduler(t: Translation, key: str, value: Any) -> None:
-    if value not in SCHEDULERS:
-        t.refuse(key, value, f"ours: {', '.join(SCHEDULERS)}")
-    elif schedule_lacks(t, value, t.given):
-        t.refuse(key, value, schedule_lacks(t, value, t.given))
-    else:
-        t.set(key, value, key, value)
+    carry_schedule(t, key, value, t.given, SCHEDULERS)
 
 
 def _scheduler_key(t: Translation, key: str, value: Any) -> None:
