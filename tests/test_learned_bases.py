@@ -106,3 +106,28 @@ def test_concept_demo_on_a_family_without_a_learned_base_is_one_line(tiny_set, t
                               "--lora", str(tmp_path / "lora.safetensors")]) == 2
     assert capsys.readouterr().err.strip() == (f"error: model_type 'zimage' has no learned tiny base: expected one of "
                                                f"{', '.join(learned_families())}")
+
+
+def test_the_edit_text_encoder_built_on_the_learned_base_reads_text_as_the_base_does(tmp_path):
+    """write_edit_text_encoder (Qwen-Image-Edit on the learned Qwen-Image base): the base's language model as a
+    Qwen2.5-VL folder the edit loader reads with its vision tower; the base tokenizer's ids unchanged, the vision
+    tokens on rows the embedding has, and on text (M-RoPE's three axes equal) the base encoder's states bit for bit."""
+    from PIL import Image
+    from transformers import AutoTokenizer
+
+    from library.models.llm import load_llm
+    from library.models.qwen_image.edit_encoder import load_qwen_image_edit_text_encoder
+    from library.models.qwen_image.learned import write_edit_text_encoder
+
+    base = learned_paths("qwen_image")["text_encoder"]
+    encoder = load_qwen_image_edit_text_encoder(write_edit_text_encoder(base, str(tmp_path)), "qwen-image-edit-2509")
+    text = "a red star at the top left on a black background"
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(base, "tokenizer"), local_files_only=True)
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert torch.equal(encoder.tokenizer(text, return_tensors="pt").input_ids, ids)
+    assert encoder.image_token_id < encoder.llm.config.vocab_size
+    valid, positions = torch.ones_like(ids, dtype=torch.bool), torch.arange(ids.shape[1])[None]
+    expected = load_llm(os.path.join(base, "text_encoder")).hidden_states(ids, valid, positions)
+    assert torch.equal(encoder.llm.hidden_states(ids, valid, positions[..., None].expand(-1, -1, 3)), expected)
+    embeds, mask = encoder.encode(["make the shape red"], [[Image.new("RGB", (56, 56), (128, 128, 128))]])
+    assert embeds.shape[-1] == expected.shape[-1] and bool(mask.all())

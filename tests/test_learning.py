@@ -115,9 +115,12 @@ def test_flipped_flow_target_does_not_teach_it(concept_set, each_base_rendered_o
 # FLUX.2 0/12 before (red 0, shape 2, position 6 of 12 by chance); after 300 steps 3/12, 600 steps 9/12, 1000 at
 # 2e-3 11/12 (red and position 12/12 from 300 steps on). FLUX.1 Kontext on the learned FLUX.1 base: 0/12 -> 9/12
 # at 600 steps, its samples' references at the trained 64 px (patched: its pipeline's are ~1 MP, 256x the tokens:
-# 0/12 after, which training now warns about). The references' tokens are placed as the pipelines place them
-# (FLUX.2 at t = 10, Kontext at first axis 1); a LoRA cannot learn this from a model that drops them.
-EDIT_STEPS, EDIT_HELD_OUT = 600, 12
+# 0/12 after, which training now warns about). Qwen-Image-Edit (2509, its config's flags) on the learned Qwen-Image
+# base (2026-12-01; edit_base: its VL encoder built from the base's): 0/12 -> 11/12 at 600 steps (seeds 1, 2, 3:
+# 7, 8, 9; 300 steps 6/12, 400 7/12; red and position 12/12 after). The references' tokens are placed as the
+# pipelines place them (FLUX.2 at t = 10, Kontext at first axis 1, Qwen-Image-Edit as frame 1 of img_shapes); a
+# LoRA cannot learn this from a model that drops them (Qwen-Image-Edit: 0/12).
+EDIT_STEPS, EDIT_HELD_OUT, EDIT_CAPTION = 600, 12, "make the shape red"
 
 
 def held_out_edit_set(out) -> tuple[dict, list]:
@@ -140,13 +143,14 @@ def held_out_edit_set(out) -> tuple[dict, list]:
     return paths, held
 
 
-def edits_right(family, model, vae, text: dict, held: list) -> int:
-    """How many held-out references render red in the reference's shape at its position (`text`: the prompt's)."""
+def edits_right(family, model, vae, texts: list[dict], held: list) -> int:
+    """How many held-out references render red in the reference's shape at its position (texts[i]: the prompt's
+    for reference i)."""
     from library.data.shape_detector import detect
     from tools.learned_base import to_images
 
     right = 0
-    for i, (reference, scene) in enumerate(held):
+    for i, ((reference, scene), text) in enumerate(zip(held, texts)):
         width, height, images = family.sample_references([reference], 64, 64)
         latents = family.sample_latents(model, text, width, height, 8, 100 + i, 1.0,
                                         control=[vae.encode(image) for image in images])
@@ -154,27 +158,64 @@ def edits_right(family, model, vae, text: dict, held: list) -> int:
     return right
 
 
-@pytest.mark.parametrize("model_type, base", [("flux2", "flux2"), ("flux_kontext", "flux")])
-def test_an_edit_lora_learns_to_draw_what_its_reference_shows(tmp_path, monkeypatch, model_type, base):
-    from library.models.family import get_family
+def edit_base(model_type: str, base: str, out, monkeypatch) -> dict:
+    """The learned base's files for the edit model, its samples' references at the trained 64 px (the pipelines'
+    are ~1 MP: 256x the tokens, which training warns about). Qwen-Image-Edit's text encoder is a Qwen2.5-VL:
+    the base's language model (and tokenizer) with a seeded random vision tower (write_edit_text_encoder); it sees
+    each reference at 64 px too (4 vision tokens; 2509's ~384x384 gives 64 here, capped by the tiny processor's
+    max_pixels: the same learning, a 20% longer step), and the edit template's system prefix is dropped as the
+    pipelines drop it (the 64 tokens it is with the released tokenizer, 169 with the base's)."""
+    from transformers import AutoTokenizer
+
     from library.models.flux1 import kontext
-    from library.training.config import load_config
-    from networks.factory import network_from_file
+    from library.models.qwen_image import edit, edit_encoder
+    from library.models.qwen_image.learned import write_edit_text_encoder
+
+    paths = learned_paths(base)
+    monkeypatch.setattr(kontext, "PREFERRED_RESOLUTIONS", [(64, 64)])
+    monkeypatch.setattr(edit, "VAE_IMAGE_AREA", 64 * 64)
+    monkeypatch.setattr(edit, "CONDITION_IMAGE_AREA", 64 * 64)
+    if model_type == "qwen_image_edit":
+        paths["text_encoder"] = write_edit_text_encoder(paths["text_encoder"], str(out / "vl"))
+        tokenizer = AutoTokenizer.from_pretrained(os.path.join(paths["text_encoder"], "processor"))
+        system = edit_encoder.EDIT_PLUS_PROMPT_TEMPLATE.split("{}")[0]
+        monkeypatch.setattr(edit_encoder, "EDIT_DROP_TOKENS", len(tokenizer(system).input_ids))
+    return paths
+
+
+def edit_texts(family, base: str, held: list) -> list[dict]:
+    """The caption's text per held-out reference: an edit model's own where its encoder sees the reference, else
+    its base's (an edit model's text is its base's), the same for each."""
+    from library.data.controls import encode_prompts as encode_with_references
+    from library.models.family import stack_text
     from tools.learned_base import encode_prompts, learned_family
 
-    monkeypatch.setattr(kontext, "PREFERRED_RESOLUTIONS", [(64, 64)])  # Kontext's samples: the references trained
+    if not family.text_sees_controls:
+        return [encode_prompts(learned_family(base), [EDIT_CAPTION])] * len(held)
+    encode = family.load_text_encoder("fp32")
+    return [{k: v.float() for k, v in stack_text(encode_with_references(encode, [EDIT_CAPTION], [[reference]],
+                                                                         True)).items()} for reference, _ in held]
+
+
+@pytest.mark.parametrize("model_type, base", [("flux2", "flux2"), ("flux_kontext", "flux"),
+                                              ("qwen_image_edit", "qwen_image")])
+def test_an_edit_lora_learns_to_draw_what_its_reference_shows(tmp_path, monkeypatch, model_type, base):
+    from library.models.family import get_family
+    from library.training.config import load_config
+    from networks.factory import network_from_file
+
     paths, held = held_out_edit_set(tmp_path)
     config = ["--config_file", os.path.join(ROOT, "configs", learned_spec(base).config), "--model_type", model_type,
-              *(f"--{k}={v}" for k, v in learned_paths(base).items()), "--dataset_config", paths["edit_dataset_config"],
-              "--output_dir", str(tmp_path / "out"), "--output_name", "edit", "--fp8_base", "false", "--optimizer_type",
-              "AdamW", "--optimizer_args", "--learning_rate", "3e-3", "--network_dim", "16", "--network_alpha", "16",
-              "--max_train_steps", str(EDIT_STEPS), "--sample_prompts", "", "--sample_at_first", "false",
-              "--save_every_n_steps", "0"]
+              *(f"--{k}={v}" for k, v in edit_base(model_type, base, tmp_path, monkeypatch).items()),
+              "--dataset_config", paths["edit_dataset_config"], "--output_dir", str(tmp_path / "out"), "--output_name",
+              "edit", "--fp8_base", "false", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "3e-3",
+              "--network_dim", "16", "--network_alpha", "16", "--max_train_steps", str(EDIT_STEPS), "--sample_prompts",
+              "", "--sample_at_first", "false", "--save_every_n_steps", "0"]
     assert train_lora.main(config) == 0
     family = get_family(load_config(config))
-    text = encode_prompts(learned_family(base), ["make the shape red"])  # an edit model's text is its base's
+    texts = edit_texts(family, base, held)
     model, vae = family.load_transformer(torch.float32).requires_grad_(False).eval(), family.load_vae(torch.float32)
-    before = edits_right(family, model, vae, text, held)
+    before = edits_right(family, model, vae, texts, held)
     network_from_file(model, family.arch, str(tmp_path / "out" / "edit.safetensors")).apply()
-    after = edits_right(family, model, vae, text, held)
+    after = edits_right(family, model, vae, texts, held)
     assert before <= 1 and after >= EDIT_HELD_OUT // 2, (before, after)

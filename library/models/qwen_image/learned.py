@@ -3,10 +3,12 @@ trains it, learned/qwen_image/ ships it): a Qwen-Image transformer (4 MMDiT bloc
 of 32, RoPE axes (8, 12, 12)) as a diffusers folder in bf16; a VAE of the released
 AutoencoderKLQwenImage architecture with small channels (base_dim 8: 8/16/32/32, 16 latent channels)
 (one residual block per level) as a diffusers folder in float32; make_tiny_models' frozen tiny Qwen2-style text encoder (seed 0) with
-its tokenizer."""
+its tokenizer. write_edit_text_encoder makes that encoder the Qwen2.5-VL folder Qwen-Image-Edit reads, for an
+edit LoRA on this base (tests/test_learning.py)."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
 
@@ -177,3 +179,40 @@ LEARNED = S.LearnedBase(
     vae_steps=3500,
     compile_vae=True,
 )
+
+
+def write_edit_text_encoder(text_encoder: str, out: str, seed: int = 0) -> str:
+    """The learned base's text encoder (`text_encoder`: its text_encoder/ + tokenizer/) as the Qwen2.5-VL
+    folder Qwen-Image-Edit loads, in `out` (returned: text_encoder/ + processor/, its text_encoder path):
+    the language model's tensors as they are, under M-RoPE, which on text alone is its plain RoPE; make_tiny_models'
+    tiny vision tower (random, from `seed`) and image processor; the tokenizer with the vision tokens after its
+    vocabulary (rows its embedding has: the vocabulary is rounded up). The learned base has no vision tower of
+    its own, and the edit encoder reads the prompt with the references through one."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+
+    from library.data.vlm_inputs import VISION_TOKENS
+    from library.models.qwen_image.tiny import TINY_IMAGE_PROCESSOR, TINY_VISION
+    from library.models.tiny_files import save_vl_processor, seed_component, vision_token_ids
+
+    lm_folder = os.path.join(text_encoder, "text_encoder")
+    tokenizer = AutoTokenizer.from_pretrained(os.path.join(text_encoder, "tokenizer"), local_files_only=True)
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    with open(os.path.join(lm_folder, "config.json")) as f:
+        lm = json.load(f)
+    if len(tokenizer) > lm["vocab_size"]:
+        raise ValueError(f"{lm_folder}: {len(tokenizer)} tokens with the vision ones, {lm['vocab_size']} embeddings")
+    half = lm["hidden_size"] // lm["num_attention_heads"] // 2  # RoPE frequencies per head
+    sections = [half - 2 * (3 * half // 8), 3 * half // 8, 3 * half // 8]  # (t, h, w): Qwen2.5-VL's (16, 24, 24) of 64
+    text = {**{k: v for k, v in lm.items() if k not in ("architectures", "model_type", "rope_theta")},
+            "rope_parameters": {"rope_type": "mrope", "mrope_section": sections, "rope_theta": lm["rope_theta"]}}
+    seed_component(seed, 12)  # the tiny set's Qwen-Image-Edit encoder's offset
+    config = Qwen2_5_VLConfig(text_config=text, vision_config={**TINY_VISION, "out_hidden_size": lm["hidden_size"]},
+                              tie_word_embeddings=False, **vision_token_ids(tokenizer))
+    model = Qwen2_5_VLForConditionalGeneration(config)
+    learned = load_file(os.path.join(lm_folder, "model.safetensors"))
+    model.lm_head.load_state_dict({"weight": learned.pop("lm_head.weight")})
+    model.model.language_model.load_state_dict({k.removeprefix("model."): v for k, v in learned.items()})
+    model.save_pretrained(os.path.join(out, "text_encoder"), safe_serialization=True)
+    save_vl_processor(os.path.join(out, "processor"), TINY_IMAGE_PROCESSOR, "Qwen2_5_VLProcessor", tokenizer)
+    return out
