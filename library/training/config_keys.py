@@ -44,8 +44,15 @@ def validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> N
                               f"{args.model_type}{extra}")
 
 
-# The schedules that read lr_scheduler_num_cycles (sd-scripts' get_scheduler_fix; transformers' two count half-waves).
-CYCLING_SCHEDULES = ("cosine_with_restarts", "cosine_with_min_lr", "warmup_stable_decay")
+# Each schedule key -> the lr_scheduler values that read it: ours, and sd-scripts' get_scheduler_fix's (musubi-tuner's
+# copy adds its rex); transformers' two read lr_scheduler_num_cycles as half-waves.
+SCHEDULE_KEY_READERS = {
+    "lr_scheduler_num_cycles": ("cosine_with_restarts", "cosine_with_min_lr", "warmup_stable_decay"),
+    "lr_scheduler_power": ("polynomial",),
+    "lr_scheduler_min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay"),
+    "lr_decay_steps": ("warmup_stable_decay",),
+    "lr_scheduler_timescale": ("inverse_sqrt",),
+}
 # A schedule -> the key it cannot run without, and why (sd-scripts: transformers stops on the first without it
 # at the scheduler's build, after caching; the second's default 0 never decays, a constant_with_warmup).
 SCHEDULE_NEEDS = {
@@ -60,14 +67,15 @@ SCHEDULE_NEEDS = {
 # sd-scripts does; the DataLoader keeps no workers alive without workers, the EMA
 # lives nowhere without ema_decay, log_prefix names only a tracker's run, and a run without
 # intermediate saves has none to prune (its one Ctrl-C save is the newest).
+def _read_by_schedules(readers: tuple[str, ...]) -> tuple:
+    """IDLE_UNLESS' entry of a schedule key read by these lr_scheduler values: 'lr_scheduler = "a", "b" or "c"'."""
+    said = [f'"{name}"' for name in readers]
+    return "lr_scheduler", lambda v: v in readers, "lr_scheduler = " + " or ".join(
+        [", ".join(said[:-1]), said[-1]] if len(said) > 1 else said)
+
+
 IDLE_UNLESS = {
-    "lr_scheduler_num_cycles": ("lr_scheduler", lambda v: v in CYCLING_SCHEDULES,
-                                'lr_scheduler = "cosine_with_restarts", "cosine_with_min_lr" or "warmup_stable_decay"'),
-    "lr_scheduler_power": ("lr_scheduler", lambda v: v == "polynomial", 'lr_scheduler = "polynomial"'),
-    "lr_scheduler_min_lr_ratio": ("lr_scheduler", lambda v: v in ("cosine_with_min_lr", "warmup_stable_decay"),
-                                  'lr_scheduler = "cosine_with_min_lr" or "warmup_stable_decay"'),
-    "lr_decay_steps": ("lr_scheduler", lambda v: v == "warmup_stable_decay", 'lr_scheduler = "warmup_stable_decay"'),
-    "lr_scheduler_timescale": ("lr_scheduler", lambda v: v == "inverse_sqrt", 'lr_scheduler = "inverse_sqrt"'),
+    **{key: _read_by_schedules(readers) for key, readers in SCHEDULE_KEY_READERS.items()},
     "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
     "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
     "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),

@@ -18,7 +18,7 @@ from functools import partial
 from typing import Any
 
 from library.models.registry import arch_specs, spec_of
-from library.training.config_keys import CYCLING_SCHEDULES
+from library.training.config_keys import SCHEDULE_KEY_READERS
 from library.training.config_schema import SCHEMA
 from library.training.peers import musubi_models as models
 from library.training.peers.musubi_dataset import translate_dataset
@@ -376,11 +376,8 @@ def _cfg_as_ours(flags: list[str], cfg) -> list[str]:
 SCHEDULERS = SCHEMA["lr_scheduler"].choices  # ours: diffusers' six, and transformers' three as musubi-tuner calls them
 # musubi-tuner's scheduler keys -> the schedulers that read them (its get_scheduler: sd-scripts' get_scheduler_fix,
 # and its rex, which ours lacks, reads the min lr ratio).
-SCHEDULER_KEYS = {
-    "lr_scheduler_num_cycles": CYCLING_SCHEDULES, "lr_scheduler_power": ("polynomial",),
-    "lr_decay_steps": ("warmup_stable_decay",), "lr_scheduler_timescale": ("inverse_sqrt",),
-    "lr_scheduler_min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay", "rex"),
-}
+SCHEDULER_KEYS = {**SCHEDULE_KEY_READERS,
+                  "lr_scheduler_min_lr_ratio": (*SCHEDULE_KEY_READERS["lr_scheduler_min_lr_ratio"], "rex")}
 
 
 def _lr_scheduler(t: Translation, key: str, value: Any, run: Run) -> None:
@@ -388,13 +385,7 @@ def _lr_scheduler(t: Translation, key: str, value: Any, run: Run) -> None:
 
 
 def _scheduler_key(t: Translation, key: str, value: Any, run: Run) -> None:
-    schedule, readers = run.flat.get("lr_scheduler", "constant"), SCHEDULER_KEYS[key]
-    if schedule not in readers:
-        t.drop(key, value, f"read by lr_scheduler {' / '.join(readers)} only")
-    elif schedule not in SCHEDULERS:
-        t.refuse(key, value, f"goes with lr_scheduler {schedule!r}, not carried")
-    else:
-        schedule_key(t, key, value, run.flat)
+    schedule_key(t, key, value, run.flat, run.flat.get("lr_scheduler", "constant"), SCHEDULER_KEYS[key])
 
 
 def _dataset_config(t: Translation, key: str, value: Any, run: Run) -> None:

@@ -270,11 +270,19 @@ SCHEDULE_KEYS_OFF = {
 }
 
 
-def schedule_key(t: Translation, key: str, value: Any, given: dict[str, Any]) -> None:
-    """A scheduler key where sd-scripts' or musubi-tuner's lr_scheduler reads it (get_scheduler_fix; `given`: the
-    peer's keys): lr_decay_steps read as lr_warmup_steps is (int_or_float), a key of SCHEDULE_KEYS_OFF not given
-    dropped (a min lr ratio of 0 is a ratio), the rest as it is."""
-    if key in SCHEDULE_KEYS_OFF and is_off(value) and not (key == "lr_scheduler_min_lr_ratio" and value == 0):
+def schedule_key(t: Translation, key: str, value: Any, given: dict[str, Any], schedule: str,
+                 readers: tuple[str, ...]) -> None:
+    """A scheduler key of sd-scripts or musubi-tuner (`given`: the peer's keys; `schedule`: its lr_scheduler, whose
+    values `readers` read the key there): dropped where its schedule does not read it, refused where ours does not
+    offer that schedule; else lr_decay_steps read as lr_warmup_steps is (int_or_float), a key of SCHEDULE_KEYS_OFF
+    not given dropped (a min lr ratio of 0 is a ratio), the rest as it is."""
+    from library.training.config_keys import SCHEDULE_KEY_READERS  # (here: it loads the families' registry)
+
+    if schedule not in readers:
+        t.drop(key, value, f"read only by lr_scheduler {' / '.join(readers)}")
+    elif schedule not in SCHEDULE_KEY_READERS[key]:
+        t.refuse(key, value, f"goes with lr_scheduler {schedule!r}, not carried")
+    elif key in SCHEDULE_KEYS_OFF and is_off(value) and not (key == "lr_scheduler_min_lr_ratio" and value == 0):
         t.drop(key, value, SCHEDULE_KEYS_OFF[key])
     elif key == "lr_decay_steps":
         warmup_steps(t, key, value, given)

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from library.models.registry import SAMPLING_METHODS
-from library.training.config_keys import CYCLING_SCHEDULES
+from library.training.config_keys import SCHEDULE_KEY_READERS
 from library.training.config_schema import SCHEMA
 from library.training.peers import sd_scripts_models as models
 from library.training.peers.rules import (
@@ -73,12 +73,7 @@ def _optimizer_switch(t: Translation, key: str, value: Any) -> None:
 
 
 SCHEDULERS = SCHEMA["lr_scheduler"].choices  # ours: diffusers' six, and transformers' three as sd-scripts calls them
-# sd-scripts' scheduler keys -> the schedulers that read them (train_util.get_scheduler_fix).
-SCHEDULER_KEYS = {
-    "lr_scheduler_num_cycles": CYCLING_SCHEDULES, "lr_scheduler_power": ("polynomial",),
-    "lr_decay_steps": ("warmup_stable_decay",), "lr_scheduler_timescale": ("inverse_sqrt",),
-    "lr_scheduler_min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay"),
-}
+SCHEDULER_KEYS = SCHEDULE_KEY_READERS  # sd-scripts' scheduler keys: train_util.get_scheduler_fix reads them as ours
 
 
 def _lr_scheduler(t: Translation, key: str, value: Any) -> None:
@@ -86,11 +81,7 @@ def _lr_scheduler(t: Translation, key: str, value: Any) -> None:
 
 
 def _scheduler_key(t: Translation, key: str, value: Any) -> None:
-    readers = SCHEDULER_KEYS[key]
-    if their(t, "lr_scheduler") not in readers:
-        t.drop(key, value, f"read only by lr_scheduler {' / '.join(readers)}")
-    else:
-        schedule_key(t, key, value, t.given)
+    schedule_key(t, key, value, t.given, their(t, "lr_scheduler"), SCHEDULER_KEYS[key])
 
 
 # ----------------------------------------------------------------------------------------------
