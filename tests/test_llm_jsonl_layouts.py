@@ -122,6 +122,19 @@ def test_a_parallel_function_call_and_an_empty_system_and_tools_read_as_llama_fa
     assert [c["function"]["arguments"]["city"] for c in read["messages"][1]["tool_calls"]] == ["Paris", "Rome"]
 
 
+def test_a_top_level_system_beside_messages_is_their_first_message(chat_tokenizer, tmp_path):
+    """LLaMA-Factory's OpenAI-style layout ("messages" with a top-level "system" column) trains as the "messages"
+    record whose first message is that system prompt; "system" was ignored there, the prompt lost unsaid."""
+    tok = chat_tokenizer
+    streams = []
+    for name, record in (("lf", {"system": "Be brief.", "messages": MESSAGES[1:], "tools": TOOLS}),
+                         ("messages", {"messages": MESSAGES, "tools": TOOLS})):
+        files, counts = text_corpus.check_corpus([write_jsonl(tmp_path / f"{name}.jsonl", [record])], None, False)
+        corpus = conversations(files, tok, False)
+        streams.append((corpus.ids.tolist(), corpus.trained.tolist()))
+    assert streams[0] == streams[1] and "Be brief." in tok.decode(streams[0][0])
+
+
 TURNS = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
 
 
@@ -129,6 +142,9 @@ TURNS = [{"from": "human", "value": "q"}, {"from": "gpt", "value": "a"}]
     ({"system": "Be brief.", "conversations": [{"from": "system", "value": "Be kind."}, *TURNS]},
      "a top-level \"system\" and a system turn, conversations[0]; expected one of them"),
     ({"system": ["Be brief."], "conversations": TURNS}, "\"system\" is an array; expected a string (the system prompt)"),
+    ({"system": "Be brief.", "messages": [{"role": "user", "content": "q"}, {"role": "system", "content": "Be kind."},
+                                          {"role": "assistant", "content": "a"}]},
+     "a top-level \"system\" and a system turn, messages[1]; expected one of them"),
     ({"tools": "get_weather(city)", "conversations": TURNS},
      "\"tools\" is a string that is not JSON (Expecting value: line 1 column 1 (char 0)); expected a list of tool "
      "objects or its JSON text"),

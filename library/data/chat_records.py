@@ -83,7 +83,8 @@ def record_as_messages(record) -> dict:
       "tools" only where the record gives some, record_tools).
     The first layout the record holds is read (one of LAYOUTS: a record of two is refused as ambiguous); its other
     keys are ignored (UltraChat's "prompt" beside its "messages"), but for a conversation's "tools":
-    - "messages": as they are, a content given as OpenAI's parts joined into its text (chat_messages);
+    - "messages": as they are, a content given as OpenAI's parts joined into its text (chat_messages), a
+      top-level "system" beside them (LLaMA-Factory's OpenAI-style layout) first (with_system);
     - ShareGPT's "conversations": {"from": human / gpt / ..., "value"} turns as role / content, LLaMA-Factory's
       top-level "system" and tool turns too (sharegpt_messages);
     - TRL's "prompt" and "completion": two strings are raw text, as TRL's SFTTrainer trains them; two lists of
@@ -100,7 +101,8 @@ def record_as_messages(record) -> dict:
             raise RecordProblem(f"\"text\" is {json_kind(text)}; expected a string")
         return {"text": text}
     if "messages" in record:
-        return conversation(chat_messages(record["messages"], "messages"), "messages", record)
+        messages = chat_messages(record["messages"], "messages")
+        return conversation(with_system(messages, record.get("system"), "messages"), "messages", record)
     if "conversations" in record:
         return conversation(sharegpt_messages(record["conversations"], record.get("system")), "conversations", record)
     if "prompt" in record and "completion" in record:
@@ -210,8 +212,6 @@ def sharegpt_messages(turns, system=None) -> list:
     if not isinstance(turns, list) or not turns:
         raise RecordProblem("\"conversations\" must be a list of at least one {\"from\": ..., \"value\": \"...\"} "
                             "object")
-    if system is not None and not isinstance(system, str):
-        raise RecordProblem(f"\"system\" is {json_kind(system)}; expected a string (the system prompt)")
     messages = []
     for i, turn in enumerate(turns):
         if not isinstance(turn, dict):
@@ -223,15 +223,25 @@ def sharegpt_messages(turns, system=None) -> list:
         if not isinstance(turn.get("value"), str):
             raise RecordProblem(f"conversations[{i}] ({speaker}) value is {json_kind(turn.get('value'))}; "
                                 f"expected a string")
-        if speaker == "system" and system:
-            raise RecordProblem(f"a top-level \"system\" and a system turn, conversations[{i}]; expected one of them")
         if speaker == "function_call":
             messages.append({"role": "assistant", "content": None, "tool_calls": sharegpt_calls(turn["value"], i)})
         else:
             messages.append({"role": SHAREGPT_ROLES[speaker], "content": turn["value"]})
-    # checked before the system message goes first: chat_messages names conversations[i] as the record counts them
-    head = [{"role": "system", "content": system}] if system else []
-    return head + chat_messages(messages, "conversations")
+    return with_system(chat_messages(messages, "conversations"), system, "conversations")
+
+
+def with_system(messages: list, system, name: str) -> list:
+    """A record's top-level "system" (LLaMA-Factory's; None or "": none) as a first system message of its checked
+    `messages` (read from the record's `name`, whose indices errors keep). Beside a system message it is refused:
+    LLaMA-Factory lets the message win, unsaid. Raises RecordProblem."""
+    if system is not None and not isinstance(system, str):
+        raise RecordProblem(f"\"system\" is {json_kind(system)}; expected a string (the system prompt)")
+    if not system:
+        return messages
+    turn = next((i for i, m in enumerate(messages) if m["role"] == "system"), None)
+    if turn is not None:
+        raise RecordProblem(f"a top-level \"system\" and a system turn, {name}[{turn}]; expected one of them")
+    return [{"role": "system", "content": system}, *messages]
 
 
 def sharegpt_calls(value: str, i: int) -> list:
