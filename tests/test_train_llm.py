@@ -13,7 +13,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 import train_lora
-from tools import generate
+from tools import convert_lora, generate
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -717,5 +717,13 @@ def test_a_peft_adapter_of_a_vision_language_base_applies_in_peft_and_reads_back
         ours = model(ids)
     moved = float((peft_logits - plain).abs().max())
     assert moved > 1e-3 and float((ours - peft_logits).abs().max()) < 1e-4 * max(1.0, moved), moved
+    # a kohya file of it converted to PEFT for this base names its modules there too (convert_lora named them
+    # model.layers.N: PeftModel found none, logits unmoved)
+    LoRANetwork.from_weights(load_llm(str(base)), "llm", str(out / "vl")).save(str(tmp_path / "k.safetensors"))
+    assert convert_lora.main([str(tmp_path / "k.safetensors"), str(tmp_path / "p"), "--to", "peft", "--model",
+                              str(base)]) == 0
+    with torch.no_grad():
+        converted = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(str(base)), str(tmp_path / "p"))
+        assert float((converted.eval()(input_ids=ids).logits - peft_logits).abs().max()) < 1e-5 * max(1.0, moved)
 
 

@@ -38,7 +38,9 @@ for modules that differ, so kohya -> PEFT -> kohya gives back the same tensors b
 is the dropout the LoRA trained with (a PEFT source's own, sd-scripts' ss_network_dropout, or the `dropout` of
 ss_network_args, where our trainer's network_dropout goes), and its base_model_name_or_path --model's, as
 training writes it (a local base: its folder, absolute; a hub id as given); without --model a PEFT source's
-own, else the header's ss_sd_model_name (a local base's folder name only).
+own, else the header's ss_sd_model_name (a local base's folder name only). A local vision-language --model
+(Qwen2.5-VL, Qwen3-VL, Mistral 3: config.json with vision_config) has its modules named at model.language_model,
+as training names them for it.
 
 DoRA: the magnitude travels along (`dora_scale` [out, 1] in kohya and ComfyUI files, which is what
 ComfyUI reads, `lora_magnitude_vector` [out] in diffusers/PEFT files); it is per output row, so fused modules split and join exactly
@@ -92,7 +94,7 @@ if __name__ == "__main__":
     check_command_line(build_parser)
 
 from library.io import CheckpointError  # noqa: E402
-from library.models.llm_lora_files import peft_base_path  # noqa: E402
+from library.models.llm_lora_files import NESTED, nested_path, nests_language_model, peft_base_path  # noqa: E402
 from library.models.family import lora_arch  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 from library.models.spec import load_symbol  # noqa: E402
@@ -282,7 +284,7 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
         tensors = kohya_state_dict(weights, dtype, prefix)
         write_lora_tensors({**tensors, **kept_te}, dst, header)  # sd-scripts' text-encoder modules as they were
     elif to == "peft":
-        write_peft_folder(weights, dst, dtype=dtype, metadata=header,
+        write_peft_folder(names_in_base(weights, base_model), dst, dtype=dtype, metadata=header,
                           base_model=base_model or source_base(src, metadata, adapter_config),
                           lora_dropout=trained_dropout(src, metadata, adapter_config))
     else:  # alpha / rank folded into lora_B; comfy: DoRA's magnitude named and shaped as ComfyUI reads it
@@ -315,6 +317,20 @@ def given_base(model: str | None, to: str) -> str | None:
     if not HUB_ID.fullmatch(model):
         raise ValueError(f"--model {model}: no such file or folder (nor a hub id, 'org/name')")
     return model
+
+
+def names_in_base(weights: dict, base_model: str | None) -> dict:
+    """Our module paths as --model's class names them, as training saves them: a local vision-language base's
+    language model sits at model.language_model (llm_lora_files.nested_path; PeftModel found none of our
+    model.layers.N there and the adapter did nothing). A hub id's config is not read: the names stay."""
+    folder = base_model if base_model and os.path.isdir(base_model) else None
+    if folder is None:
+        return weights
+    with open(os.path.join(folder, "config.json")) as f:  # given_base checked it is there
+        config = json.load(f)
+    if not nests_language_model(config):
+        return weights
+    return {p if p.startswith(NESTED) else nested_path(p): w for p, w in weights.items()}
 
 
 def source_base(src: str, metadata: dict, adapter_config: dict | None) -> str | None:
