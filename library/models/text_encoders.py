@@ -168,6 +168,38 @@ def _load_tokenizer(weights_path: str, tokenizer: str | None, sibling: str, kind
     return AutoTokenizer.from_pretrained(tokenizer_folder(weights_path, tokenizer, sibling, kind), local_files_only=True)
 
 
+def _qwen3_vl_4b_single_file(path: str):
+    """Qwen3-VL-4B's language model, checked by the embedding width of a file without config.json."""
+    from library.models.llm import QWEN3_VL_4B
+
+    reader = CheckpointReader(path)
+    key = next((k for k in reader.keys() if k.endswith("embed_tokens.weight")), None)
+    width = reader.shape(key)[-1] if key else None
+    if width != QWEN3_VL_4B.hidden_size:
+        raise CheckpointError(f"{path}: embedding width {width} is not Qwen3-VL-4B's ({QWEN3_VL_4B.hidden_size}); "
+                              f"put its config.json beside it")
+    return QWEN3_VL_4B
+
+
+def load_qwen3_vl_language_model(path: str, deepest: int, dtype: torch.dtype = torch.float32, prepare=None):
+    """Qwen3-VL's language model on the LLM core (library/models/llm.py) for a prompt encoder that reads hidden
+    states 0..`deepest`, from a pipeline folder (text_encoder/: a Qwen3VLModel or a
+    Qwen3VLForConditionalGeneration), a Qwen3-VL HF folder or a single file (without config.json beside it:
+    Qwen3-VL-4B, told by its embedding width; ComfyUI's qwen3vl_4b_bf16.safetensors). Vision keys and the lm_head
+    are never read, nor the layers after `deepest` (all are kept when it is the last: its state is after the
+    final norm). dtype: the weights' and the compute dtype; prepare: load_llm's hook (the caller's
+    fp8_prepare(fp8, "llm") for decoder Linears stored in fp8)."""
+    from library.models.llm import _find_config, load_llm
+
+    path = component_folder(path, "text_encoder")
+    config = None
+    if os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
+        config = _qwen3_vl_4b_single_file(path)
+    config = config or _find_config(path)
+    keep = deepest if deepest < config.num_layers else config.num_layers
+    return load_llm(path, config=config, dtype=dtype, prepare=prepare, keep_layers=keep)
+
+
 def _clip_key(key: str) -> str | None:
     """clip_l.safetensors / HF `text_model.*` keys -> CLIPTextModel keys (transformers 5 has no
     `text_model.` level); the projection, logit scale and position_ids buffer are not part of it."""

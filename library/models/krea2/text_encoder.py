@@ -31,7 +31,7 @@ import os
 
 import torch
 
-from library.io import CheckpointError, CheckpointReader, component_folder
+from library.io import component_folder
 
 # Copied verbatim from diffusers' Krea2Pipeline (prompt_template_encode_prefix / _suffix / _start_idx /
 # _num_suffix_tokens): Qwen-Image's template, split around the padding.
@@ -104,19 +104,6 @@ class Krea2TextEncoder:
         return stacked * mask[..., None, None], mask
 
 
-def _single_file_config(path: str):
-    """Qwen3-VL-4B's language model, checked by the embedding width of a file without config.json."""
-    from library.models.llm import QWEN3_VL_4B
-
-    reader = CheckpointReader(path)
-    key = next((k for k in reader.keys() if k.endswith("embed_tokens.weight")), None)
-    width = reader.shape(key)[-1] if key else None
-    if width != QWEN3_VL_4B.hidden_size:
-        raise CheckpointError(f"{path}: embedding width {width} is not Qwen3-VL-4B's ({QWEN3_VL_4B.hidden_size}); "
-                              f"put its config.json beside it")
-    return QWEN3_VL_4B
-
-
 def load_krea2_text_encoder(
     path: str,
     tokenizer: str | None = None,
@@ -130,15 +117,9 @@ def load_krea2_text_encoder(
     are skipped), with the tokenizer beside it. taps: text_encoder_select_layers (default: the pipeline
     folder's model_index.json, else the released ones). fp8: the decoder Linears stored in fp8."""
     from library.models.family import fp8_prepare
-    from library.models.llm import _find_config, load_llm
-    from library.models.text_encoders import _load_tokenizer
+    from library.models.text_encoders import _load_tokenizer, load_qwen3_vl_language_model
 
     taps = taps or pipeline_taps(path) or KREA2_TAPS
-    path = component_folder(path, "text_encoder")
-    config = None
-    if os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
-        config = _single_file_config(path)
-    config = config or _find_config(path)
-    keep = max(taps) if max(taps) < config.num_layers else config.num_layers  # the final norm needs them all
-    llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"), keep_layers=keep)
-    return Krea2TextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer", "Qwen2"), taps, max_length)
+    llm = load_qwen3_vl_language_model(path, max(taps), dtype, fp8_prepare(fp8, "llm"))
+    tokenizer = _load_tokenizer(component_folder(path, "text_encoder"), tokenizer, "tokenizer", "Qwen2")
+    return Krea2TextEncoder(llm, tokenizer, taps, max_length)
