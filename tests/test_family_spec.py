@@ -56,6 +56,7 @@ def _releases() -> dict[str, dict[str, str]]:
         "flux": {"flux1-dev": "flux-1-dev/lora", "flux1-schnell": "flux-1-schnell/lora"},  # sd-scripts
         "flux_kontext": {"flux1-kontext-dev": "Flux.1-dev/lora"},  # musubi-tuner (its Kontext)
         "chroma": {"chroma": "chroma/lora"},  # sd-scripts
+        "flux3": {"flux3": "Flux.3/lora", "flux3-distilled": "Flux.3/lora"},  # ours (no peer trains FLUX.3 yet)
         "flux2": {"flux2-dev": "Flux.2-dev/lora", "flux2-klein-4b": "Flux.2-klein-4b/lora",  # musubi-tuner
                   "flux2-klein-9b": "Flux.2-klein-9b/lora", "flux2-klein": "Flux.2-klein/lora"},  # (ours: other widths)
         "qwen_image": {"qwen-image": "Qwen-Image/lora"},  # musubi-tuner, as the rest of the line but 2.1

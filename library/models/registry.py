@@ -21,6 +21,9 @@ FAMILIES = {
     "flux": "library.models.flux1.family:FluxFamily",
     "qwen_image": "library.models.qwen_image.family:QwenImageFamily",
     "flux_kontext": "library.models.flux1.kontext:FluxKontextFamily",
+    # flux3 before flux2: LoRAs in FLUX.1's names are asked of their variants in this order, and FLUX.3's diffusers
+    # names hold FLUX.2's markers (ff.linear_in, *_stream_modulation*): FLUX.3's own checks decide first
+    "flux3": "library.models.flux3.family:Flux3Family",
     "flux2": "library.models.flux2.family:Flux2Family",
     "qwen_image_edit": "library.models.qwen_image.edit_family:QwenImageEditFamily",
     "qwen_image_layered": "library.models.qwen_image.layered:QwenImageLayeredFamily",
