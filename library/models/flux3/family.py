@@ -73,9 +73,6 @@ class Flux3Family(DiffusionFamily):
                                                            f"samples without CFG")
         return {}
 
-    def reads_training_guidance(self) -> bool:
-        return False  # no guidance embedding
-
     # -- loading -------------------------------------------------------------------------------
     def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
         from library.models.flux3.checkpoint import load_flux3
