@@ -19,11 +19,14 @@ import train_lora
 from library.io import CheckpointError, CheckpointReader
 from library.models.flux1.checkpoint import load_flux, save_flux_bfl
 from library.models.flux1.model import Flux
+from library.models.flux3.checkpoint import load_flux3
+from library.models.flux3.model import Flux3Transformer
 from library.models.qwen_image.model import QwenImage, load_qwen_image
 from library.precision import fp8
 from library.precision.fp8_checkpoints import fp8_checkpoint_layout
 from networks.lora import LoRANetwork
 from tests.test_merge_convert import FLUX_CFG, QWEN_CFG, flux_inputs, lora, qwen_inputs, randomized, run, runtime_output
+from tests.test_flux3_model import inputs as flux3_inputs, tiny_config as flux3_config
 from tests.test_reliability import flux_args, one_error_line
 from library.models.registry import arch_spec
 
@@ -33,7 +36,8 @@ BUNDLED = {  # what a ComfyUI full checkpoint carries beside the transformer: ne
     "text_encoders.t5xxl.transformer.scaled_fp8": torch.empty(0, dtype=torch.float8_e5m2),
     "vae.decoder.conv_in.weight": torch.ones(4, 4, 3, 3, dtype=torch.bfloat16),
 }
-WIDENED = {"flux": "final_layer.linear", "qwen_image": "proj_out"}  # a high-precision Linear stored fp8 + scale
+# a high-precision Linear stored fp8 + scale
+WIDENED = {"flux": "final_layer.linear", "qwen_image": "proj_out", "flux3": "final_layer.image.linear"}
 
 
 def comfy_quantize(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -108,6 +112,7 @@ def realigned(model: nn.Module) -> nn.Module:
 FAMILIES = {
     "flux": (Flux, FLUX_CFG, load_flux, flux_inputs),
     "qwen_image": (QwenImage, QWEN_CFG, load_qwen_image, qwen_inputs),
+    "flux3": (Flux3Transformer, flux3_config(), load_flux3, lambda: flux3_inputs(references=True)),
 }
 
 
@@ -157,7 +162,7 @@ def test_per_tensor_quantization_round_trips_through_the_state_dict():
 # Whole files
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux3"])
 @pytest.mark.parametrize("layout", ["marker", "comfy_quant", "plain"])
 def test_comfy_files_load_as_they_are_and_equal_comfyuis_dequantized_model(tmp_path, family, layout):
     cls, config, load, inputs = FAMILIES[family]
@@ -398,7 +403,7 @@ def read_all(path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux3"])
 def test_merge_lora_into_a_comfy_file_keeps_its_layout_or_widens_it(tmp_path, family):
     cls, config, load, inputs = FAMILIES[family]
     sd = comfy_state_dict(randomized(cls(config), 7), family, "marker")
@@ -575,7 +580,7 @@ def musubi_dequantized(sd: dict, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return out
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux3"])
 @pytest.mark.parametrize("mode, layout", [("tensor", "fp8_tensor_scaled"), ("block", "fp8_scaled")])
 def test_musubi_state_dicts_load_as_they_are_and_equal_musubis_dequantized_model(tmp_path, family, mode, layout):
     cls, config, load, inputs = FAMILIES[family]
@@ -612,7 +617,7 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).norm() / b.norm()).item()
 
 
-@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+@pytest.mark.parametrize("family", ["flux", "qwen_image", "flux3"])
 def test_merge_writes_comfyuis_scaled_fp8_that_loads_back_as_comfyui_computes_it(tmp_path, family):
     cls, config, load, inputs = FAMILIES[family]
     model = randomized(cls(config), 11)

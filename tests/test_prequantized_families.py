@@ -1,10 +1,10 @@
-"""Pre-quantized Z-Image and Chroma transformer files, loaded as stored (precision/stored_layouts.py):
+"""Pre-quantized Z-Image, Chroma and FLUX.3 transformer files, loaded as stored (precision/stored_layouts.py):
 ComfyUI's scaled fp8 (`scaled_fp8` marker + per-tensor `scale_weight`) and comfy_quant (`weight_scale`
 + per-layer JSON), musubi-tuner's per-tensor and per-64-block `scale_weight`s, our fp8_scaled block
 scales, plain e4m3 (everything, norms included) and city96's ComfyUI-GGUF blocks.
 
 The tiny files are written here from the tiny set's single files, in each family's single-file names
-(Z-Image: ComfyUI's fused `attention.qkv`; Chroma: BFL names). The oracle is a plain float32 model
+(Z-Image: ComfyUI's fused `attention.qkv`; Chroma, FLUX.3: BFL names). The oracle is a plain float32 model
 holding the file's tensors dequantized as ComfyUI computes them (codes.to(f32) * scale.to(f32); GGUF:
 gguf's own numpy dequantization), built from the file tensor by tensor without our loader: for Z-Image
 the fused qkv is dequantized whole and only then split into q / k / v, so a scale given to the wrong
@@ -25,6 +25,8 @@ import train_lora
 from library.io import CheckpointError, CheckpointReader
 from library.models.chroma.checkpoint import load_chroma
 from library.models.chroma.model import Chroma
+from library.models.flux3.checkpoint import load_flux3
+from library.models.flux3.model import Flux3Transformer
 from library.models.zimage.checkpoint import CONFIG_KEY, QKV, from_single_file_state_dict, load_zimage
 from library.models.zimage.model import ZImage
 from library.precision import fp8
@@ -44,6 +46,7 @@ COMFY_QUANT = torch.tensor(list(json.dumps({"format": "float8_e4m3fn"}).encode()
 FAMILIES = {
     "zimage": ("zimage", CONFIG_KEY, ZImage, load_zimage),
     "chroma": ("chroma_bfl", "chroma_config", Chroma, load_chroma),
+    "flux3": ("flux3_tiny", "flux3_config", Flux3Transformer, load_flux3),
 }
 # layout -> (what the loader reports, the ComfyUI prefix the file carries)
 LAYOUTS = {

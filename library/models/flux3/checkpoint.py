@@ -8,6 +8,10 @@ rows as (scale, shift) instead of BFL's (shift, scale). The oracle is diffusers'
 `convert_flux3_transformer_checkpoint_to_diffusers` (loaders/single_file_utils.py), which also drops the
 training-only `repa_projectors.*` heads BFL's files may carry: so do we. One key table,
 `flux3_diffusers_names`, drives the state-dict converters and the diffusers-folder loader.
+
+Pre-quantized files (ComfyUI's scaled fp8 and the other layouts precision/stored_layouts.py reads) load as they
+are stored, as FLUX.2's do, in BFL names (ComfyUI's prefixes included) and in diffusers' (nothing is fused, so a
+stored scale stays its Linear's).
 """
 
 from __future__ import annotations
@@ -19,19 +23,23 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
-    metadata_config, prepared_convert, read_json_file, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, RowSplitView, check_keys_and_shapes, component_folder,
+    load_streaming, metadata_config, prepared_convert, read_json_file, save_diffusers_folder, save_with_config,
+    state_and_config,
 )
 from library.models.flux1.checkpoint import _block_count
 from library.models.flux2.checkpoint import _diffusers_class
 from library.models.flux3.model import MODES, STREAMS, Flux3Config, Flux3Transformer
-from library.precision.stored_layouts import read_stored_layout
+from library.models.flux3.spec import FP8
+from library.precision.fp8_checkpoints import COMFY_MARKER
+from library.precision.stored_layouts import StoredLayout, read_stored_layout, stored_converter, stored_extras
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
 CLASS_NAME = "Flux3Transformer2DModel"
 # Keys only FLUX.3 has (BFL's, diffusers' single-file detection; diffusers' folder): tell it from the others.
 FLUX3_MARKERS = ("early_stream_modulations.image.lin.weight", "early_stream_modulations.image.linear.weight")
-FINAL_ADALN = "final_layer.image.adaLN_modulation.1.weight"  # rows (shift, scale) ...
+FINAL_ADALN_LAYER = "final_layer.image.adaLN_modulation.1"
+FINAL_ADALN = FINAL_ADALN_LAYER + ".weight"  # rows (shift, scale) ...
 DIFFUSERS_FINAL_ADALN = "norm_out.linear.weight"  # ... diffusers' (scale, shift)
 TRAINING_ONLY = "repa_projectors."  # BFL's REPA heads: not part of the model, skipped on load
 
@@ -211,27 +219,41 @@ def flux3_config_from_json(text: str) -> Flux3Config:
 # Loading
 
 
-class _DiffusersAsBFL:
-    """A CheckpointReader view of a diffusers Flux3Transformer2DModel checkpoint under BFL keys, the final
-    adaLN's halves swapped back as they are read."""
+class _DiffusersAsBFL(RowSplitView):
+    """A CheckpointReader view of a diffusers Flux3Transformer2DModel checkpoint under BFL keys (library/io.py
+    RowSplitView; nothing is split: diffusers renames FLUX.3's Linears one to one). A pre-quantized file's scales
+    and markers (`X.scale_weight`, `X.weight_scale`, `X.comfy_quant`, ...) appear under their Linear's BFL name,
+    so the stored layouts read them as a BFL file's. The final adaLN's halves are swapped back as they are read,
+    with every tensor of that layer that runs along its rows (per-row / per-block scales; a per-tensor scale
+    stays as it is)."""
+
+    parts, part_names = 1, "rows"
 
     def __init__(self, reader: CheckpointReader, names: dict[str, str]):
-        self.reader, self.path, self.files = reader, reader.path, reader.files
-        self.names = {bfl: diffusers for bfl, diffusers in names.items() if diffusers in reader}
-
-    def keys(self) -> list[str]:
-        return list(self.names)
-
-    def file_of(self, key: str) -> str:
-        return self.reader.file_of(self.names[key])
+        super().__init__(reader)
+        to_bfl = {diffusers: bfl for bfl, diffusers in names.items()}
+        layers = {d[: -len(".weight")]: b[: -len(".weight")] for d, b in to_bfl.items()
+                  if d.endswith(".weight") and b.endswith(".weight")}  # Linears (not the QK norms' scales)
+        for key in reader.keys():
+            layer, _, leaf = key.rpartition(".")
+            if key in to_bfl:
+                self.sources[to_bfl[key]] = (key, None)
+            elif layer in layers:  # a stored layout's tensors beside a Linear's weight
+                self.sources[f"{layers[layer]}.{leaf}"] = (key, None)
+            elif key == COMFY_MARKER:
+                self.sources[key] = (key, None)
 
     def get(self, key: str) -> torch.Tensor:
-        tensor = self.reader.get(self.names[key])
-        return swap_halves(tensor) if key == FINAL_ADALN else tensor
+        tensor = super().get(key)
+        rows = self.shape(FINAL_ADALN)[0] if FINAL_ADALN in self else None
+        if key.startswith(FINAL_ADALN_LAYER + ".") and tensor.dim() and tensor.shape[0] == rows:
+            return swap_halves(tensor)
+        return tensor
 
 
-def _diffusers_source(path: str, reader: CheckpointReader, config: Flux3Config | None):
-    """(config, BFL-keyed view) of a diffusers Flux3Transformer2DModel folder; keys and shapes checked up front."""
+def _diffusers_source(path: str, reader: CheckpointReader, config: Flux3Config | None, stored: StoredLayout | None):
+    """(config, BFL-keyed view, its stored layout) of a diffusers Flux3Transformer2DModel folder; keys and shapes
+    checked up front (a stored layout's scales and markers aside)."""
     config_json = os.path.join(path, "config.json") if os.path.isdir(path) else None
     if config is None and config_json and os.path.exists(config_json):
         config = config_from_diffusers(read_json_file(config_json), source=config_json)
@@ -240,8 +262,10 @@ def _diffusers_source(path: str, reader: CheckpointReader, config: Flux3Config |
         config = config_from_bfl_shapes({to_bfl[k]: reader.shape(k) for k in reader.keys() if k in to_bfl}, path)
     with torch.device("meta"):
         expected = flux3_to_diffusers_state_dict(Flux3Transformer(config).state_dict())
-    check_keys_and_shapes(reader, expected, config)
-    return config, _DiffusersAsBFL(reader, flux3_diffusers_names(config.depth, config.depth_single, config.flow_map))
+    check_keys_and_shapes(reader, expected, config, stored_extras(stored))
+    view = _DiffusersAsBFL(reader, flux3_diffusers_names(config.depth, config.depth_single, config.flow_map))
+    # a pre-quantized folder: read again under BFL names, so that each Linear's scales are found by its model key
+    return config, view, read_stored_layout(view, path) if stored else None
 
 
 def _bfl_prefix(keys: list[str]) -> str | None:
@@ -282,15 +306,15 @@ def load_flux3(
     becomes compute_dtype; config overrides what config.json / the `flux3_config` metadata / the key shapes
     say; convert / prepare are the per-tensor and meta-model hooks (fp8); read_weights=False gives the meta
     model as it would load (the memory planner). The model is built on `meta` and filled one tensor at a time.
+    A pre-quantized file (precision/stored_layouts.py: ComfyUI's scaled fp8, plain fp8, ours, musubi-tuner's,
+    GGUF) is used as it is stored, whatever `prepare` asks, in either naming: diffusers renames FLUX.3's Linears
+    one to one, so each keeps its scales (the final adaLN's row-wise ones swap with its halves).
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"load_flux3 dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    stored = read_stored_layout(reader, path)
-    if stored:  # its layers need the family's fp8 keep rules (spec.py), which FLUX.3 has not declared yet
-        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) FLUX.3 checkpoint is not supported yet; "
-                              f"load the bf16 release")
+    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF, BFL's) is used as it is
     class_name = _diffusers_class(path)
     if class_name not in (None, CLASS_NAME):
         raise CheckpointError(f"{os.path.join(path, 'config.json')}: _class_name is {class_name!r}, expected "
@@ -301,7 +325,7 @@ def load_flux3(
         config, rename = _bfl_source(path, reader, prefix, config)
         source = reader
     elif FLUX3_MARKERS[1] in keys:
-        config, source = _diffusers_source(path, reader, config)
+        config, source, stored = _diffusers_source(path, reader, config, stored)
         rename = lambda key: key  # noqa: E731
     else:
         raise CheckpointError(f"{path}: not a FLUX.3 transformer (no key '{FLUX3_MARKERS[0]}' (BFL) or "
@@ -310,8 +334,11 @@ def load_flux3(
     with torch.device("meta"):
         model = Flux3Transformer(config)
     if prefix is not None:  # every key and shape from the header, before any weight is read
+        extra = stored_extras(stored)
         check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config,
-                              lambda key: key.startswith(TRAINING_ONLY))
+                              lambda key: key.startswith(TRAINING_ONLY) or extra(key))
+    if stored:  # the file's own layout wins over a requested base precision (fp8: the spec's keep rules)
+        prepare = lambda m: stored_converter(m, stored, FP8, dtype, source, path)  # noqa: E731
     convert = prepared_convert(model, prepare, convert, "load_flux3")
     if read_weights:
         load_streaming(model, source, rename, dtype=dtype, convert=convert)

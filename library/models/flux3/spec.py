@@ -78,6 +78,8 @@ LORA_FILES = S.LoRAFiles(
 SHARED_MODULATION = (r"early_stream_modulations\..*", r"single_stream_modulations\..*")
 FP8 = S.FP8Rules(
     keep=(r"emb_in\..*", r"txt_in", r"time_in\..*", r"ref_time_in\..*", r"final_layer\..*", *SHARED_MODULATION),
+    # both namings: diffusers renames every Linear one to one (nothing fused), so a stored scale stays its Linear's
+    stored={"bfl": S.STORED_FP8, "diffusers": S.STORED_FP8},
 )
 
 
