@@ -1,9 +1,11 @@
 """FLUX.3 in fp8: pre-quantized files load as they are stored (precision/stored_layouts.py, as FLUX.2's) in BFL
 names (ComfyUI's prefix, REPA heads skipped) and in diffusers' (each Linear's scales renamed with it, the final
-adaLN's row scales swapped with its halves; GGUF blocks too); a broken layout is one line naming the key.
-tests/test_prequantized_families.py runs FLUX.3's tiny file through every stored layout (ComfyUI's, musubi-tuner's,
-ours, plain, GGUF) against its dequantized twin; tests/test_fp8_checkpoints.py merges into a ComfyUI scaled-fp8
-FLUX.3 as into FLUX.1's."""
+adaLN's row scales swapped with its halves; GGUF blocks too); a broken layout is one line naming the key; and the
+measurement behind the spec's keep rule for the shared stream modulations. tests/test_prequantized_families.py runs
+FLUX.3's tiny file through every stored layout (ComfyUI's, musubi-tuner's, ours, plain, GGUF) against its
+dequantized twin; tests/test_fp8_checkpoints.py merges into a ComfyUI scaled-fp8 FLUX.3 as into FLUX.1's."""
+
+import dataclasses
 
 import pytest
 import torch
@@ -14,8 +16,9 @@ from library.io import CheckpointError, save_diffusers_folder
 from library.models.flux3.checkpoint import (
     FINAL_ADALN_LAYER, diffusers_config, flux3_diffusers_names, load_flux3, swap_halves,
 )
-from library.models.flux3.model import Flux3Config, Flux3Transformer
+from library.models.flux3.model import Flux3Config, Flux3Transformer, make_img_ids, make_txt_ids
 from library.models.flux3.tiny import random_flux3
+from library.models.flux3.spec import SHARED_MODULATION
 from library.models.registry import arch_spec
 from library.precision import fp8
 from library.precision.fp8 import FP8Linear
@@ -157,3 +160,56 @@ def test_a_broken_fp8_layout_is_one_line_naming_the_key(tmp_path):
     with pytest.raises(CheckpointError, match=r"'mode_blocks\.image\.0\.attn\.to_q\.weight_scale' has shape \(64, 2\), "
                                               r"not the fp8_scaled block scales \(64, 1\)"):
         load_flux3(str(tmp_path))
+
+
+# ----------------------------------------------------------------------------------------------
+# The keep rule for the shared stream modulations (spec.py FP8)
+
+
+def test_fp8_keeping_shared_modulation_pays():
+    """The measurement behind the flux3 spec's SHARED_MODULATION fp8 rule, one seed: keeping the six shared stream
+    modulation Linears in high precision cuts fp8_scaled's error by more than the memory it adds."""
+    errors = {keep: shared_modulation_error(keep) for keep in (False, True)}
+    error_saved = 1 - errors[True] / errors[False]
+    share = 18 * 3072**2 / 5_538_458_368  # 6 Linears [3h, h] of the released base (tests/test_flux3_model RELEASED)
+    scaled_bytes = 1 + 2 / 64
+    memory_added = share * (2 - scaled_bytes) / scaled_bytes
+    print(f"fp8_scaled update error {errors[False]:.4f} quantized, {errors[True]:.4f} kept: -{error_saved:.1%} "
+          f"for +{memory_added:.1%} memory")
+    assert error_saved > memory_added
+
+
+def shared_modulation_error(keep: bool, seed: int = 0) -> float:
+    """Relative error of the blocks' residual update (last single block out - the per-mode blocks' inputs) of a
+    width-256 FLUX.3 (1 per-mode block, 2 single blocks) with weights N(0, 0.02), fp8_scaled vs fp32."""
+    torch.manual_seed(seed)
+    config = Flux3Config(in_channels=128, cond_in_channels=128, context_in_dim=96, hidden_size=256, num_heads=2,
+                         depth=1, depth_single=2, axes_dim=(32, 32, 32, 32))
+    model = Flux3Transformer(config)
+    with torch.no_grad():
+        for name, p in model.named_parameters():  # the time embedder scaled so that the modulation is O(1)
+            std = p.shape[-1] ** -0.5 if name.startswith("time_in") else 0.02
+            p.copy_(1 + 0.1 * torch.randn(p.shape) if p.dim() == 1 else std * torch.randn(p.shape))
+    x = dict(img=torch.randn(2, 24, 128), img_ids=make_img_ids(2, 4, 6), txt=torch.randn(2, 8, 96),
+             txt_ids=make_txt_ids(2, 8), timesteps=torch.tensor([0.6, 0.6]))
+    reference = residual_update(model, x)
+    rules = arch_spec("flux3").fp8
+    if not keep:
+        rules = dataclasses.replace(rules, keep=tuple(p for p in rules.keep if p not in SHARED_MODULATION))
+    fp8.quantize_module(model, "fp8_scaled", rules)
+    return ((residual_update(model, x) - reference).norm() / reference.norm()).item()
+
+
+def residual_update(model: Flux3Transformer, x: dict) -> torch.Tensor:
+    """[txt, image] after the last single block minus the same streams as they enter their per-mode blocks."""
+    seen = {}  # (the hooks return None: a returned value would replace the block's input / output)
+    hooks = [
+        model.txt_mode_blocks[0].register_forward_pre_hook(lambda m, a: seen.update(txt=a[0])),
+        model.content_mode_blocks["image"][0].register_forward_pre_hook(lambda m, a: seen.update(image=a[0])),
+        model.single_blocks[-1].register_forward_hook(lambda m, a, out: seen.update(output=torch.cat(out, 1))),
+    ]
+    with torch.no_grad():
+        model(**x)
+    for hook in hooks:
+        hook.remove()
+    return seen["output"] - torch.cat((seen["txt"], seen["image"]), 1)
