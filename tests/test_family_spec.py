@@ -171,18 +171,32 @@ def test_every_family_config_key_is_in_the_schema_and_shared_keys_join(monkeypat
         config_schema.family_keys()
 
 
+def skipped_blocks(arch: str) -> set[str]:
+    """Blocks that random_inputs' forward does not run: FLUX.3's reference-mode blocks (no references given)."""
+    return {f"content_mode_blocks.image_cond.{i}" for i in range(8)} if arch == "flux3" else set()
+
+
 @pytest.mark.parametrize("arch", DIFFUSION_ARCHS)
 def test_the_precision_doctor_drives_each_tiny_transformer_through_the_spec(arch, tiny_set):
     """tools/precision_doctor.py knows an architecture only by its spec: load its tiny transformer
-    with transformer.load, make random_inputs, run one forward in float32."""
+    with transformer.load, make random_inputs, run one forward in float32, every block probed (the report's rows
+    named FLUX's and Qwen-Image's blocks only: Z-Image's, Krea 2's, Ideogram 4's ... had none)."""
+    from library.models.precision_doctor import LayerProbe
     from tools import precision_doctor as doctor
 
     spec = arch_specs()[arch]
     model = doctor.disk_variant(tiny_set[spec.tiny.transformer], arch, "fp32")
     inputs = doctor.make_inputs(arch, model.config, 64, 48, seed=0, text_len=8)
-    out = model(**inputs.make_kwargs(0.5))
+    probe = LayerProbe(model)  # the report's per-block rows: each of the model's blocks is hooked and seen
+    try:
+        out = model(**inputs.make_kwargs(0.5))
+    finally:
+        probe.remove()
     assert out.shape == (1, 4 * 3, doctor.token_width(model.config)) and torch.isfinite(out).all()
     assert inputs.positions.shape[-1] == len(inputs.axes_dim)
+    blocks = {id(b) for b in model.swappable_blocks()}
+    ran = {name for name, m in model.named_modules() if id(m) in blocks} - skipped_blocks(arch)
+    assert ran and ran <= set(probe.order), sorted(ran - set(probe.order))
 
 
 VARIANT_FILES = ("qwen_image_edit", "qwen_image_layered")  # a variant whose tiny file is its own (other flags)

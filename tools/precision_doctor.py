@@ -304,7 +304,7 @@ def report_text(result: dict, worst: int = 8) -> str:
     if layer_modes:
         lines += ["", f"== Per-layer relative error (blocks, then the {worst} worst layers) =="]
         names = list(modes[layer_modes[0]]["layers"])
-        blocks = [n for n in names if precision.BLOCK_NAME.fullmatch(n)]
+        blocks = [n for n in names if n in result["blocks"]]
         others = [n for n in names if n not in blocks]
         worst_layers = sorted(others, key=lambda n: -max(modes[m]["layers"].get(n, 0) for m in layer_modes))[:worst]
         rows = [["layer"] + layer_modes]

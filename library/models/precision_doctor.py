@@ -30,7 +30,6 @@ import torch.nn as nn
 from library.models import core
 from library.precision.fp8 import FP8_DTYPE, FP8_MAX, FP8Linear, dequantize_weight, quantize_weight, stochastic_round_to_fp8
 
-BLOCK_NAME = re.compile(r"(double_blocks|single_blocks|transformer_blocks)\.\d+")
 # A name segment (between dots / underscores) that names positions or RoPE: "pos" inside "postnorm" is not one.
 POSITION_NAME = re.compile(r"(?:^|[._])(?:freqs?|inv_freq|rope|pe|pos|positions?|pos_embed)(?:[._]|$)", re.IGNORECASE)
 # The largest |cos / sin - float64 reference| of float32 tables: ~1e-7 x the position (5e-4 at 4096); one
@@ -160,11 +159,16 @@ def low_precision_position_tensors(model: nn.Module) -> list[dict]:
 # Per-layer errors: forward hooks on every Linear / FP8Linear and block
 
 
+def block_names(model: nn.Module) -> list[str]:
+    """The model's repeated blocks (its swappable_blocks(): every family's, in run order), by module name. A fixed
+    list of two families' block names left the others' blocks out of the report's per-block rows."""
+    blocks = {id(b) for b in model.swappable_blocks()}
+    return [name for name, m in model.named_modules() if id(m) in blocks]
+
+
 def probed_modules(model: nn.Module) -> dict[str, nn.Module]:
-    return {
-        name: m for name, m in model.named_modules()
-        if isinstance(m, (nn.Linear, FP8Linear)) or BLOCK_NAME.fullmatch(name)
-    }  # fmt: skip
+    blocks = set(block_names(model))
+    return {name: m for name, m in model.named_modules() if isinstance(m, (nn.Linear, FP8Linear)) or name in blocks}
 
 
 def _sampled(output, max_tokens: int) -> torch.Tensor:
@@ -391,6 +395,7 @@ class ModeRun:
     order: list[str] = field(default_factory=list)
     positions: dict = field(default_factory=dict)
     position_tensors: list[dict] = field(default_factory=list)
+    blocks: list[str] = field(default_factory=list)  # block_names(model): the layers that are whole blocks
 
 
 @torch.no_grad()
@@ -409,7 +414,8 @@ def run_mode(model: nn.Module, inputs: DoctorInputs, timesteps, max_tokens: int,
                 preds.append(model(**inputs.make_kwargs(sigma)).float().cpu())
     finally:
         probe.remove()
-    run = ModeRun(preds, probe.errors(), probe.order, audit.summary(), low_precision_position_tensors(model))
+    run = ModeRun(preds, probe.errors(), probe.order, audit.summary(), low_precision_position_tensors(model),
+                  block_names(model))
     return run, probe.store
 
 
@@ -443,7 +449,7 @@ def summarise(runs: dict[str, ModeRun], inputs: DoctorInputs, timesteps, thresho
     """Per compared mode: output error (mean over sigmas), error map and its ratios, verdict,
     per-layer errors and the first layer over `threshold`; per mode the position audit."""
     result = {"family": inputs.family, "grid": list(inputs.grid), "timesteps": list(timesteps), "threshold": threshold,
-              "modes": {}, "maps": {}}
+              "modes": {}, "maps": {}, "blocks": next(iter(runs.values())).blocks}
     for name, run in runs.items():
         entry = {"positions": run.positions, "low_precision_position_tensors": run.position_tensors}
         if name not in ("bf16", "bf16+lora"):
