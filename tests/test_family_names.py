@@ -83,7 +83,8 @@ def test_every_registered_family_declares_the_names_the_scan_looks_for():
 
 @pytest.mark.parametrize("text, arch, hit", [
     ("class FluxVAE:", "flux", True), ("flux_kontext", "flux", True), ("FLUX.1-dev", "flux", True),
-    ("FLUX.2", "flux", False), ("flux2_shift", "flux", False), ("influxes", "flux", False),
+    ("FLUX.2", "flux", False), ("flux2_shift", "flux", False), ("influxes", "flux", False), ("FLUX.3", "flux", False),
+    ("flux-3-image", "flux", False), ("flux3_shift", "flux3", True),
     ("AutoencoderKLFlux2", "flux2", True), ("klein", "flux2", True),
     ("QwenImageTextEncoder", "qwen_image", True), ("Qwen-Image-Edit", "qwen_image", True), ("qwen2", "qwen_image", False),
 ])

@@ -182,7 +182,7 @@ SD_SCRIPTS = S.SdScriptsModels(script="flux_train_network.py", lora_module="netw
 SPEC = S.ArchSpec(
     arch="flux",
     title="FLUX.1",
-    names=(r"flux(?!\.?2)", r"flux\.?1", r"kontext", r"schnell"),
+    names=(r"flux(?![.-]?[23])", r"flux\.?1", r"kontext", r"schnell"),  # not FLUX.2 / FLUX.3
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
