@@ -1,0 +1,1 @@
+"""ERNIE-Image: Baidu's text-to-image diffusion transformer."""
