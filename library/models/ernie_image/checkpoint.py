@@ -1,0 +1,231 @@
+"""ERNIE-Image checkpoints: loading (the single file, plain or under ComfyUI's prefixes, and diffusers folders),
+the config from config.json / our metadata / the shapes, and saving in both layouts.
+
+The released single file already uses diffusers' names: diffusers' convert_ernie_image_transformer_checkpoint_
+to_diffusers (loaders/single_file_utils.py), the oracle, only drops a `model.diffusion_model.` prefix. Our module
+names are those (model.py), so every layout loads by plain key, the prefix (if any) dropped; there is no name map.
+diffusers has no single-file detection key for ERNIE-Image; we tell its files by MARKER (`adaLN_sa_ln` is no
+other family's name).
+
+Pre-quantized files (ComfyUI's scaled fp8 and comfy_quant, plain fp8, musubi-tuner's and our layouts, GGUF:
+precision/stored_layouts.py) load as they are stored, under any of the prefixes; nothing is fused, so each
+stored scale stays its Linear's. Which Linears stay in high precision is the family's fp8 rule
+(library/models/ernie_image/spec.py `FP8`), read when such a file is loaded, or given as `fp8_rules`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable
+
+import torch
+
+from library.io import (
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
+    metadata_config, prepared_convert, read_json_file, save_diffusers_folder, save_with_config, state_and_config,
+)
+from library.models.flux1.checkpoint import _block_count
+from library.models.ernie_image.model import ErnieImage, ErnieImageConfig
+from library.precision.fp8 import KeepRules
+from library.precision.fp8_checkpoints import Fp8Checkpoint
+from library.precision.stored_layouts import StoredLayout, read_stored_layout, stored_converter, stored_extras
+
+CLASS_NAME = "ErnieImageTransformer2DModel"
+PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain (and diffusers)
+COMFY_PREFIX = PREFIXES[0]
+MARKER = "layers.0.adaLN_sa_ln.weight"  # the first block's pre-attention norm: ERNIE-Image's own name
+CONFIG_KEY = "ernie_image_config"  # safetensors metadata of single files we write: the config as JSON
+# config.json keys diffusers' class does not take and ignores (ERNIE-Image-Turbo's: "use_lora": false)
+IGNORED_CONFIG_KEYS = ("lora_rank", "use_lora")
+# diffusers' constructor defaults: what a config.json that omits a key means (ours are the released sizes)
+DIFFUSERS_DEFAULTS = dict(hidden_size=3072, num_attention_heads=24, num_layers=24, ffn_hidden_size=8192,
+                          in_channels=128, out_channels=128, patch_size=1, text_in_dim=2560, rope_theta=256,
+                          rope_axes_dim=(32, 48, 48), eps=1e-6)
+
+# ----------------------------------------------------------------------------------------------
+# Config
+
+
+def default_rope_axes(head_dim: int) -> tuple[int, int, int]:
+    """The RoPE split of the released head (32, 48, 48 of 128: a quarter for the text index, 3/8 for each
+    grid axis), scaled to `head_dim`; files do not store it."""
+    if head_dim % 16:
+        raise CheckpointError(f"cannot derive ERNIE-Image RoPE axes for head_dim {head_dim}: pass "
+                              f"config=ErnieImageConfig(rope_axes_dim=...)")
+    return head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8
+
+
+def config_from_shapes(shapes: dict[str, tuple[int, ...]], source: str = "checkpoint") -> ErnieImageConfig:
+    """ErnieImageConfig from tensor shapes (without any prefix): widths from the embedders and the first block,
+    the depth from the block count. RoPE axes / theta and eps are the released model's (files do not store them)."""
+
+    def shape(key):
+        if key not in shapes:
+            raise CheckpointError(f"{source}: cannot infer the ERNIE-Image config, key '{key}' is missing")
+        return shapes[key]
+
+    hidden, in_channels, patch, _ = shape("x_embedder.proj.weight")
+    head_dim = shape("layers.0.self_attention.norm_q.weight")[0]
+    return ErnieImageConfig(
+        hidden_size=hidden,
+        num_attention_heads=hidden // head_dim,
+        num_layers=_block_count(shapes, "layers."),
+        ffn_hidden_size=shape("layers.0.mlp.gate_proj.weight")[0],
+        in_channels=in_channels,
+        out_channels=shape("final_linear.weight")[0] // (patch * patch),
+        patch_size=patch,
+        text_in_dim=shape("text_proj.weight")[1] if "text_proj.weight" in shapes else hidden,
+        rope_axes_dim=default_rope_axes(head_dim),
+    )
+
+
+def config_from_diffusers(cfg: dict, source: str = "config.json") -> ErnieImageConfig:
+    """ErnieImageConfig from an ErnieImageTransformer2DModel config.json; a key it omits is diffusers' default
+    (DIFFUSERS_DEFAULTS), as diffusers would build it. Unknown keys are refused, Turbo's ignored ones aside."""
+    if not cfg.get("qk_layernorm", True):
+        raise CheckpointError(f"{source}: qk_layernorm false is not supported (diffusers' class cannot build it)")
+    names = {f.name for f in dataclasses.fields(ErnieImageConfig)}
+    unknown = sorted(k for k in cfg if k not in names and not k.startswith("_")
+                     and k not in ("qk_layernorm", *IGNORED_CONFIG_KEYS))
+    if unknown:
+        raise CheckpointError(f"{source}: unknown ErnieImageTransformer2DModel config keys {unknown}")
+    kwargs = {**DIFFUSERS_DEFAULTS, **{k: v for k, v in cfg.items() if k in names}}
+    kwargs["rope_axes_dim"], kwargs["rope_theta"] = tuple(kwargs["rope_axes_dim"]), float(kwargs["rope_theta"])
+    try:
+        return ErnieImageConfig(**kwargs)
+    except (TypeError, ValueError) as e:
+        raise CheckpointError(f"{source}: {e}") from None
+
+
+
+def diffusers_config(config: ErnieImageConfig) -> dict:
+    """The ErnieImageTransformer2DModel config.json for `config`."""
+    if config.rope_theta != int(config.rope_theta):
+        raise ValueError(f"diffusers' ErnieImageTransformer2DModel takes rope_theta as an int: {config}")
+    fields = dataclasses.asdict(config)
+    fields.update(rope_theta=int(config.rope_theta), rope_axes_dim=list(config.rope_axes_dim))
+    return {"_class_name": CLASS_NAME, **fields, "qk_layernorm": True}
+
+
+def config_from_json(text: str) -> ErnieImageConfig:
+    """The config save_ernie_image_single_file writes in the metadata."""
+    fields = json.loads(text)
+    fields["rope_axes_dim"] = tuple(fields["rope_axes_dim"])
+    return ErnieImageConfig(**fields)
+
+
+def _diffusers_config_json(path: str) -> dict | None:
+    """A diffusers folder's config.json (None for a single file or a folder without one); a foreign class refused."""
+    config_json = os.path.join(path, "config.json")
+    if not (os.path.isdir(path) and os.path.isfile(config_json)):
+        return None
+    cfg = read_json_file(config_json)
+    if cfg.get("_class_name") not in (None, CLASS_NAME):
+        raise CheckpointError(f"{config_json}: _class_name is {cfg['_class_name']!r}, expected {CLASS_NAME!r}")
+    return cfg
+
+
+def _config(path: str, reader: CheckpointReader, prefix: str) -> ErnieImageConfig:
+    """The config a file says: its folder's config.json, else our metadata, else its shapes."""
+    diffusers_json = _diffusers_config_json(path)
+    if diffusers_json is not None:
+        return config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
+    if CONFIG_KEY in reader.metadata:
+        return metadata_config(reader, CONFIG_KEY, config_from_json)
+    view = PrefixedReader(reader, prefix)
+    return config_from_shapes({k: view.shape(k) for k in view.keys()}, path)
+
+
+# ----------------------------------------------------------------------------------------------
+# Loading
+
+
+def _prefix(path: str, keys: list[str]) -> str:
+    for prefix in PREFIXES:
+        if prefix + MARKER in keys:
+            return prefix
+    raise CheckpointError(f"{path}: not an ERNIE-Image transformer (no key '{MARKER}', plain or under "
+                          f"{' / '.join(p for p in PREFIXES if p)})")
+
+
+def spec_fp8_rules(path: str, stored: StoredLayout) -> KeepRules:
+    """The family's fp8 keep rules (library/models/ernie_image/spec.py FP8), imported when a pre-quantized file
+    is loaded: the spec names this loader, so the loader reads the spec only then."""
+    try:
+        from library.models.ernie_image.spec import FP8
+    except ModuleNotFoundError as e:
+        if e.name != "library.models.ernie_image.spec":
+            raise
+        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) ERNIE-Image file needs the family's fp8 "
+                              f"keep rules (library/models/ernie_image/spec.py FP8), or pass fp8_rules=") from None
+    return FP8
+
+
+def load_ernie_image(
+    path: str,
+    dtype: torch.dtype = torch.float32,
+    config: ErnieImageConfig | None = None,
+    convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
+    prepare: Callable[[ErnieImage], Callable | None] | None = None,
+    read_weights: bool = True,
+    fp8_rules: KeepRules | None = None,
+) -> ErnieImage:
+    """Load an ERNIE-Image transformer from the single file (plain, or under ComfyUI's `model.diffusion_model.` /
+    `diffusion_model.`; a file's other prefixes, e.g. a bundled VAE, are not read) or a diffusers folder (the
+    pipeline folder with `transformer/`, or the transformer folder; sharded or not).
+
+    dtype casts floating weights on read and becomes compute_dtype. config overrides config.json, the
+    `ernie_image_config` metadata and the key shapes. convert / prepare: the per-tensor and meta-model hooks (fp8
+    while loading). read_weights=False: the meta model as it would load, from the headers alone (the memory
+    planner). Every key and shape is checked before any weight is read. A pre-quantized file is used as it is
+    stored, whatever `prepare` asks; fp8_rules: the Linears its fp8 layers keep in high precision (default: the
+    family spec's FP8)."""
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"load_ernie_image dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), "
+                         f"got {dtype}")
+    path = component_folder(path, "transformer")
+    reader = CheckpointReader(path)
+    prefix = _prefix(path, reader.keys())
+    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
+    if config is None:
+        config = _config(path, reader, prefix)
+    else:
+        _diffusers_config_json(path)  # a foreign class is refused all the same
+    with torch.device("meta"):
+        model = ErnieImage(config)
+    check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config, stored_extras(stored))
+    if stored:  # the file's own layout wins over a requested base precision
+        rules = fp8_rules  # fp8 layouts follow keep rules; GGUF's the file alone
+        if rules is None and isinstance(stored, Fp8Checkpoint):
+            rules = spec_fp8_rules(path, stored)
+        prepare = lambda m: stored_converter(m, stored, rules, dtype, reader, path)  # noqa: E731
+    convert = prepared_convert(model, prepare, convert, "load_ernie_image")
+    if read_weights:
+        rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
+        load_streaming(model, reader, rename, dtype=dtype, convert=convert)
+    else:
+        model.to(dtype)
+    model.compute_dtype = dtype
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# Saving
+
+
+def save_ernie_image_single_file(model_or_sd, path: str, config: ErnieImageConfig | None = None, prefix: str = "",
+                                 metadata: dict[str, str] | None = None):
+    """Write the single file (atomic) under `prefix` ("" as released, COMFY_PREFIX as ComfyUI's full files), the
+    config (when known) in the metadata as `ernie_image_config` JSON so that non-standard sizes reload exactly."""
+    sd, config = state_and_config(model_or_sd, config)
+    save_with_config({prefix + k: v for k, v in sd.items()}, path, CONFIG_KEY, config, metadata)
+
+
+def save_ernie_image_diffusers(model_or_sd, config: ErnieImageConfig | None, folder: str):
+    """Write a diffusers transformer folder: config.json + diffusion_pytorch_model.safetensors."""
+    sd, config = state_and_config(model_or_sd, config)
+    if config is None:
+        raise ValueError("save_ernie_image_diffusers needs an ErnieImageConfig (or the model) to write config.json")
+    save_diffusers_folder(sd, diffusers_config(config), folder)
