@@ -129,9 +129,11 @@ def modulated(mod: Modulation, y: torch.Tensor) -> torch.Tensor:
     return (y.float() * (1 + mod.scale.float()) + mod.shift.float()).to(y.dtype)
 
 
-def gated(mod: Modulation, proj: nn.Module, h: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """gate * proj(h) in float32, rounded to `dtype`: the update a block adds to its residual."""
-    out = residual_projection(proj, h, mod.gate.requires_grad)
+def gated(mod: Modulation, proj: nn.Module, h: torch.Tensor, dtype: torch.dtype, last: bool = False) -> torch.Tensor:
+    """gate * proj(h) in float32, rounded to `dtype`: the update a block adds to its residual. last: proj is the
+    block's last projection (the MLP's), whose output nothing in the block's recompute reads: core.residual_projection
+    may skip its base GEMM there; the attention's output feeds the MLP's input, so it is computed in full."""
+    out = residual_projection(proj, h, mod.gate.requires_grad) if last else proj(h)
     return (mod.gate.float() * out.float()).to(dtype)
 
 
@@ -203,7 +205,7 @@ class Block(nn.Module):
         y = modulated(attn, self.adaLN_sa_ln(x))
         x = x + gated(attn, self.self_attention.to_out[0], self.self_attention(y, cos, sin, mask), x.dtype)
         y = modulated(mlp, self.adaLN_mlp_ln(x))
-        return x + gated(mlp, self.mlp.linear_fc2, self.mlp.hidden(y), x.dtype)
+        return x + gated(mlp, self.mlp.linear_fc2, self.mlp.hidden(y), x.dtype, last=True)
 
 
 class TimeEmbedding(nn.Module):
