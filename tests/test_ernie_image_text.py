@@ -10,37 +10,20 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from library.models.tiny_files import build_mistral_tokenizer, round_up, save_tokenizer
-
 MAX_LENGTH = 24  # the tiny tokenizer's model_max_length (the released one's is 2048): the long prompt is cut there
 PROMPTS = ["a red cat", "a watercolor painting of a lighthouse on a cliff at dusk, waves crashing on the rocks "
            "below, gulls over the foam", "", "two small dogs in the snow"]
-ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 16.0, "original_max_position_embeddings": 16384,
-        "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0, "llama_4_scaling_beta": 0.1}
 
 
 def write_pipeline(root, model_type: str) -> str:
-    """A tiny ERNIE-Image text_encoder/ (transformers Mistral3Model: Pixtral tower, projector, 3-layer language
-    model with the released rope; head_dim 16 != hidden / heads) and tokenizer/ (Mistral-style, <s> added)."""
-    from transformers import Mistral3Config, Mistral3Model
+    """A tiny ERNIE-Image text_encoder/ + tokenizer/ (tiny.write_mistral3_text_encoder: Pixtral tower, projector,
+    3-layer language model with the released rope; head_dim 16 != hidden / heads; <s> added), as `model_type`."""
+    from library.models.ernie_image.tiny import write_mistral3_text_encoder
 
-    tokenizer = build_mistral_tokenizer(("{}",))
-    tokenizer.model_max_length = MAX_LENGTH
     torch.manual_seed(0)
-    text = {"model_type": model_type, "vocab_size": round_up(len(tokenizer)), "hidden_size": 32, "num_hidden_layers": 3,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "intermediate_size": 64,
-            "rms_norm_eps": 1e-5, "max_position_embeddings": 262144, "sliding_window": None,
-            "tie_word_embeddings": True, "rope_parameters": dict(ROPE), "bos_token_id": 1, "eos_token_id": 2,
-            "pad_token_id": 11}
-    vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
-              "head_dim": 8, "patch_size": 14, "image_size": 56}
-    model = Mistral3Model(Mistral3Config(text_config=text, vision_config=vision))
-    with torch.no_grad():  # fresh norms are all ones: make the last decoder layer's and the final norm count
-        for p in model.language_model.parameters():
-            p.add_(0.05 * torch.randn_like(p))
     folder = os.path.join(root, model_type)
-    model.save_pretrained(os.path.join(folder, "text_encoder"), safe_serialization=True)
-    save_tokenizer(tokenizer, os.path.join(folder, "tokenizer"))
+    write_mistral3_text_encoder(os.path.join(folder, "text_encoder"), os.path.join(folder, "tokenizer"), model_type,
+                                MAX_LENGTH)
     return folder
 
 

@@ -21,7 +21,7 @@ from networks.lora import LoRAModule, LoRANetwork
 DIFFUSION_ARCHS = sorted({arch_specs()[a].arch for a in arch_specs()} - {"llm"})
 # Families whose blocks end in `x + gate * proj(h)` with an untrained gate by default; FLUX.1 trains its
 # modulation by default (sd-scripts' targets), Z-Image and Ideogram-4 norm the projection's output.
-SKIPPING = {"chroma", "flux2", "flux3", "krea2", "qwen_image", "qwen_image21"}
+SKIPPING = {"chroma", "ernie_image", "flux2", "flux3", "krea2", "qwen_image", "qwen_image21"}
 NOT_SKIPPING = {"flux", "zimage", "ideogram4"}  # (a family added later: the bits alone, until it joins a set)
 
 

@@ -17,9 +17,10 @@ LORA = S.LoRATargets(
 # -- LoRA files: converters' and inspectors' key tables (tools/)
 # kohya files (`lora_te_model_layers_0_self_attn_q_proj...`) <-> PEFT adapter folders, the layout
 # PeftModel.from_pretrained, vLLM and llama.cpp's convert_lora_to_gguf.py read.
+# Markers: the attention and down_proj; `layers.N.mlp.gate_proj / up_proj` are a diffusion family's block names too
+# (an LLM LoRA on the MLP holds its down_proj).
 LORA_FILES = S.LoRAFiles(
-    markers=("_self_attn_q_proj", "_self_attn_k_proj", "_self_attn_v_proj", "_self_attn_o_proj",
-             "_mlp_gate_proj", "_mlp_up_proj", "_mlp_down_proj"),
+    markers=("_self_attn_q_proj", "_self_attn_k_proj", "_self_attn_v_proj", "_self_attn_o_proj", "_mlp_down_proj"),
     block_pattern=r"(layers)[._](\d+)[._]",
     module_paths="library.models.llm_lora_files:module_paths",
     module_map="library.models.llm_lora_files:module_map_of_lora",  # a vision-language base's PEFT names

@@ -27,6 +27,9 @@ FAMILIES = {
     "flux2": "library.models.flux2.family:Flux2Family",
     "qwen_image_edit": "library.models.qwen_image.edit_family:QwenImageEditFamily",
     "qwen_image_layered": "library.models.qwen_image.layered:QwenImageLayeredFamily",
+    # ernie_image before zimage: ERNIE-Image's layers.N.self_attention.to_q holds Z-Image's names
+    # (`attention_to_q`): tools/lora_info.py asks the architectures in this order, ERNIE-Image's own names first
+    "ernie_image": "library.models.ernie_image.family:ErnieImageFamily",
     "zimage": "library.models.zimage.family:ZImageFamily",
     "zimage_omni": "library.models.zimage.omni_family:ZImageOmniFamily",
     "chroma": "library.models.chroma.family:ChromaFamily",

@@ -35,8 +35,9 @@ LORA = S.LoRATargets(
 # table; it takes lora_unet_ names only in its own module names): converting changes the prefix only.
 # LoRAs in ComfyUI's own names (fused attention.qkv ...) read through comfy_map (lora_files.py).
 LORA_FILES = S.LoRAFiles(
-    markers=("_attention_to_q", "_attention_to_k", "_attention_to_v", "_attention_to_out_0", "_feed_forward_w",
-             "noise_refiner_", "context_refiner_", "_attention_qkv"),
+    # the attention's with the block index before it: ERNIE-Image's `layers.N.self_attention.to_q` holds the rest
+    markers=(*(f"{i}_attention_to_" for i in range(10)), "_feed_forward_w", "noise_refiner_", "context_refiner_",
+             "_attention_qkv"),
     layouts=("kohya", "diffusers", "comfy"),
     # ours (zimage-turbo, zimage-base, zimage-omni) and ai-toolkit's zimage; musubi-tuner's modelspec Z-Image/lora
     model_versions=("zimage", "z-image", "z_image"),
