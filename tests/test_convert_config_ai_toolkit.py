@@ -326,6 +326,11 @@ def tiny_model(arch: str):
         from library.models.zimage.tiny import tiny_config
 
         return ZImage(tiny_config())
+    if arch == "ernie_image":
+        from library.models.ernie_image.model import ErnieImage
+        from library.models.ernie_image.tiny import tiny_config
+
+        return ErnieImage(tiny_config())
     from library.models.ideogram4.model import Ideogram4
     from library.models.ideogram4.tiny import tiny_config
 
@@ -334,7 +339,7 @@ def tiny_model(arch: str):
 
 # ai-toolkit's get_transformer_block_names: its LoRA wraps every Linear whose name holds one (transformer_only)
 @pytest.mark.parametrize("arch, blocks", [("qwen_image", "transformer_blocks"), ("zimage", "layers"),
-                                          ("ideogram4", "layers")])
+                                          ("ideogram4", "layers"), ("ernie_image", "layers")])
 def test_the_network_trains_every_linear_of_the_blocks_as_ai_toolkits_lora(arch, blocks):
     """The blocks' modulation Linears (img_mod / txt_mod, adaLN) are among them: ours leaves them out by default,
     so the translation trained fewer modules than ai-toolkit; it adds train_modulation=true."""
@@ -372,7 +377,8 @@ def test_a_list_of_resolutions_becomes_one_datasets_table_per_size_with_the_regu
         (2, [(2, False), (1, True)]), (2, [(2, False)]), (2, [(2, False)])]
 
 
-@pytest.mark.parametrize("arch, step", [("flux2", 16), ("qwen_image", 32), ("chroma", 32), ("zimage", 16)])
+@pytest.mark.parametrize("arch, step", [("flux2", 16), ("qwen_image", 32), ("chroma", 32), ("zimage", 16),
+                                        ("ernie_image", 32)])
 def test_buckets_step_as_ai_toolkits_model_whatever_bucket_tolerance_says(arch, step):
     """ai-toolkit's loader writes its model's get_bucket_divisibility over every dataset's bucket_tolerance; ours
     carried bucket_tolerance (64 where unset): FLUX.2 images bucketed at 64 px steps where ai-toolkit's take 16."""

@@ -311,7 +311,7 @@ def test_fp8_compute_row_and_column_need_bf16_then_run(tiny_set, tmp_path, capsy
 # The random LoRA moves the tiny FLUX.3's output by only 1-2% (random inputs): computed in bf16, its effect error on
 # an fp8 base is 0.21, in fp32 0.035 (both measured), the rest bf16's rounding of that small difference. It runs fp32.
 @pytest.mark.parametrize("family, dtype", [("zimage", "bf16"), ("chroma", "bf16"), ("krea2", "bf16"),
-                                           ("flux3", "fp32")])
+                                           ("flux3", "fp32"), ("ernie_image", "bf16")])
 def test_a_tiny_matrix_runs_on_the_families_tiny_set(tiny_set, tmp_path, family, dtype):
     """Every deploy column for one given LoRA (random, rank 4: no training) on the family's tiny set at
     128 px, one image, one sigma: the config comes from the family's spec (TINY.config_files) through

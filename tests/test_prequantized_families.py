@@ -25,6 +25,8 @@ import train_lora
 from library.io import CheckpointError, CheckpointReader
 from library.models.chroma.checkpoint import load_chroma
 from library.models.chroma.model import Chroma
+from library.models.ernie_image.checkpoint import load_ernie_image
+from library.models.ernie_image.model import ErnieImage
 from library.models.flux3.checkpoint import load_flux3
 from library.models.flux3.model import Flux3Transformer
 from library.models.zimage.checkpoint import CONFIG_KEY, QKV, from_single_file_state_dict, load_zimage
@@ -47,6 +49,7 @@ FAMILIES = {
     "zimage": ("zimage", CONFIG_KEY, ZImage, load_zimage),
     "chroma": ("chroma_bfl", "chroma_config", Chroma, load_chroma),
     "flux3": ("flux3_tiny", "flux3_config", Flux3Transformer, load_flux3),
+    "ernie_image": ("ernie_image", "ernie_image_config", ErnieImage, load_ernie_image),
 }
 # layout -> (what the loader reports, the ComfyUI prefix the file carries)
 LAYOUTS = {
