@@ -642,7 +642,8 @@ def test_real_tiny_llm_in_fp8_scaled_trains_only_lora():
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in net.trainable_parameters())
 
 
-@pytest.mark.parametrize("family, ranks, added", [("krea2", 6, 8), ("ideogram4", 5, 7), ("qwen_image21", 5, 7)])
+@pytest.mark.parametrize("family, ranks, added", [("krea2", 6, 8), ("ideogram4", 5, 7), ("qwen_image21", 5, 7),
+                                                  ("ernie_image", 4, 6)])
 def test_in_dims_adds_the_embedders_and_final_layer_where_the_docs_say(family, ranks, added):
     """README and the configs give these families `in_dims`; the config check refused it as an unknown key
     (only FLUX.1's spec listed it) until 2026-11-27."""
@@ -652,8 +653,8 @@ def test_in_dims_adds_the_embedders_and_final_layer_where_the_docs_say(family, r
 
     model_module = importlib.import_module(f"library.models.{family}.model")
     tiny = importlib.import_module(f"library.models.{family}.tiny")
-    model = getattr(model_module, {"krea2": "Krea2", "ideogram4": "Ideogram4", "qwen_image21": "QwenImage21"}[family])(
-        tiny.tiny_config())
+    classes = {"krea2": "Krea2", "ideogram4": "Ideogram4", "qwen_image21": "QwenImage21", "ernie_image": "ErnieImage"}
+    model = getattr(model_module, classes[family])(tiny.tiny_config())
     args = {"in_dims": str([4] * ranks)}
     check_network_args("networks.lora", family, args)
     plain = len(LoRANetwork(model, family, rank=4, alpha=4).lora_modules())
