@@ -16,7 +16,7 @@ from safetensors.torch import load_file
 import train_lora
 from library.models.ernie_image.family import ErnieImageFamily
 from library.models.family import stack_text
-from library.models.latents import pack_latents, patchify
+from library.models.latents import patchify
 from networks.lora import LoRANetwork
 from tests.test_train_lora import sample_png
 
