@@ -148,6 +148,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.flux3.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.flux3.learned:LEARNED",
     default_config="flux3.toml",
     config_keys=CONFIG_KEYS,
     # the modular pipelines' defaults: Flux3SetTimestepsStep 50 steps (16 for the step-distilled model),

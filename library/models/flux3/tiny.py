@@ -67,9 +67,17 @@ def write_flux3(out: str, seed: int) -> dict[str, str]:
 
 
 def write_flux3_text_encoder(out: str, seed: int) -> dict[str, str]:
-    """The pipeline folder's text side as FLUX.3's repo holds it: text_encoder/ (a transformers
-    Qwen3VLForConditionalGeneration, TEXT_LAYERS layers) and tokenizer/ (the processor's files: the image
-    processor's and the Qwen2-style tokenizer's, Qwen3-VL's chat template in tokenizer_config.json)."""
+    """The pipeline folder's text side as FLUX.3's repo holds it, in out/flux3 (write_qwen3_vl_text_encoder)."""
+    root = os.path.join(out, "flux3")
+    folder, tok_folder = os.path.join(root, "text_encoder"), os.path.join(root, "tokenizer")
+    write_qwen3_vl_text_encoder(folder, tok_folder, seed)
+    return {"flux3_text_encoder": folder, "flux3_tokenizer": tok_folder}
+
+
+def write_qwen3_vl_text_encoder(folder: str, tok_folder: str, seed: int) -> None:
+    """text_encoder/ (a transformers Qwen3VLForConditionalGeneration, TEXT_LAYERS layers) in `folder` and
+    tokenizer/ (the processor's files: the image processor's and the Qwen2-style tokenizer's, Qwen3-VL's chat
+    template in tokenizer_config.json) in `tok_folder`."""
     from transformers import Qwen3VLForConditionalGeneration
 
     from library.models.flux3.text_encoder import QWEN3_VL_USER_PROMPT
@@ -79,10 +87,7 @@ def write_flux3_text_encoder(out: str, seed: int) -> dict[str, str]:
     tokenizer = build_qwen_tokenizer(vision_templates=(QWEN3_VL_USER_PROMPT,))
     seed_component(seed, 62)
     model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer, TEXT_LAYERS, images=True))
-    root = os.path.join(out, "flux3")
-    folder, tok_folder = os.path.join(root, "text_encoder"), os.path.join(root, "tokenizer")
     model.save_pretrained(folder, safe_serialization=True)
     tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
     save_vl_processor(tok_folder, {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 32 * 32,
                                    "max_pixels": 256 * 256}, "Qwen3VLProcessor", tokenizer)
-    return {"flux3_text_encoder": folder, "flux3_tokenizer": tok_folder}

@@ -1,0 +1,64 @@
+"""FLUX.3's learned tiny base (spec.LearnedBase; tools/pretrain_tiny_base.py --model_type flux3 trains it,
+learned/flux3/ ships it): a FLUX.3 [klein]-architecture transformer, the base (no flow map: hidden 128, 4 heads of
+32, 2 per-mode blocks for each of image, image_cond and text, 2 single blocks, RoPE axes (8, 8, 8, 8)) in BFL's
+single-file format, bf16 as released; FLUX.2's learned VAE recipe (flux2/learned.py: the released
+AutoencoderKLFlux2 architecture with small channels, a diffusers folder, float32; the same config and seed, so the
+pretrainer trains the same weights as FLUX.2's on the same CPU); make_tiny_models' frozen tiny Qwen3-VL text
+encoder (seed 0) with its tokenizer. Captions keep FLUX.3's window of a multiple of 80 tokens (no config key cuts
+it; the chat template and the longest scene caption take 41 of the tiny tokenizer's tokens: one window). The
+image_cond blocks are trained by no scene (no references): they stay at their init, as in make_tiny_models'."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from library.models import spec as S
+
+DIT = dict(hidden_size=128, num_heads=4, depth=2, depth_single=2, axes_dim=(8, 8, 8, 8), flow_map=False)
+
+
+def family(paths: dict[str, str]):
+    from library.models.flux3.family import Flux3Family
+
+    family = Flux3Family(paths["pretrained_model_name_or_path"], paths["ae"], text_encoder=paths["text_encoder"])
+    if not os.path.exists(paths["pretrained_model_name_or_path"]):  # the pretrainer encodes before it is written
+        family.is_distilled = False  # DIT: the base, no flow map (is_distilled reads the file's keys)
+    return family
+
+
+def write_text_encoders(paths: dict[str, str]) -> None:
+    from library.models.flux3.tiny import write_qwen3_vl_text_encoder
+
+    folder = paths["text_encoder"]
+    write_qwen3_vl_text_encoder(folder, os.path.join(os.path.dirname(folder), "tokenizer"), 0)  # make_tiny_models'
+
+
+def new_transformer(text: dict[str, torch.Tensor]):
+    from library.models.flux2.learned import VAE_CONFIG
+    from library.models.flux3.model import Flux3Config, Flux3Transformer
+
+    packed = 4 * VAE_CONFIG["latent_channels"]  # 2 x 2 patches of the VAE's latents
+    return Flux3Transformer(Flux3Config(in_channels=packed, cond_in_channels=packed,
+                                        context_in_dim=text["embeds"].shape[2], **DIT))
+
+
+def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
+    from library.models.flux3.checkpoint import save_flux3_bfl, save_flux3_diffusers
+
+    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}  # bf16, as BFL releases
+    save_flux3_bfl(sd, paths["pretrained_model_name_or_path"], model.config)
+    if diffusers:
+        save_flux3_diffusers(sd, model.config, os.path.join(os.path.dirname(paths["ae"]), "diffusers", "transformer"))
+
+
+_HERE, _FLUX2 = "library.models.flux3.learned:", "library.models.flux2.learned:"
+LEARNED = S.LearnedBase(
+    files=(("pretrained_model_name_or_path", "flux3-learned.safetensors"), ("ae", "vae"),
+           ("text_encoder", "text_encoder")),
+    family=_HERE + "family",
+    write_text_encoders=_HERE + "write_text_encoders", new_vae=_FLUX2 + "new_vae", save_vae=_FLUX2 + "save_vae",
+    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
+    config="quickstart_flux3.toml",
+)
