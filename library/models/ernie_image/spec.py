@@ -38,15 +38,18 @@ LORA = S.LoRATargets(
 # (an LLM's MLP ends in down_proj) and the modules outside the blocks. Its `layers.N.mlp.gate_proj / up_proj` are an
 # LLM's names too, and `_attention_to_q` Z-Image's markers: the LLM and Z-Image markers say so (llm_spec.py,
 # zimage/spec.py), and ERNIE-Image is registered before Z-Image (registry.py: lora_info tries it first).
+# The shared adaLN projection is top-level (`adaLN_modulation.1`, behind a prefix only): Z-Image's final layer holds
+# an `all_final_layer.2-1.adaLN_modulation.1` (its marker named Z-Image's transformer as ERNIE-Image's).
+_ADALN = ("unet_adaLN_modulation_1", "transformer_adaLN_modulation_1", "model_adaLN_modulation_1")
 LORA_FILES = S.LoRAFiles(
-    markers=("_self_attention_to_", "_mlp_linear_fc2", "adaLN_modulation_1", "final_norm_linear", "final_linear",
+    markers=("_self_attention_to_", "_mlp_linear_fc2", *_ADALN, "final_norm_linear", "final_linear",
              "time_embedding_linear_"),
     model_versions=("ernie-image",),  # ours (ernie-image) and ai-toolkit's ernie_image; our modelspec ERNIE-Image/lora
     block_pattern=r"(layers)[._](\d+)[._]",
     module_paths="library.models.ernie_image.lora_files:module_paths",
     layouts=("kohya", "diffusers", "comfy"),
-    info_markers=(("diffusers", r"layers_\d+_(self_attention_to_(q|k|v|out_0)|mlp_linear_fc2)$|adaLN_modulation_1"
-                                r"|final_norm_linear|final_linear"),),
+    info_markers=(("diffusers", r"layers_\d+_(self_attention_to_(q|k|v|out_0)|mlp_linear_fc2)$"
+                                r"|(^|unet_|transformer_|model_)adaLN_modulation_1$|final_norm_linear|final_linear"),),
     info_blocks=(("block", r"(?:^|_)layers_(\d+)_"),),
     width_modules=r"self_attention_to_[qkv]|mlp_(gate|up)_proj",
     releases=(S.Release("ERNIE-Image", 4096, {"block": 36}),),
