@@ -723,7 +723,8 @@ def test_a_peft_adapter_of_a_vision_language_base_applies_in_peft_and_reads_back
     assert convert_lora.main([str(tmp_path / "k.safetensors"), str(tmp_path / "p"), "--to", "peft", "--model",
                               str(base)]) == 0
     with torch.no_grad():
-        converted = PeftModel.from_pretrained(AutoModelForImageTextToText.from_pretrained(str(base)), str(tmp_path / "p"))
+        vl = AutoModelForImageTextToText.from_pretrained(str(base))
+        converted = PeftModel.from_pretrained(vl, str(tmp_path / "p"))
         assert float((converted.eval()(input_ids=ids).logits - peft_logits).abs().max()) < 1e-5 * max(1.0, moved)
 
 

@@ -64,9 +64,9 @@ def write_mistral3_text_encoder(folder: str, tok_folder: str, model_type: str = 
                                 max_length: int | None = None) -> None:
     """text_encoder/ as ERNIE-Image's pipeline folder holds it (transformers Mistral3Model: a one-layer Pixtral
     tower, the projector and a TEXT_LAYERS-layer language model of width lm_hidden, head_dim 16 != width / heads,
-    the released YaRN RoPE with llama_4_scaling_beta, tied embeddings) and its tokenizer (Mistral-style, <s> added; model_max_length `max_length`
-    where given). The language model's weights are moved off their init (fresh norms are all ones, so the last layer
-    and the final norm count), from torch's generator as seeded."""
+    the released YaRN RoPE with llama_4_scaling_beta, tied embeddings) and its tokenizer (Mistral-style, <s> added;
+    model_max_length `max_length` where given). The language model's weights are moved off their init (fresh norms
+    are all ones, so the last layer and the final norm count), from torch's generator as seeded."""
     import torch
     from transformers import Mistral3Config, Mistral3Model
 
@@ -80,7 +80,8 @@ def write_mistral3_text_encoder(folder: str, tok_folder: str, model_type: str = 
     text = {"model_type": model_type, "vocab_size": round_up(len(tokenizer)), "hidden_size": h,
             "num_hidden_layers": TEXT_LAYERS, "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
             "intermediate_size": 2 * h, "rms_norm_eps": 1e-5, "max_position_embeddings": 262144,
-            "sliding_window": None, "tie_word_embeddings": True, "rope_parameters": dict(MINISTRAL_3_3B_TEXT_CONFIG["rope_parameters"]),
+            "sliding_window": None, "tie_word_embeddings": True,
+            "rope_parameters": dict(MINISTRAL_3_3B_TEXT_CONFIG["rope_parameters"]),
             "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
             "pad_token_id": tokenizer.pad_token_id}
     vision = {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,

@@ -32,10 +32,11 @@ the outputs are cast to float32 for caching (diffusers returns the text encoder'
 Batches of windows of different lengths: diffusers never masks text, so any token added to a sample's
 window changes its prediction: zeros, and copies of its pad state too (those equal what diffusers gives
 for a longer window, i.e. another pad_multiple, but not the sample's own input: each copy is one more
-key, at its own text position, that the image and text queries attend to). Exact ways: (a) the transformer takes `mask` as a key mask on the text (the tokens beyond
-W_i add nothing; their own outputs are never read; text positions 0..W_i - 1 and the image positions,
-which do not depend on the text length, are unchanged), or (b) a batch holds one window length
-(ceil(n / 80), the cap aside). Zero-padding without the mask (collate_batch's default) is not exact.
+key, at its own text position, that the image and text queries attend to). Exact ways: (a) the transformer
+takes `mask` as a key mask on the text (the tokens beyond W_i add nothing; their own outputs are never read;
+text positions 0..W_i - 1 and the image positions, which do not depend on the text length, are unchanged), or
+(b) a batch holds one window length (ceil(n / 80), the cap aside): the family runs (b), one forward per window
+length (family.py predict). Zero-padding without the mask (collate_batch's default) is not exact.
 """
 
 from __future__ import annotations
