@@ -43,14 +43,16 @@ def new_vae(image_size: int):
     return AutoencoderKLFlux2(**VAE_CONFIG, sample_size=image_size)
 
 
-def save_vae(vae, paths: dict[str, str], diffusers: bool) -> None:
+def save_vae(vae, paths: dict[str, str], diffusers: bool, bn_eps: float | None = None) -> None:
     """A diffusers folder (the released layout; `diffusers` changes nothing). The pretrainer's shift and scale
     (mean and 1 / std of its latents) become the BatchNorm statistics the pipeline normalises by, every patch
-    channel alike; its config keeps AutoencoderKLFlux2's own keys."""
+    channel alike, with the eps it adds (bn_eps; default the config's batch_norm_eps, as FLUX.2's pipelines);
+    its config keeps AutoencoderKLFlux2's own keys."""
     shift, scale = vae.config.shift_factor, vae.config.scaling_factor
+    eps = vae.config.batch_norm_eps if bn_eps is None else bn_eps
     with torch.no_grad():
         vae.bn.running_mean.fill_(shift)
-        vae.bn.running_var.fill_(1.0 / scale**2 - vae.config.batch_norm_eps)
+        vae.bn.running_var.fill_(1.0 / scale**2 - eps)
     config = {k: list(v) if isinstance(v, tuple) else v for k, v in vae.config.items()
               if not k.startswith("_") and k not in ("shift_factor", "scaling_factor")}
     folder = paths["ae"]
