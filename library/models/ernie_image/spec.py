@@ -122,6 +122,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.ernie_image.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.ernie_image.learned:LEARNED",
     default_config="ernie_image.toml",
     config_keys=CONFIG_KEYS,
     # ErnieImagePipeline.__call__'s defaults: 50 steps, CFG guidance_scale 4.0 with the negative prompt "" (above 1)
