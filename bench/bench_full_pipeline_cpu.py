@@ -13,6 +13,10 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --family ideogram4 --work /tmp/fullideo4   # Ideogram 4 fp8r, ~26 GB
     python bench/bench_full_pipeline_cpu.py --family qwen_image_layered --work /tmp/fulllayered --qwen-blocks 6
         # Qwen-Image-Layered as Qwen-Image (full width, 6 blocks), its RGBA VAE, composites with 2 layers
+    python bench/bench_full_pipeline_cpu.py --family flux3 --work /tmp/fullflux3       # FLUX.3 [klein] base, ~22 GB
+    python bench/bench_full_pipeline_cpu.py --family ernie_image --work /tmp/fullernie # ERNIE-Image, ~24 GB
+
+The writers of the generic files and of FLUX.3's and ERNIE-Image's are in bench/full_size_files.py.
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -63,58 +67,16 @@ from library.models.vae import autoencoder_kl_to_ldm_state_dict  # noqa: E402
 from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer, save_tokenizer  # noqa: E402
 from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 
-GiB = 1024**3
+from bench.full_size_files import (  # noqa: E402, F401 (meta_shapes, write_random: bench_planner_cpu.py's)
+    ERNIE_IMAGE_FILE, FLUX3_FILE, GiB, QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, meta_shapes, qwen3_vl_4b, random_tensor,
+    write_ernie_image_files, write_flux2_vae, write_flux3_files, write_qwen3_vl_folder, write_random,
+    write_random_sharded)
 PHASES = (("vae caching", "latents:"), ("text caching", "captions:"), ("transformer load", "training:"),
           ("training", "_lr.png"), ("sample + save", "saved "))
 
 
 # ----------------------------------------------------------------------------------------------
 # Random full-size files, tensor by tensor
-
-
-ONES = ("cap_embedder.0.weight",)  # norm scales whose names do not say so (Z-Image's caption RMSNorm)
-
-
-def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    if len(shape) == 1 and ("norm" in name or name.endswith(("scale", ".g", "running_var")) or name in ONES):
-        return torch.ones(shape, dtype=torch.bfloat16)
-    return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
-
-
-def write_random(path: str, shapes: dict[str, tuple[int, ...]], seed: int, metadata: dict[str, str] | None = None):
-    generator = torch.Generator().manual_seed(seed)
-    entries = [Entry(k, torch.bfloat16, tuple(s)) for k, s in shapes.items()]
-    tensors = ((e.key, random_tensor(e.key, e.shape, generator)) for e in entries)
-    tmp = path + ".tmp"
-    write_safetensors_streaming(tmp, entries, tensors, metadata or {"format": "pt"})
-    os.replace(tmp, path)
-    print(f"wrote {path}: {sum(e.nbytes for e in entries) / GiB:.2f} GiB", flush=True)
-
-
-def write_random_sharded(folder: str, stem: str, shapes: dict[str, tuple[int, ...]], seed: int, shards: int):
-    """<folder>/<stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json, as the released
-    repos shard (keys in order, cut into `shards` files of about equal bytes); tensor by tensor."""
-    os.makedirs(folder, exist_ok=True)
-    total = sum(Entry(k, torch.bfloat16, tuple(s)).nbytes for k, s in shapes.items())
-    groups, size = [[]], 0
-    for key, shape in shapes.items():
-        if size >= total * len(groups) / shards and len(groups) < shards:
-            groups.append([])
-        groups[-1].append(key)
-        size += Entry(key, torch.bfloat16, tuple(shape)).nbytes
-    weight_map = {}
-    for i, keys in enumerate(groups):
-        name = f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors"
-        write_random(os.path.join(folder, name), {k: shapes[k] for k in keys}, seed * 100 + i)
-        weight_map.update({k: name for k in keys})
-    with open(os.path.join(folder, f"{stem}.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
-
-
-def meta_shapes(build) -> dict[str, tuple[int, ...]]:
-    with torch.device("meta"):
-        module = build()
-    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
 
 
 def write_flux_vae(work: str):
@@ -159,31 +121,6 @@ def write_hf_encoder(work: str, name: str, config, cls, tokenizer, prefix: str, 
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"architectures": [cls.__name__], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
     save_tokenizer(tokenizer, folder)
-
-
-# Qwen3-VL-8B's language model and vision tower (Qwen-Image-2.1's and Ideogram 4's text encoder); the
-# pad token comes from the tokenizer written beside it.
-QWEN3_VL_8B_TEXT = {
-    "vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
-    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "rms_norm_eps": 1e-6,
-    "max_position_embeddings": 262144, "tie_word_embeddings": False,
-    "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True, "rope_theta": 5000000.0}}
-QWEN3_VL_8B_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16, "out_hidden_size": 4096,
-                      "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24], "patch_size": 16}
-
-
-def write_qwen3_vl_folder(folder: str, text: dict, vision: dict, tokenizer, shards: int, conditional: bool = False, **ids):
-    """A Qwen3-VL text-encoder folder (Qwen3VLModel, or Qwen3VLForConditionalGeneration when `conditional`)
-    with random bf16 weights for the language model only (text-to-image never reads the vision tower or
-    lm_head), in `shards` shards, and its config.json."""
-    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
-
-    config = Qwen3VLConfig(text_config={**text, "pad_token_id": tokenizer.pad_token_id}, vision_config=vision, **ids)
-    cls, prefix = (Qwen3VLForConditionalGeneration, "model.language_model.") if conditional else (Qwen3VLModel, "language_model.")
-    shapes = {k: v for k, v in meta_shapes(lambda: cls(config)).items() if k.startswith(prefix)}
-    write_random_sharded(folder, "model", shapes, 3, shards)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({"architectures": [cls.__name__], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
 
 
 def write_chroma_files(work: str):
@@ -257,20 +194,6 @@ def write_flux2_files(work: str):
                  metadata={})
     write_flux2_vae(work)
     write_qwen3_4b_folder(work)
-
-
-def write_flux2_vae(work: str):
-    """<work>/vae: FLUX.2's AutoencoderKLFlux2 at diffusers' defaults (its released size)."""
-    from diffusers import AutoencoderKLFlux2
-
-    with torch.device("meta"):
-        vae = AutoencoderKLFlux2()
-    folder = os.path.join(work, "vae")
-    os.makedirs(folder, exist_ok=True)
-    write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"),  # running_var 1, no step counter
-                 {k: tuple(v.shape) for k, v in vae.state_dict().items() if not k.endswith("num_batches_tracked")}, 2)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({"_class_name": "AutoencoderKLFlux2", **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
 
 
 def write_qwen3_4b_folder(work: str, shards: int = 1):
@@ -376,22 +299,13 @@ def write_krea2_files(work: str):
 
     from library.models.krea2.model import KREA2_RAW, Krea2
     from library.models.krea2.text_encoder import KREA2_TAPS
-    from library.models.llm import QWEN3_VL_4B
     from library.models.tiny_files import build_qwen_tokenizer, write_json
 
     os.makedirs(work, exist_ok=True)
     write_random(os.path.join(work, "raw.safetensors"), meta_shapes(lambda: Krea2(KREA2_RAW)), 1, metadata={})
     write_qwen_image_vae(work)
     tokenizer = build_qwen_tokenizer()
-    c = QWEN3_VL_4B
-    text = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
-            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
-            "intermediate_size": c.intermediate_size, "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": True,
-            "max_position_embeddings": c.max_position_embeddings,
-            "rope_parameters": {"rope_type": "default", "mrope_section": list(c.mrope_section), "mrope_interleaved": True,
-                                "rope_theta": c.rope_theta}}
-    vision = {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2560,
-              "num_position_embeddings": 2304, "deepstack_visual_indexes": [5, 11, 17], "patch_size": 16}
+    text, vision = qwen3_vl_4b()
     write_qwen3_vl_folder(os.path.join(work, "text_encoder"), text, vision, tokenizer, 2)
     save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
     write_json(os.path.join(work, "model_index.json"), {
@@ -557,6 +471,18 @@ ae = "{work}/vae"
 text_encoder = "{work}"
 output_name = "full_krea2"
 ''',
+        "flux3": f'''model_type = "flux3"
+pretrained_model_name_or_path = "{work}/{FLUX3_FILE}"
+ae = "{work}/vae"
+text_encoder = "{work}"
+output_name = "full_flux3"
+''',
+        "ernie_image": f'''model_type = "ernie_image"
+pretrained_model_name_or_path = "{work}/{ERNIE_IMAGE_FILE}"
+ae = "{work}/vae"
+text_encoder = "{work}"
+output_name = "full_ernie_image"
+''',
         "qwen_image21": f'''model_type = "qwen_image21"
 pretrained_model_name_or_path = "{work}"
 ae = "{work}/vae"
@@ -661,9 +587,13 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     p.add_argument("--work", default="/tmp/fullsize")
     p.add_argument("--skip-write", action="store_true")
-    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2", "ideogram4", "qwen_image_layered"], default="flux",
+    p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2",
+                                        "ideogram4", "qwen_image_layered", "flux3", "ernie_image"], default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
-                        "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, whole; krea2: Krea 2 Raw, whole; ideogram4: Ideogram 4 (fp8r), whole; qwen_image_layered: --qwen-blocks of 60, RGBA VAE, 2 layers")
+                        "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, "
+                        "whole; krea2: Krea 2 Raw, whole; ideogram4: Ideogram 4 (fp8r), whole; qwen_image_layered: "
+                        "--qwen-blocks of 60, RGBA VAE, 2 layers; flux3: FLUX.3 [klein] base, whole; ernie_image: "
+                        "ERNIE-Image, whole")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
@@ -691,6 +621,10 @@ def main(argv=None):
             write_krea2_files(args.work)
         elif args.family == "ideogram4":
             write_ideogram4_files(args.work)
+        elif args.family == "flux3":
+            write_flux3_files(args.work)
+        elif args.family == "ernie_image":
+            write_ernie_image_files(args.work)
         else:
             write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)

@@ -1,0 +1,197 @@
+"""Random-weight files at the released sizes, tensor by tensor, for bench/bench_full_pipeline_cpu.py (which
+imports them; bench/bench_planner_cpu.py too): the generic writers (one file, sharded, a Qwen3-VL folder, FLUX.2's
+VAE) and the per-family writers of FLUX.3 [klein] and ERNIE-Image.
+
+Weights are N(0, 0.02), norm scales 1 (random_tensor); writing never holds a model (each tensor drawn and written
+one at a time by tools/merge_lora.write_safetensors_streaming).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from library.models.tiny_files import save_tokenizer  # noqa: E402
+from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
+
+GiB = 1024**3
+
+
+ONES = ("cap_embedder.0.weight",)  # norm scales whose names do not say so (Z-Image's caption RMSNorm)
+
+
+def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator,
+                  ones: tuple[str, ...] = ()) -> torch.Tensor:
+    """N(0, 0.02) in bf16; 1-D norm scales ones (and 1-D tensors whose names end with one of `ones`)."""
+    norm = "norm" in name or name.endswith(("scale", ".g", "running_var", *ones)) or name in ONES
+    if len(shape) == 1 and norm:
+        return torch.ones(shape, dtype=torch.bfloat16)
+    return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+
+
+def write_random(path: str, shapes: dict[str, tuple[int, ...]], seed: int, metadata: dict[str, str] | None = None,
+                 ones: tuple[str, ...] = ()):
+    generator = torch.Generator().manual_seed(seed)
+    entries = [Entry(k, torch.bfloat16, tuple(s)) for k, s in shapes.items()]
+    tensors = ((e.key, random_tensor(e.key, e.shape, generator, ones)) for e in entries)
+    tmp = path + ".tmp"
+    write_safetensors_streaming(tmp, entries, tensors, metadata or {"format": "pt"})
+    os.replace(tmp, path)
+    print(f"wrote {path}: {sum(e.nbytes for e in entries) / GiB:.2f} GiB", flush=True)
+
+
+def write_random_sharded(folder: str, stem: str, shapes: dict[str, tuple[int, ...]], seed: int, shards: int,
+                         ones: tuple[str, ...] = ()):
+    """<folder>/<stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json, as the released
+    repos shard (keys in order, cut into `shards` files of about equal bytes); tensor by tensor."""
+    os.makedirs(folder, exist_ok=True)
+    total = sum(Entry(k, torch.bfloat16, tuple(s)).nbytes for k, s in shapes.items())
+    groups, size = [[]], 0
+    for key, shape in shapes.items():
+        if size >= total * len(groups) / shards and len(groups) < shards:
+            groups.append([])
+        groups[-1].append(key)
+        size += Entry(key, torch.bfloat16, tuple(shape)).nbytes
+    weight_map = {}
+    for i, keys in enumerate(groups):
+        name = f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        write_random(os.path.join(folder, name), {k: shapes[k] for k in keys}, seed * 100 + i, ones=ones)
+        weight_map.update({k: name for k in keys})
+    with open(os.path.join(folder, f"{stem}.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+
+
+def meta_shapes(build) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        module = build()
+    return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def write_flux2_vae(work: str):
+    """<work>/vae: FLUX.2's AutoencoderKLFlux2 at diffusers' defaults (its released size)."""
+    from diffusers import AutoencoderKLFlux2
+
+    with torch.device("meta"):
+        vae = AutoencoderKLFlux2()
+    folder = os.path.join(work, "vae")
+    os.makedirs(folder, exist_ok=True)
+    write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"),  # running_var 1, no step counter
+                 {k: tuple(v.shape) for k, v in vae.state_dict().items() if not k.endswith("num_batches_tracked")}, 2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"_class_name": "AutoencoderKLFlux2",
+                   **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
+
+
+# Qwen3-VL-8B's language model and vision tower (Qwen-Image-2.1's and Ideogram 4's text encoder); the
+# pad token comes from the tokenizer written beside it.
+QWEN3_VL_8B_TEXT = {
+    "vocab_size": 151936, "hidden_size": 4096, "num_hidden_layers": 36, "num_attention_heads": 32,
+    "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 12288, "rms_norm_eps": 1e-6,
+    "max_position_embeddings": 262144, "tie_word_embeddings": False,
+    "rope_parameters": {"rope_type": "default", "mrope_section": [24, 20, 20], "mrope_interleaved": True,
+                        "rope_theta": 5000000.0}}
+QWEN3_VL_8B_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 4304, "num_heads": 16,
+                      "out_hidden_size": 4096, "num_position_embeddings": 2304, "deepstack_visual_indexes": [8, 16, 24],
+                      "patch_size": 16}
+
+
+def write_qwen3_vl_folder(folder: str, text: dict, vision: dict, tokenizer, shards: int, conditional: bool = False,
+                          **ids):
+    """A Qwen3-VL text-encoder folder (Qwen3VLModel, or Qwen3VLForConditionalGeneration when `conditional`)
+    with random bf16 weights for the language model only (text-to-image never reads the vision tower or
+    lm_head), in `shards` shards, and its config.json."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
+
+    config = Qwen3VLConfig(text_config={**text, "pad_token_id": tokenizer.pad_token_id}, vision_config=vision, **ids)
+    cls, prefix = ((Qwen3VLForConditionalGeneration, "model.language_model.") if conditional
+                   else (Qwen3VLModel, "language_model."))
+    shapes = {k: v for k, v in meta_shapes(lambda: cls(config)).items() if k.startswith(prefix)}
+    write_random_sharded(folder, "model", shapes, 3, shards)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": [cls.__name__], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
+
+
+def qwen3_vl_4b() -> tuple[dict, dict]:
+    """Qwen3-VL-4B's text_config and vision_config (Krea 2's and FLUX.3's text encoder), from llm.QWEN3_VL_4B."""
+    from library.models.llm import QWEN3_VL_4B as c
+
+    text = {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_layers,
+            "num_attention_heads": c.num_heads, "num_key_value_heads": c.num_kv_heads, "head_dim": c.head_dim,
+            "intermediate_size": c.intermediate_size, "rms_norm_eps": c.rms_norm_eps, "tie_word_embeddings": True,
+            "max_position_embeddings": c.max_position_embeddings,
+            "rope_parameters": {"rope_type": "default", "mrope_section": list(c.mrope_section),
+                                "mrope_interleaved": True, "rope_theta": c.rope_theta}}
+    vision = {"depth": 24, "hidden_size": 1024, "intermediate_size": 4096, "num_heads": 16, "out_hidden_size": 2560,
+              "num_position_embeddings": 2304, "deepstack_visual_indexes": [5, 11, 17], "patch_size": 16}
+    return text, vision
+
+
+# ----------------------------------------------------------------------------------------------
+# FLUX.3 [klein] and ERNIE-Image
+
+FLUX3_FILE = "flux-3-image-klein-base.safetensors"
+ERNIE_IMAGE_FILE = "ernie-image.safetensors"
+
+
+def write_flux3_files(work: str):
+    """FLUX.3 [klein] base at its released size: the transformer as BFL's single file (FLUX3_IMAGE, 5,538,458,368
+    parameters, bf16, no metadata: the loader reads the config from the shapes), FLUX.2's VAE as vae/,
+    text_encoder/ (a Qwen3VLForConditionalGeneration folder with Qwen3-VL-4B's config, as FLUX.3's repo holds it;
+    only the language model's weights, 4.02 B: text never reads the vision tower or lm_head) and tokenizer/ (the
+    processor's files: the small Qwen tokenizer with the vision tokens and Qwen3-VL's chat template)."""
+    from library.models.flux3.model import FLUX3_IMAGE, Flux3Transformer
+    from library.models.flux3.text_encoder import QWEN3_VL_USER_PROMPT
+    from library.models.qwen_image21.tiny import QWEN3_VL_CHAT_TEMPLATE
+    from library.models.tiny_files import build_qwen_tokenizer, save_vl_processor
+
+    os.makedirs(work, exist_ok=True)
+    write_random(os.path.join(work, FLUX3_FILE), meta_shapes(lambda: Flux3Transformer(FLUX3_IMAGE)), 1, metadata={})
+    write_flux2_vae(work)
+    tokenizer = build_qwen_tokenizer(vision_templates=(QWEN3_VL_USER_PROMPT,))
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
+           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+           ("vision_end_token_id", "<|vision_end|>"))}
+    text, vision = qwen3_vl_4b()
+    write_qwen3_vl_folder(os.path.join(work, "text_encoder"), text, vision, tokenizer, 2, conditional=True, **ids)
+    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    save_vl_processor(os.path.join(work, "tokenizer"), {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+                      "min_pixels": 32 * 32, "max_pixels": 1024 * 1024}, "Qwen3VLProcessor", tokenizer)
+
+
+# Pixtral's vision tower as Ministral 3 3B's config nests it (config.json only: its weights are never written)
+MINISTRAL_3_VISION = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 24,
+                      "num_attention_heads": 16, "head_dim": 64, "patch_size": 14, "image_size": 1540}
+
+
+def write_ernie_image_files(work: str):
+    """ERNIE-Image at its released size: the transformer as its single file in diffusers' names (ERNIE_IMAGE,
+    8,033,490,048 parameters, bf16, no metadata: the config from the shapes; the adaLN RMSNorm scales `*_ln.weight`
+    ones), FLUX.2's VAE as vae/, text_encoder/ (a transformers Mistral3Model folder with Ministral 3 3B's
+    text_config: only the language model's weights, 3.43 B with the 26th layer and the final norm the encoder
+    never applies; the Pixtral tower never read nor written) and tokenizer/ (the small Mistral-style tokenizer)."""
+    from transformers import Mistral3Config, Mistral3Model
+
+    from library.models.ernie_image.model import ERNIE_IMAGE, ErnieImage
+    from library.models.ernie_image.text_encoder import MINISTRAL_3_3B_TEXT_CONFIG
+    from library.models.tiny_files import build_mistral_tokenizer
+
+    os.makedirs(work, exist_ok=True)
+    write_random(os.path.join(work, ERNIE_IMAGE_FILE), meta_shapes(lambda: ErnieImage(ERNIE_IMAGE)), 1, metadata={},
+                 ones=("_ln.weight",))
+    write_flux2_vae(work)
+    tokenizer = build_mistral_tokenizer(("{}",))
+    text = {**MINISTRAL_3_3B_TEXT_CONFIG, "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    config = Mistral3Config(text_config=text, vision_config=MINISTRAL_3_VISION)
+    folder = os.path.join(work, "text_encoder")
+    shapes = {k: v for k, v in meta_shapes(lambda: Mistral3Model(config)).items() if k.startswith("language_model.")}
+    write_random_sharded(folder, "model", shapes, 3, 2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"architectures": ["Mistral3Model"], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
+    save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
