@@ -13,8 +13,8 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --family ideogram4 --work /tmp/fullideo4   # Ideogram 4 fp8r, ~26 GB
     python bench/bench_full_pipeline_cpu.py --family qwen_image_layered --work /tmp/fulllayered --qwen-blocks 6
         # Qwen-Image-Layered as Qwen-Image (full width, 6 blocks), its RGBA VAE, composites with 2 layers
-    python bench/bench_full_pipeline_cpu.py --family flux3 --work /tmp/fullflux3       # FLUX.3 [klein] base, ~22 GB
-    python bench/bench_full_pipeline_cpu.py --family ernie_image --work /tmp/fullernie # ERNIE-Image, ~24 GB
+    python bench/bench_full_pipeline_cpu.py --family flux3 --work /tmp/fullflux3       # FLUX.3 [klein] base, ~19 GB
+    python bench/bench_full_pipeline_cpu.py --family ernie_image --work /tmp/fullernie # ERNIE-Image, ~23 GB
 
 The writers of the generic files and of FLUX.3's and ERNIE-Image's are in bench/full_size_files.py.
 
