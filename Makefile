@@ -39,8 +39,8 @@ demo: $(STAMP)
 # 879, 922 and 887 s in stop 95's three (2981 tests, 17 skipped), the second with a 24 s test trimmed: machine
 # variance; 332-355 s in stop 96's (3004 tests) and 257-283 s in stop 97's four (3079-3081 tests, 22 skipped) on
 # AMD EPYCs with AVX-512: a faster machine, not a faster suite; 287 s in stop 98's quiet one (3168 tests, 21
-# skipped; 597-1302 s in its runs beside helpers' training); 305 s in stop 99's (3293 tests, 21 skipped, with
-# FLUX.3's and ERNIE-Image's ~125 new tests).
+# skipped; 597-1302 s in its runs beside helpers' training); 305 and 312 s in stop 99's two (3293 and 3298 tests, 21
+# skipped, with FLUX.3's and ERNIE-Image's ~130 new tests).
 # The longest are multi-process (web UI, DDP / FSDP launches) and the full-size planner's tests (~90
 # worker-seconds).
 # PYTHONDONTWRITEBYTECODE (set on the CI machines) is cleared for the suite: each worker collecting the ~200 test
