@@ -21,7 +21,6 @@ from library.models.ernie_image.checkpoint import (
     save_ernie_image_single_file,
 )
 from library.models.ernie_image.model import ERNIE_IMAGE, ErnieImage, ErnieImageConfig, joint_positions, random_inputs
-from library.models.spec import FP8Rules
 from library.precision.fp8 import FP8Linear
 
 # head_dim 32 with the released RoPE split scaled down (8, 12, 12); in, out and text widths differ so that a
@@ -254,8 +253,7 @@ def test_a_comfyui_scaled_fp8_file_loads_as_stored(files, tmp_path):
         else:
             stored[key] = dequantized[key] = w
     save_file({COMFY_PREFIX + k: v for k, v in stored.items()}, tmp_path / "ernie_fp8_scaled.safetensors")
-    rules = FP8Rules(keep=(r"text_proj", r"time_embedding\..*", r"adaLN_modulation\..*", r"final_.*"))
-    loaded = load_ernie_image(str(tmp_path / "ernie_fp8_scaled.safetensors"), fp8_rules=rules).eval()
+    loaded = load_ernie_image(str(tmp_path / "ernie_fp8_scaled.safetensors")).eval()  # the spec's keep rules
     quantized = [n for n, m in loaded.named_modules() if isinstance(m, FP8Linear)]
     assert len(quantized) == 2 * 7  # q, k, v, out and the MLP's three in each block
     for name in quantized:

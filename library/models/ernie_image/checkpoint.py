@@ -10,7 +10,7 @@ other family's name).
 Pre-quantized files (ComfyUI's scaled fp8 and comfy_quant, plain fp8, musubi-tuner's and our layouts, GGUF:
 precision/stored_layouts.py) load as they are stored, under any of the prefixes; nothing is fused, so each
 stored scale stays its Linear's. Which Linears stay in high precision is the family's fp8 rule
-(library/models/ernie_image/spec.py `FP8`), read when such a file is loaded, or given as `fp8_rules`.
+(library/models/ernie_image/spec.py `FP8`).
 """
 
 from __future__ import annotations
@@ -28,9 +28,8 @@ from library.io import (
 )
 from library.models.flux1.checkpoint import _block_count
 from library.models.ernie_image.model import ErnieImage, ErnieImageConfig
-from library.precision.fp8 import KeepRules
-from library.precision.fp8_checkpoints import Fp8Checkpoint
-from library.precision.stored_layouts import StoredLayout, read_stored_layout, stored_converter, stored_extras
+from library.models.ernie_image.spec import FP8
+from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
 
 CLASS_NAME = "ErnieImageTransformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain (and diffusers)
@@ -150,19 +149,6 @@ def _prefix(path: str, keys: list[str]) -> str:
                           f"{' / '.join(p for p in PREFIXES if p)})")
 
 
-def spec_fp8_rules(path: str, stored: StoredLayout) -> KeepRules:
-    """The family's fp8 keep rules (library/models/ernie_image/spec.py FP8), imported when a pre-quantized file
-    is loaded: the spec names this loader, so the loader reads the spec only then."""
-    try:
-        from library.models.ernie_image.spec import FP8
-    except ModuleNotFoundError as e:
-        if e.name != "library.models.ernie_image.spec":
-            raise
-        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) ERNIE-Image file needs the family's fp8 "
-                              f"keep rules (library/models/ernie_image/spec.py FP8), or pass fp8_rules=") from None
-    return FP8
-
-
 def load_ernie_image(
     path: str,
     dtype: torch.dtype = torch.float32,
@@ -170,7 +156,6 @@ def load_ernie_image(
     convert: Callable[[str, torch.Tensor], dict[str, torch.Tensor]] | None = None,
     prepare: Callable[[ErnieImage], Callable | None] | None = None,
     read_weights: bool = True,
-    fp8_rules: KeepRules | None = None,
 ) -> ErnieImage:
     """Load an ERNIE-Image transformer from the single file (plain, or under ComfyUI's `model.diffusion_model.` /
     `diffusion_model.`; a file's other prefixes, e.g. a bundled VAE, are not read) or a diffusers folder (the
@@ -180,8 +165,7 @@ def load_ernie_image(
     `ernie_image_config` metadata and the key shapes. convert / prepare: the per-tensor and meta-model hooks (fp8
     while loading). read_weights=False: the meta model as it would load, from the headers alone (the memory
     planner). Every key and shape is checked before any weight is read. A pre-quantized file is used as it is
-    stored, whatever `prepare` asks; fp8_rules: the Linears its fp8 layers keep in high precision (default: the
-    family spec's FP8)."""
+    stored, whatever `prepare` asks (its fp8 layers keep the spec's FP8 Linears in high precision)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"load_ernie_image dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), "
                          f"got {dtype}")
@@ -197,10 +181,7 @@ def load_ernie_image(
         model = ErnieImage(config)
     check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config, stored_extras(stored))
     if stored:  # the file's own layout wins over a requested base precision
-        rules = fp8_rules  # fp8 layouts follow keep rules; GGUF's the file alone
-        if rules is None and isinstance(stored, Fp8Checkpoint):
-            rules = spec_fp8_rules(path, stored)
-        prepare = lambda m: stored_converter(m, stored, rules, dtype, reader, path)  # noqa: E731
+        prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
     convert = prepared_convert(model, prepare, convert, "load_ernie_image")
     if read_weights:
         rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
