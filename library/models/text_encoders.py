@@ -200,6 +200,17 @@ def load_qwen3_vl_language_model(path: str, deepest: int, dtype: torch.dtype = t
     return load_llm(path, config=config, dtype=dtype, prepare=prepare, keep_layers=keep)
 
 
+def qwen3_vl_text_weights(path: str, deepest: int) -> TextWeights:
+    """What load_qwen3_vl_language_model(path, deepest) reads of its checkpoint (the planner's text weights): the
+    embeddings, the decoder layers up to `deepest` and the final norm; no head, no vision tower."""
+    from library.models.llm import _kept_layer_key, checkpoint_key_to_llm, llm_text_weights
+
+    reader = CheckpointReader(component_folder(path, "text_encoder"))
+    used = [k for k in reader.keys() if (name := _kept_layer_key(checkpoint_key_to_llm(k, True), deepest)) is not None
+            and not name.startswith("lm_head.")]
+    return llm_text_weights(reader, used)
+
+
 def _clip_key(key: str) -> str | None:
     """clip_l.safetensors / HF `text_model.*` keys -> CLIPTextModel keys (transformers 5 has no
     `text_model.` level); the projection, logit scale and position_ids buffer are not part of it."""

@@ -163,14 +163,10 @@ class Flux3Family(DiffusionFamily):
     def text_encoder_weights(self):
         """The embeddings and the decoder layers up to the deepest stacked state (32 of Qwen3-VL-4B's 36) and the
         final norm; no head, no vision tower (llm.checkpoint_key_to_llm's mapping)."""
-        from library.io import CheckpointReader, component_folder
         from library.models.flux3.text_encoder import FLUX3_TAPS
-        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm, llm_text_weights
+        from library.models.text_encoders import qwen3_vl_text_weights
 
-        reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
-        used = [k for k in reader.keys() if (name := _kept_layer_key(checkpoint_key_to_llm(k, True), max(FLUX3_TAPS)))
-                is not None and not name.startswith("lm_head.")]
-        return [llm_text_weights(reader, used)]
+        return [qwen3_vl_text_weights(self.text_paths["text_encoder"], max(FLUX3_TAPS))]
 
     # -- references ----------------------------------------------------------------------------
     def control_bucket(self, bucket, size, resolution=None):

@@ -161,13 +161,9 @@ class Krea2Family(DiffusionFamily):
 
     def text_encoder_weights(self):
         """The embeddings, the decoder layers up to the deepest tap and the final norm (no head, no vision)."""
-        from library.io import CheckpointReader, component_folder
-        from library.models.llm import _kept_layer_key, checkpoint_key_to_llm, llm_text_weights
+        from library.models.text_encoders import qwen3_vl_text_weights
 
-        reader = CheckpointReader(component_folder(self.text_paths["text_encoder"], "text_encoder"))
-        used = [k for k in reader.keys() if (name := _kept_layer_key(checkpoint_key_to_llm(k, True), max(self.taps)))
-                is not None and not name.startswith("lm_head.")]
-        return [llm_text_weights(reader, used)]
+        return [qwen3_vl_text_weights(self.text_paths["text_encoder"], max(self.taps))]
 
     def text_encoding_constants(self) -> dict:
         from library.models.krea2 import text_encoder as te
