@@ -269,6 +269,12 @@ QWEN3_VL_4B = LLMConfig(
     rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False,
     max_position_embeddings=262144, head_dim=128, qk_norm=True, mrope_section=(24, 20, 20), mrope_interleaved=True,
 )
+# Qwen/Qwen3-VL-8B-Instruct's (Qwen3-8B's layers with Qwen3-VL's RoPE; an lm_head of its own).
+QWEN3_VL_8B = LLMConfig(
+    vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=12288,
+    rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False,
+    max_position_embeddings=262144, head_dim=128, qk_norm=True, mrope_section=(24, 20, 20), mrope_interleaved=True,
+)
 
 # The language model of Mistral Small 3.1 24B (Mistral3ForConditionalGeneration's text_config), as a
 # diffusion text encoder uses it (3 x 5120 stacked layers = a transformer's joint_attention_dim 15360).
@@ -518,6 +524,15 @@ class LLM(nn.Module):
         """Last hidden state after the final norm, [B, L, D] in compute_dtype (text-encoder use).
         position_ids: int64 [L] / [B, L], or [B, L, 3] (M-RoPE, with inputs_embeds for image tokens)."""
         return self._decode(input_ids, attention_mask, False, position_ids, inputs_embeds)[0]
+
+
+def hidden_state_index(index: int, num_layers: int) -> int:
+    """transformers' hidden_states[index] (num_layers + 1 entries, 0 = the embeddings) as a non-negative index."""
+    resolved = index + num_layers + 1 if index < 0 else index
+    if not 0 <= resolved <= num_layers:
+        raise ValueError(f"hidden state {index}: a model of {num_layers} layers has hidden states "
+                         f"{-num_layers - 1}..{num_layers}")
+    return resolved
 
 
 def count_parameters(model: nn.Module) -> int:

@@ -16,6 +16,7 @@ config.json beside it, or the built-in full-size config; its tokenizer from a fo
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -23,6 +24,7 @@ from accelerate import init_empty_weights
 from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, read_json_file
+from library.models.llm import QWEN3_VL_4B, QWEN3_VL_8B, LLMConfig
 from library.models.spec import FP8Rules, TextWeights
 
 # ----------------------------------------------------------------------------------------------
@@ -67,6 +69,10 @@ T5_XXL_CONFIG = {
 }
 
 CLIP_MAX_LENGTH = 77
+
+# The Qwen3-VL language models a single file without config.json may be (load_qwen3_vl_language_model's
+# single_file), by name: the callers' expected model, checked by embedding width.
+QWEN3_VL_SINGLE_FILES = {"Qwen3-VL-4B": QWEN3_VL_4B, "Qwen3-VL-8B": QWEN3_VL_8B}
 
 # text_encoder_precision -> (dtype the weights load and compute in, fp8 storage of the big encoders'
 # Linears or None). fp8 applies to T5-XXL and the LLM text encoders, dequantized to bf16 per layer;
@@ -168,35 +174,80 @@ def _load_tokenizer(weights_path: str, tokenizer: str | None, sibling: str, kind
     return AutoTokenizer.from_pretrained(tokenizer_folder(weights_path, tokenizer, sibling, kind), local_files_only=True)
 
 
-def _qwen3_vl_4b_single_file(path: str):
-    """Qwen3-VL-4B's language model, checked by the embedding width of a file without config.json."""
-    from library.models.llm import QWEN3_VL_4B
+def load_chat_tokenizer(folder: str):
+    """The tokenizer in `folder` with its chat template: the tokenizer's own (tokenizer_config.json or
+    chat_template.jinja), else a processor's legacy chat_template.json beside it (Qwen-VL processor folders)."""
+    loaded = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    legacy = os.path.join(folder, "chat_template.json")
+    if not getattr(loaded, "chat_template", None) and os.path.isfile(legacy):
+        loaded.chat_template = read_json_file(legacy).get("chat_template")
+    return loaded
 
+
+def qwen3_vl_config_from_shapes(path: str, like: LLMConfig) -> LLMConfig:
+    """Qwen3-VL's language model as a checkpoint's tensors shape it (vocabulary, width, depth, heads, head_dim, MLP;
+    tied when the file has no lm_head), with `like`'s RoPE, norm epsilon and context, which shapes do not tell and
+    Qwen3-VL's dense models share (theta 5e6, interleaved M-RoPE 24 / 20 / 20, eps 1e-6, 262144 positions)."""
+    from library.models.llm import checkpoint_key_to_llm
+
+    reader = CheckpointReader(path)
+    keys = {checkpoint_key_to_llm(k, False): k for k in reader.keys()}  # our names (None: vision keys)
+
+    def shape(name: str) -> tuple[int, ...]:
+        if name not in keys:
+            raise CheckpointError(f"{path}: no tensor for {name} (keys like {next(iter(reader.keys()), None)!r}); "
+                                  f"not a Qwen3-VL language model, or put its config.json beside it")
+        return reader.shape(keys[name])
+
+    vocab, width = shape("model.embed_tokens.weight")
+    head_dim = shape("model.layers.0.self_attn.q_norm.weight")[0]
+    layers = 1 + max(int(n.split(".")[2]) for n in keys if n and n.startswith("model.layers."))
+    return dataclasses.replace(
+        like, vocab_size=vocab, hidden_size=width, num_layers=layers, head_dim=head_dim,
+        num_heads=shape("model.layers.0.self_attn.q_proj.weight")[0] // head_dim,
+        num_kv_heads=shape("model.layers.0.self_attn.k_proj.weight")[0] // head_dim,
+        intermediate_size=shape("model.layers.0.mlp.gate_proj.weight")[0],
+        tie_word_embeddings="lm_head.weight" not in keys)
+
+
+def _qwen3_vl_single_file(path: str, single_file: str) -> LLMConfig:
+    """The language model of a file without config.json: told by its embedding width to be the `single_file`
+    model (QWEN3_VL_SINGLE_FILES), then shaped by its tensors (qwen3_vl_config_from_shapes)."""
+    expected = QWEN3_VL_SINGLE_FILES[single_file]
     reader = CheckpointReader(path)
     key = next((k for k in reader.keys() if k.endswith("embed_tokens.weight")), None)
     width = reader.shape(key)[-1] if key else None
-    if width != QWEN3_VL_4B.hidden_size:
-        raise CheckpointError(f"{path}: embedding width {width} is not Qwen3-VL-4B's ({QWEN3_VL_4B.hidden_size}); "
+    if width != expected.hidden_size:
+        raise CheckpointError(f"{path}: embedding width {width} is not {single_file}'s ({expected.hidden_size}); "
                               f"put its config.json beside it")
-    return QWEN3_VL_4B
+    return qwen3_vl_config_from_shapes(path, expected)
 
 
-def load_qwen3_vl_language_model(path: str, deepest: int, dtype: torch.dtype = torch.float32, prepare=None):
-    """Qwen3-VL's language model on the LLM core (library/models/llm.py) for a prompt encoder that reads hidden
-    states 0..`deepest`, from a pipeline folder (text_encoder/: a Qwen3VLModel or a
-    Qwen3VLForConditionalGeneration), a Qwen3-VL HF folder or a single file (without config.json beside it:
-    Qwen3-VL-4B, told by its embedding width; ComfyUI's qwen3vl_4b_bf16.safetensors). Vision keys and the lm_head
-    are never read, nor the layers after `deepest` (all are kept when it is the last: its state is after the
-    final norm). dtype: the weights' and the compute dtype; prepare: load_llm's hook (the caller's
-    fp8_prepare(fp8, "llm") for decoder Linears stored in fp8)."""
-    from library.models.llm import _find_config, load_llm
+def qwen3_vl_language_config(path: str, single_file: str = "Qwen3-VL-4B") -> LLMConfig:
+    """The LLMConfig load_qwen3_vl_language_model builds for `path`: its config.json (in or beside it, a pipeline
+    folder's text_encoder/), else, for a single file without one, the `single_file` model's shaped by the file."""
+    from library.models.llm import _find_config
 
     path = component_folder(path, "text_encoder")
-    config = None
     if os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
-        config = _qwen3_vl_4b_single_file(path)
-    config = config or _find_config(path)
+        return _qwen3_vl_single_file(path, single_file)
+    return _find_config(path)
+
+
+def load_qwen3_vl_language_model(path: str, deepest: int, dtype: torch.dtype = torch.float32, prepare=None,
+                                 single_file: str = "Qwen3-VL-4B"):
+    """Qwen3-VL's language model on the LLM core (library/models/llm.py) for a prompt encoder that reads hidden
+    states 0..`deepest`, from a pipeline folder (text_encoder/: a Qwen3VLModel or a
+    Qwen3VLForConditionalGeneration), a Qwen3-VL HF folder or a single file (without config.json beside it: the
+    `single_file` model of QWEN3_VL_SINGLE_FILES, told by its embedding width and shaped by its tensors; ComfyUI's
+    qwen3vl_4b_bf16.safetensors). Vision keys and the lm_head are never read, nor the layers after `deepest` (all
+    are kept when it is the last: its state is after the final norm). dtype: the weights' and the compute dtype;
+    prepare: load_llm's hook (the caller's fp8_prepare(fp8, "llm") for decoder Linears stored in fp8)."""
+    from library.models.llm import load_llm
+
+    config = qwen3_vl_language_config(path, single_file)
     keep = deepest if deepest < config.num_layers else config.num_layers
+    path = component_folder(path, "text_encoder")
     return load_llm(path, config=config, dtype=dtype, prepare=prepare, keep_layers=keep)
 
 

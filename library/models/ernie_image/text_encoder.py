@@ -48,7 +48,7 @@ import os
 import torch
 
 from library.io import CheckpointError, CheckpointReader, component_folder
-from library.models.llm import LLMConfig
+from library.models.llm import LLMConfig, hidden_state_index
 
 ERNIE_HIDDEN_STATE = -2  # the pipeline's outputs.hidden_states[-2]
 # The language model of Ministral 3 3B as ERNIE-Image's text_encoder/config.json nests it (its text_config):
@@ -95,15 +95,6 @@ def mistral3_llm_config(config: dict) -> tuple[LLMConfig, int]:
 
 
 MINISTRAL_3_3B = mistral3_llm_config(MINISTRAL_3_3B_TEXT_CONFIG)[0]
-
-
-def hidden_state_index(index: int, num_layers: int) -> int:
-    """transformers' hidden_states[index] (num_layers + 1 entries, 0 = the embeddings) as a non-negative index."""
-    resolved = index + num_layers + 1 if index < 0 else index
-    if not 0 <= resolved <= num_layers:
-        raise ValueError(f"hidden state {index}: a model of {num_layers} layers has hidden states "
-                         f"{-num_layers - 1}..{num_layers}")
-    return resolved
 
 
 class ErnieTextEncoder:

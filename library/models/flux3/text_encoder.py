@@ -140,17 +140,9 @@ def flux3_tokenizer_folder(path: str, tokenizer: str | None = None) -> str:
 def load_flux3_tokenizer(path: str, tokenizer: str | None = None):
     """The Qwen3-VL tokenizer with its chat template: the tokenizer's own (tokenizer_config.json or
     chat_template.jinja), else a processor's legacy chat_template.json in the same folder."""
-    import json
+    from library.models.text_encoders import load_chat_tokenizer
 
-    from transformers import AutoTokenizer
-
-    folder = flux3_tokenizer_folder(path, tokenizer)
-    loaded = AutoTokenizer.from_pretrained(folder, local_files_only=True)
-    legacy = os.path.join(folder, "chat_template.json")
-    if not getattr(loaded, "chat_template", None) and os.path.isfile(legacy):
-        with open(legacy) as f:
-            loaded.chat_template = json.load(f).get("chat_template")
-    return loaded
+    return load_chat_tokenizer(flux3_tokenizer_folder(path, tokenizer))
 
 
 def load_flux3_text_encoder(
