@@ -2,7 +2,8 @@
 NucleusMoEImagePipeline.encode_prompt on a tiny Qwen3VLForConditionalGeneration of 33 layers (hidden_states[-8] is
 state 26, a layer's output: not the final norm's) saved in the pipeline's layout (text_encoder/ + processor/: the
 processor's files, with no padding_side in tokenizer_config.json, as the released one), built by FLUX.3's tiny
-Qwen3-VL writer; single files at the released size as headers over sparse data."""
+Qwen3-VL writer; single files and the planner's text weights at the released size from header-only (sparse)
+files."""
 
 import json
 import os
@@ -255,3 +256,23 @@ def test_a_single_file_is_shaped_by_its_tensors(tmp_path):
         assert qwen3_vl_language_config(path, name) == config
     with pytest.raises(CheckpointError, match=r"Qwen3-VL-4B\.safetensors: embedding width 2560 is not Qwen3-VL-8B's"):
         qwen3_vl_language_config(str(tmp_path / "Qwen3-VL-4B.safetensors"), "Qwen3-VL-8B")
+
+
+def test_planner_text_weights_are_the_29_layers_read(root, tmp_path):
+    """Released size (a header-only Qwen3-VL-8B file): the embeddings, 29 of 36 layers, the final norm = 6.22 B
+    parameters, as counted on the model we build; on the tiny folder, the parameters of the encoder loaded."""
+    from library.models.llm import LLM, QWEN3_VL_8B
+    from library.models.llm_spec import FP8
+    from library.models.nucleus_image.text_encoder import nucleus_text_weights
+    from library.models.spec import TextWeights
+    from library.models.text_encoders import module_text_weights
+
+    path = str(tmp_path / "qwen3_vl_8b.safetensors")
+    write_header_only(path, qwen3_vl_shapes(QWEN3_VL_8B, vision=True))
+    released = TextWeights(6_217_780_480, fp8_weights=5_595_201_536, fp8_scales=87_425_024)
+    with torch.device("meta"):
+        built = LLM(QWEN3_VL_8B)
+        built.truncate_for_hidden_states(29)
+    assert nucleus_text_weights(path) == module_text_weights(built, FP8) == released
+    tiny = load_nucleus_text_encoder(root).llm
+    assert nucleus_text_weights(root).params == sum(p.numel() for p in tiny.parameters())

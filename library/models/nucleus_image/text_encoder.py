@@ -43,6 +43,10 @@ encode(prompts) -> (embeds [B, T, 4096] float32, mask [B, T] bool). Row i holds 
 zeros; mask is True on the real tokens; T = max n_i. A caption's cache is embeds[i, :n_i] with mask[i, :n_i]. The
 LM runs in the dtype it was loaded in (the compute dtype: bf16 on GPU, fp32 in the parity tests); the outputs are
 cast to float32 for caching (the pipeline keeps the text encoder's dtype).
+
+Memory planner: what load_nucleus_text_encoder keeps of Qwen3-VL-8B (the embeddings, decoder layers 1..29, the final
+norm), counted by nucleus_text_weights(path): TextWeights(6_217_780_480, fp8_weights=5_595_201_536,
+fp8_scales=87_425_024) (fp8: the decoder Linears, one scale per 64 weights).
 """
 
 from __future__ import annotations
@@ -148,3 +152,12 @@ def load_nucleus_text_encoder(
     layer = hidden_state_index(hidden_state, qwen3_vl_language_config(path, NUCLEUS_SINGLE_FILE).num_layers)
     llm = load_qwen3_vl_language_model(path, max(layer, 1), dtype, fp8_prepare(fp8, "llm"), NUCLEUS_SINGLE_FILE)
     return NucleusTextEncoder(llm, load_chat_tokenizer(nucleus_tokenizer_folder(path, tokenizer)), layer, max_length)
+
+
+def nucleus_text_weights(path: str, hidden_state: int = NUCLEUS_HIDDEN_STATE):
+    """The memory planner's TextWeights of what load_nucleus_text_encoder reads of `path`: the embeddings, the
+    decoder layers up to `hidden_state` and the final norm; no head, no vision tower (headers only)."""
+    from library.models.text_encoders import qwen3_vl_language_config, qwen3_vl_text_weights
+
+    layer = hidden_state_index(hidden_state, qwen3_vl_language_config(path, NUCLEUS_SINGLE_FILE).num_layers)
+    return qwen3_vl_text_weights(path, max(layer, 1))
