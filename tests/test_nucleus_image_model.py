@@ -1,19 +1,34 @@
 """Nucleus-Image transformer: parity with diffusers' NucleusMoEImageTransformer2DModel (dense and expert-choice MoE
 blocks, per-layer capacities, masked text of different lengths, an odd grid), the experts' batched path against
-the loop and diffusers' layer, the released size on `meta`, checkpointing and block swap."""
+the loop and diffusers' layer, the released size on `meta`, checkpoint layouts (single file, ComfyUI prefix, diffusers
+folder, pre-quantized; the config from config.json / metadata / shapes), one-line errors, checkpointing and block
+swap."""
 
+import dataclasses
 import math
+import os
+import re
+import sys
 
 import pytest
 import torch
 from diffusers import NucleusMoEImageTransformer2DModel
 from diffusers.models.transformers.transformer_nucleusmoe_image import NucleusMoELayer
+from safetensors.torch import load_file, save_file
 
+from library.io import CheckpointError
 from library.models.block_swap import enable_block_swap
 from library.models.nucleus_image import model as nucleus_model
+from library.models.nucleus_image.checkpoint import (
+    COMFY_PREFIX, config_from_diffusers, config_from_shapes, diffusers_config, load_nucleus_image,
+    save_nucleus_image_diffusers, save_nucleus_image_single_file,
+)
 from library.models.nucleus_image.model import (
     NUCLEUS_IMAGE, NucleusImage, NucleusImageConfig, expert_capacity, joint_positions, random_inputs,
 )
+from library.models.spec import FP8Rules
+from library.precision.fp8 import FP8Linear
+from library.precision.gguf_weights import GGUFLinear
 
 # head_dim 32 with the released RoPE split scaled down (4, 14, 14); in, out and text widths differ so that a swapped
 # projection cannot pass; 4 query heads over 2 kv heads. Six blocks as the released strategy builds them (three dense,
@@ -233,3 +248,227 @@ def test_block_swap_changes_nothing():
         swap = enable_block_swap(model, 3, "cpu")
         out = model(**x)
     assert torch.equal(out, expected) and not swap.resident and not swap.pending
+
+
+# ----------------------------------------------------------------------------------------------
+# Checkpoints
+
+# NucleusAI/Nucleus-Image transformer/config.json (the released facts)
+RELEASED_CONFIG_JSON = {
+    "_class_name": "NucleusMoEImageTransformer2DModel", "_diffusers_version": "0.38.0", "patch_size": 2,
+    "in_channels": 64, "out_channels": 16, "num_layers": 32, "attention_head_dim": 128, "num_attention_heads": 16,
+    "num_key_value_heads": 4, "joint_attention_dim": 4096, "axes_dims_rope": [16, 56, 56], "mlp_ratio": 4.0,
+    "moe_enabled": True, "dense_moe_strategy": "leave_first_three_blocks_dense", "num_experts": 64,
+    "moe_intermediate_dim": 1344, "capacity_factors": [0.0, 0.0, 0.0, 4.0, 4.0] + [2.0] * 27, "use_sigmoid": False,
+    "route_scale": 2.5, "use_grouped_mm": True}
+# What ComfyUI's scaled fp8 file keeps in high precision, for the loader before the family spec exists: the
+# embedders, the final layer and the routers (a router's error moves tokens between experts)
+FP8_RULES = FP8Rules(keep=(r"img_in", r"time_text_embed\..*", r"norm_out\..*", r"proj_out", r".*\.img_mlp\.gate"))
+E4M3 = torch.float8_e4m3fn
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    """One tiny model as a plain single file (no metadata: the config from its shapes), the same under ComfyUI's
+    prefix beside a bundled VAE tensor, and diffusers' own save_pretrained folder (sharded)."""
+    folder = tmp_path_factory.mktemp("nucleus_image")
+    reference = tiny_diffusers()
+    sd = {k: v.contiguous() for k, v in reference.state_dict().items()}
+    save_file(sd, folder / "nucleus_image.safetensors")
+    save_file({**{COMFY_PREFIX + k: v for k, v in sd.items()}, "vae.decoder.conv_in.weight": torch.ones(2)},
+              folder / "comfy.safetensors")
+    reference.save_pretrained(folder / "pipeline" / "transformer", max_shard_size="200KB")
+    return {"reference": reference, "single": str(folder / "nucleus_image.safetensors"),
+            "comfy": str(folder / "comfy.safetensors"), "diffusers": str(folder / "pipeline")}
+
+
+def test_single_comfy_and_diffusers_files_load_the_same_model(files):
+    models = [load_nucleus_image(files[kind]) for kind in ("single", "comfy", "diffusers")]
+    shards = [f for f in os.listdir(os.path.join(files["diffusers"], "transformer")) if f.endswith(".safetensors")]
+    assert len(shards) > 1
+    assert all(m.config == tiny_config() for m in models)  # the shapes alone give the tiny config
+    weights = [m.state_dict() for m in models]
+    assert all(w.keys() == weights[0].keys() and all(torch.equal(w[k], weights[0][k]) for k in w) for w in weights)
+    x = inputs()
+    expected = diffusers_forward(files["reference"], x)
+    with torch.no_grad():
+        outs = [m(**x) for m in models]
+    assert all(torch.equal(o, outs[0]) for o in outs) and (outs[0] - expected).abs().max().item() <= 2e-5
+
+
+def test_our_files_load_in_diffusers_and_back(files, tmp_path):
+    """Our diffusers folder loads in diffusers (the same output); our single file keeps a config the shapes cannot
+    tell (other capacity factors, a sigmoid router) in its metadata; the planner's meta load reads headers only."""
+    model = load_nucleus_image(files["single"])
+    save_nucleus_image_diffusers(model, None, str(tmp_path / "transformer"))
+    pretrained = NucleusMoEImageTransformer2DModel.from_pretrained(str(tmp_path / "transformer"))
+    assert pretrained.config.use_grouped_mm  # as released: diffusers' grouped GEMM runs on this CPU too
+    x = inputs()
+    with torch.no_grad():
+        assert (model(**x) - diffusers_forward(pretrained, x)).abs().max().item() <= 2e-5
+    other = tiny_config(capacity_factors=(0, 0, 0, 3, 1, 2.5), use_sigmoid=True, route_scale=1.5)
+    save_nucleus_image_single_file(model.state_dict(), str(tmp_path / "comfy.safetensors"), other, prefix=COMFY_PREFIX)
+    for path, config in ((tmp_path, model.config), (tmp_path / "comfy.safetensors", other)):
+        again = load_nucleus_image(str(path))
+        assert again.config == config
+        assert all(torch.equal(a, b) for a, b in zip(again.state_dict().values(), model.state_dict().values()))
+    planned = load_nucleus_image(files["comfy"], dtype=torch.bfloat16, read_weights=False)
+    assert {p.device.type for p in planned.parameters()} == {"meta"} and planned.compute_dtype == torch.bfloat16
+
+
+def test_released_config_json_reads_as_the_released_config():
+    """The released config.json is NUCLEUS_IMAGE and back; a key diffusers' class does not know is refused, naming it;
+    a config.json that omits keys builds what diffusers builds from it (its defaults)."""
+    assert config_from_diffusers(RELEASED_CONFIG_JSON) == NUCLEUS_IMAGE
+    released = {k: v for k, v in RELEASED_CONFIG_JSON.items() if k != "_diffusers_version"}
+    assert diffusers_config(NUCLEUS_IMAGE) == released
+    with pytest.raises(CheckpointError, match=r"config.json: unknown NucleusMoEImageTransformer2DModel config keys "
+                                              r"\['x'\]"):
+        config_from_diffusers({**RELEASED_CONFIG_JSON, "x": 1})
+    with pytest.raises(CheckpointError, match=r"c.json: capacity_factors\[3\] = 99.0 is outside"):
+        config_from_diffusers({**RELEASED_CONFIG_JSON, "capacity_factors": [99.0] * 32}, "c.json")
+    defaults = config_from_diffusers({"_class_name": "NucleusMoEImageTransformer2DModel"})
+    assert defaults.capacity_factors == (8.0,) * 24 and defaults.moe_blocks == tuple(range(3, 23))
+    with torch.device("meta"):
+        ours, theirs = NucleusImage(defaults).state_dict(), NucleusMoEImageTransformer2DModel().state_dict()
+    assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs.items()}
+
+
+@pytest.mark.parametrize("strategy", ["leave_first_three_and_last_block_dense", "leave_first_block_dense", "all_moe"])
+def test_the_shapes_say_the_depth_widths_and_which_blocks_are_moe(strategy):
+    """The released shapes give the released config (the capacity pattern included); another strategy's keys give
+    that strategy, its MoE blocks the released pattern of factors; a dense width that is no mlp_ratio's is refused."""
+    with torch.device("meta"):
+        released = {k: tuple(v.shape) for k, v in NucleusImage().state_dict().items()}
+        other = tiny_config(dense_moe_strategy=strategy, num_experts=4, moe_intermediate_dim=64)
+        shapes = {k: tuple(v.shape) for k, v in NucleusImage(other).state_dict().items()}
+    assert config_from_shapes(released) == NUCLEUS_IMAGE
+    found = config_from_shapes(shapes)
+    moe = found.moe_blocks
+    assert moe == other.moe_blocks and found.dense_moe_strategy == strategy
+    assert found.capacity_factors == tuple(0.0 if i not in moe else 4.0 if i in moe[:2] else 2.0 for i in range(6))
+    assert dataclasses.replace(found, capacity_factors=other.capacity_factors) == other
+    if moe != tuple(range(6)):
+        dense = next(i for i in range(6) if i not in moe)
+        shapes[f"transformer_blocks.{dense}.img_mlp.net.0.proj.weight"] = (2 * 200, 128)
+        with pytest.raises(CheckpointError, match="a dense MLP of width 200 at dim 128 is no mlp_ratio's"):
+            config_from_shapes(shapes, "f.safetensors")
+
+
+def test_bf16_weights_compute_in_bf16_close_to_fp32(files):
+    """Measured 0.093 of the fp32 output's norm, against 0.013 for the same model with dense MLPs only: in bf16 the
+    routers' logits move 2-5 of each MoE layer's 144-288 expert slots to other tokens (near ties at a top-k border;
+    float32 scores change nothing, float32 logits halve it), and a token one expert took gets route_scale times that
+    expert's output whatever its score. diffusers' bf16 forward: 0.52, most of it its sigma rounded to bf16."""
+    model, reference = load_nucleus_image(files["single"], dtype=torch.bfloat16), load_nucleus_image(files["single"])
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16} and model.compute_dtype == torch.bfloat16
+    dense_config = tiny_config(moe_enabled=False)
+    dense = ours_from(tiny_diffusers(dense_config), dense_config)
+    dense16 = ours_from(tiny_diffusers(dense_config), dense_config).to(torch.bfloat16)
+    dense16.compute_dtype = torch.bfloat16
+    x = inputs()
+    with torch.no_grad():
+        out, expected, dense_out, dense_expected = model(**x), reference(**x), dense16(**x), dense(**x)
+    assert out.dtype == dense_out.dtype == torch.bfloat16
+    assert ((out.float() - expected).norm() / expected.norm()).item() < 0.15
+    assert ((dense_out.float() - dense_expected).norm() / dense_expected.norm()).item() < 0.02
+
+
+def test_a_wrong_shape_or_foreign_file_is_one_line_naming_file_key_and_shapes(files, tmp_path):
+    sd = load_file(files["single"])
+    key = "transformer_blocks.4.img_mlp.experts.down_proj"
+    save_file({**sd, key: torch.zeros(8, 40, 128)}, tmp_path / "bad.safetensors")
+    with pytest.raises(CheckpointError) as single_error:
+        load_nucleus_image(str(tmp_path / "bad.safetensors"))
+    assert str(single_error.value) == (f"{tmp_path / 'bad.safetensors'}: key '{key}' has shape (8, 40, 128), "
+                                       f"expected (8, 48, 128)")
+    folder = os.path.join(files["diffusers"], "transformer")
+    bad = tmp_path / "bad_folder"
+    bad.mkdir()
+    (bad / "config.json").write_text(open(os.path.join(folder, "config.json")).read())
+    save_file({**sd, "transformer_blocks.0.attn.add_v_proj.weight": torch.zeros(64, 7)},
+              bad / "diffusion_pytorch_model.safetensors")
+    with pytest.raises(CheckpointError, match=re.escape("diffusion_pytorch_model.safetensors: key "
+                                                        "'transformer_blocks.0.attn.add_v_proj.weight' has shape "
+                                                        "(64, 7), expected (64, 128)")) as folder_error:
+        load_nucleus_image(str(bad))
+    assert "\n" not in str(folder_error.value)
+    without = {k: v for k, v in sd.items() if k != "transformer_blocks.5.img_mlp.shared_expert.net.2.weight"}
+    save_file(without, tmp_path / "short.safetensors")
+    with pytest.raises(CheckpointError, match="missing keys: transformer_blocks.5.img_mlp.shared_expert.net.2.weight"):
+        load_nucleus_image(str(tmp_path / "short.safetensors"))
+    save_file({"double_blocks.0.img_attn.qkv.weight": torch.zeros(6, 2)}, tmp_path / "other.safetensors")
+    with pytest.raises(CheckpointError, match="not a Nucleus-Image transformer"):
+        load_nucleus_image(str(tmp_path / "other.safetensors"))
+
+
+def fp8_scaled(sd: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """ComfyUI's marker layout (every Linear e4m3 with a float32 scale_weight; the packed experts, no Linear, as
+    they are) and what it dequantizes to."""
+    stored, dequantized = {"scaled_fp8": torch.empty(0, dtype=E4M3)}, {}
+    for key, w in sd.items():
+        if w.dim() == 2:
+            scale = w.abs().max() / 448
+            stored[key], stored[key[: -len("weight")] + "scale_weight"] = (w / scale).to(E4M3), scale
+            dequantized[key] = stored[key].float() * scale
+        else:
+            stored[key] = dequantized[key] = w
+    return stored, dequantized
+
+
+def test_a_comfyui_scaled_fp8_file_loads_as_stored(files, tmp_path, monkeypatch):
+    """The Linears the keep rules leave to fp8 keep the file's codes and scales bit for bit, the kept ones hold
+    codes * scale, the experts are as stored; the output is the dequantized float32 model's exactly. Without the
+    family's rules (no spec.py, no fp8_rules) the file is refused in one line."""
+    stored, dequantized = fp8_scaled(load_file(files["single"]))
+    path = str(tmp_path / "nucleus_fp8_scaled.safetensors")
+    save_file({COMFY_PREFIX + k: v for k, v in stored.items()}, path)
+    loaded = load_nucleus_image(path, fp8_rules=FP8_RULES).eval()
+    quantized = [n for n, m in loaded.named_modules() if isinstance(m, FP8Linear)]
+    assert len(quantized) == 6 * 10  # img_mod, encoder_proj, q, k, v, add_k, add_v, out, and two MLP Linears
+    for name in quantized:
+        layer = loaded.get_submodule(name)
+        assert torch.equal(layer.weight.view(torch.uint8), stored[f"{name}.weight"].view(torch.uint8)), name
+        assert torch.equal(layer.weight_scale, stored[f"{name}.scale_weight"]), name
+    router = loaded.transformer_blocks[3].img_mlp.gate
+    assert type(router) is torch.nn.Linear
+    assert torch.equal(router.weight, dequantized["transformer_blocks.3.img_mlp.gate.weight"])
+    twin = NucleusImage(tiny_config())
+    twin.load_state_dict(dequantized, strict=True)
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs()), twin.eval()(**inputs()))
+    monkeypatch.setitem(sys.modules, "library.models.nucleus_image.spec", None)  # as before the spec exists
+    with pytest.raises(CheckpointError, match=r"a pre-quantized \(fp8_tensor_scaled\) Nucleus-Image file needs the "
+                                              r"family's fp8 keep rules"):
+        load_nucleus_image(path)
+
+
+def test_quantized_or_split_experts_are_refused_naming_the_tensor(files, tmp_path):
+    """ComfyUI's fp8 conversion quantizes the packed experts too, and some files split them per expert: one line
+    each, naming the tensor; a GGUF whose Linears are blocks and whose experts are F32 loads."""
+    from tests.test_gguf import write_gguf
+
+    sd = load_file(files["single"])
+    key = "transformer_blocks.3.img_mlp.experts.gate_up_proj"
+    stored, _ = fp8_scaled(sd)
+    save_file({**stored, key: sd[key].to(E4M3)}, tmp_path / "fp8_experts.safetensors")
+    with pytest.raises(CheckpointError, match=f"'{key}' is stored as F8_E4M3: Nucleus-Image's packed experts load "
+                                              f"in bf16 / fp16 / fp32 only for now"):
+        load_nucleus_image(str(tmp_path / "fp8_experts.safetensors"), fp8_rules=FP8_RULES)
+    split = "transformer_blocks.3.img_mlp.experts.gate_up_projs.0.weight"
+    save_file({**sd, split: torch.zeros(96, 128)}, tmp_path / "split.safetensors")
+    with pytest.raises(CheckpointError, match=f"'{re.escape(split)}': experts split per expert"):
+        load_nucleus_image(str(tmp_path / "split.safetensors"))
+    linears = {k: "Q8_0" for k, v in sd.items() if v.dim() == 2 and v.shape[1] % 32 == 0}
+    with pytest.raises(CheckpointError, match=f"'{key}' is stored as Q8_0"):
+        load_nucleus_image(write_gguf(sd, tmp_path / "q8_experts.gguf", {**linears, key: "Q8_0"}))
+    loaded = load_nucleus_image(write_gguf(sd, tmp_path / "q8.gguf", linears)).eval()
+    blocks = {n: m for n, m in loaded.named_modules() if isinstance(m, GGUFLinear)}
+    assert len(blocks) == len(linears)
+    assert torch.equal(loaded.transformer_blocks[3].img_mlp.experts.gate_up_proj, sd[key])
+    twin = NucleusImage(tiny_config())
+    twin.load_state_dict({**sd, **{f"{n}.weight": m.dequantized_weight(torch.float32) for n, m in blocks.items()}})
+    with torch.no_grad():
+        out, expected = loaded(**inputs()), diffusers_forward(files["reference"], inputs())
+        assert torch.equal(out, twin.eval()(**inputs()))
+    assert ((out - expected).norm() / expected.norm()).item() < 0.05  # measured 0.036: Q8_0 routers move tokens
