@@ -240,6 +240,25 @@ def test_gradient_checkpointing_gives_the_same_gradients():
     assert "transformer_blocks.0.attn.norm_added_q.weight" not in grads[0]  # no text query reads it
 
 
+def test_checkpointing_with_frozen_gates_gives_the_same_gradients():
+    """A LoRA-like run: the base frozen (the gates need no gradient), so checkpointing's recompute runs the MLPs'
+    last projections (dense net.2, the shared expert's net.2) on one token (core.residual_projection); a trained one
+    among them and everything upstream get the same gradients bit for bit."""
+    model = ours_from(tiny_diffusers()).requires_grad_(False)
+    trained = (model.img_in.weight, model.transformer_blocks[4].img_mlp.shared_expert.net[2].weight,
+               model.transformer_blocks[1].img_mlp.net[2].weight)
+    x = inputs()
+    grads = []
+    for ckpt in (False, True):
+        for p in trained:
+            p.requires_grad_(True)
+            p.grad = None
+        model.gradient_checkpointing = ckpt
+        model(**x).square().mean().backward()
+        grads.append([p.grad.clone() for p in trained])
+    assert all(torch.equal(a, b) and a.abs().max() > 0 for a, b in zip(*grads))
+
+
 def test_block_swap_changes_nothing():
     model = ours_from(tiny_diffusers()).requires_grad_(False)
     x = inputs()
