@@ -62,13 +62,14 @@ def test_qwen_kohya_to_diffusers_to_kohya_round_trip(tmp_path):
 
 
 def test_peft_file_without_alpha_converts_as_scale_one_with_a_warning(tmp_path, capsys):
-    weights = {"transformer_blocks.0.img_mlp.net.2": lf.LoRAWeights(torch.randn(4, 128), torch.randn(32, 4), 8.0)}
+    # block 3: Nucleus-Image's dense blocks 0-2 have Qwen-Image's img_mlp.net names (its markers leave them out)
+    weights = {"transformer_blocks.3.img_mlp.net.2": lf.LoRAWeights(torch.randn(4, 128), torch.randn(32, 4), 8.0)}
     save_file(lf.peft_state_dict({p: lf.LoRAWeights(w.down, w.up, 4.0) for p, w in weights.items()}), str(tmp_path / "p.safetensors"))
     capsys.readouterr()
     assert convert(tmp_path / "p.safetensors", tmp_path / "k.safetensors", "--to", "kohya") == 0
     assert "scale is unknown" in capsys.readouterr().err
     unscaled, _, _ = lf.read_lora(str(tmp_path / "k.safetensors"), module_paths=list(weights))
-    assert unscaled["transformer_blocks.0.img_mlp.net.2"].alpha == 4.0  # alpha = rank
+    assert unscaled["transformer_blocks.3.img_mlp.net.2"].alpha == 4.0  # alpha = rank
     # the same tensors with diffusers' adapter config in the header: alpha 8 is read, no warning
     config = {"r": 4, "lora_alpha": 8, "target_modules": ["net.2"]}
     tensors = dict(read_all(tmp_path / "p.safetensors"))

@@ -19,10 +19,11 @@ from library.precision.fp8 import quantize_module
 from networks.lora import LoRAModule, LoRANetwork
 
 DIFFUSION_ARCHS = sorted({arch_specs()[a].arch for a in arch_specs()} - {"llm"})
-# Families whose blocks end in `x + gate * proj(h)` with an untrained gate by default; FLUX.1 trains its
-# modulation by default (sd-scripts' targets), Z-Image and Ideogram-4 norm the projection's output.
+# Families whose blocks end in `x + gate * proj(h)` with an untrained gate by default; FLUX.1 and Nucleus-Image train
+# their modulation by default (sd-scripts' / ai-toolkit's targets), Z-Image and Ideogram-4 norm the projection's output.
 SKIPPING = {"chroma", "ernie_image", "flux2", "flux3", "krea2", "qwen_image", "qwen_image21"}
-NOT_SKIPPING = {"flux", "zimage", "ideogram4"}  # (a family added later: the bits alone, until it joins a set)
+# (a family added later: the bits alone, until it joins a set)
+NOT_SKIPPING = {"flux", "zimage", "ideogram4", "nucleus_image"}
 
 
 def tiny_model(arch: str, tiny_set):

@@ -19,6 +19,9 @@ from library.errors import SpecError
 # model_type -> "module:class" of its adapter; imported on first use (family.family_class).
 FAMILIES = {
     "flux": "library.models.flux1.family:FluxFamily",
+    # nucleus_image before qwen_image: Nucleus-Image's blocks hold Qwen-Image's img_mod.1 (and img_mlp.net in its
+    # dense blocks): tools/lora_info.py asks the architectures in this order, Nucleus-Image's own names first
+    "nucleus_image": "library.models.nucleus_image.family:NucleusImageFamily",
     "qwen_image": "library.models.qwen_image.family:QwenImageFamily",
     "flux_kontext": "library.models.flux1.kontext:FluxKontextFamily",
     # flux3 before flux2: LoRAs in FLUX.1's names are asked of their variants in this order, and FLUX.3's diffusers

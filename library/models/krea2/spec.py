@@ -42,10 +42,12 @@ LORA = S.LoRATargets(
 
 # -- LoRA files: converters' and inspectors' key tables (tools/)
 # Names only Krea 2 has, in ours (kohya, diffusion_model.*) and diffusers' naming ('_'-flattened; the
-# MLP ones end in `_lora` so that an LLM's mlp_up_proj does not match).
+# MLP ones end in `_lora` so that an LLM's mlp_up_proj does not match, and the gate's carry the block index before
+# it: Nucleus-Image's router `img_mlp.gate` holds the rest).
 LORA_FILES = S.LoRAFiles(
     markers=("_attn_wq", "_attn_wk", "_attn_wv", "_attn_wo", "_attn_gate", "txtfusion_", "tproj_", "txtmlp_",
-             "_mlp_gate_lora", "_mlp_up_lora", "_mlp_down_lora", "_attn_to_gate", "text_fusion_", "time_mod_proj",
+             *(f"{d}_mlp_gate_lora" for d in range(10)), "_mlp_up_lora", "_mlp_down_lora", "_attn_to_gate",
+             "text_fusion_", "time_mod_proj",
              "_ff_gate_lora", "_ff_up_lora", "_ff_down_lora"),
     model_versions=("krea2", "krea-2"),  # ours (krea2-raw, krea2-turbo), ai-toolkit's krea2; musubi-tuner's Krea-2/lora
     block_pattern=r"(layerwise_blocks|refiner_blocks|transformer_blocks|blocks)[._](\d+)[._]",

@@ -175,9 +175,14 @@ class QwenImageFamily(DiffusionFamily):
         if negative_text is None or guidance is None or guidance <= self.cfg_above:
             return cond
         uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
-        # Qwen-Image's pipeline rescales the guided prediction to the conditional one's norm.
-        guided = uncond + guidance * (cond - uncond)
-        return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+        return norm_rescaled_cfg(cond, uncond, guidance)
+
+
+def norm_rescaled_cfg(cond: torch.Tensor, uncond: torch.Tensor, guidance: float) -> torch.Tensor:
+    """Qwen-Image's pipeline's true CFG (Nucleus-Image's does the same): uncond + g (cond - uncond), rescaled per
+    token to the conditional prediction's norm over the channels. float32 [B, L, C] in and out."""
+    guided = uncond + guidance * (cond - uncond)
+    return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
 
 
 def per_caption(embeds: torch.Tensor, mask: torch.Tensor) -> list[dict]:

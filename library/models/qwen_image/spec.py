@@ -20,7 +20,11 @@ LORA = S.LoRATargets(
 # -- LoRA files: converters' and inspectors' key tables (tools/)
 # diffusers module names in every layout: converting changes the prefix only.
 LORA_FILES = S.LoRAFiles(
-    markers=("_img_mlp_net_", "_txt_mlp_net_", "_img_mod_1", "_txt_mod_1"),  # BFL-named models have img_mlp_0, img_mod_lin
+    # BFL-named models have img_mlp_0, img_mod_lin. Nucleus-Image's blocks hold img_mod.1 (all 32) and, in its dense
+    # blocks 0-2, img_mlp.net: the image stream's markers carry the block index (an index ending in 3-9 for the MLP,
+    # blocks 32-59 for the modulation); a Qwen-Image LoRA's default types hold the text stream's names too.
+    markers=("_txt_mlp_net_", "_txt_mod_1", *(f"{d}_img_mlp_net_" for d in range(3, 10)),
+             *(f"blocks_{i}_img_mod_1" for i in range(32, 60))),
     block_pattern=r"(transformer_blocks)[._](\d+)[._]",
     module_paths="library.models.qwen_image.lora_files:module_paths",
     # attention projections alone (attn.to_q, add_q_proj) other architectures have too: lora_info tells by shapes
