@@ -331,6 +331,11 @@ def tiny_model(arch: str):
         from library.models.ernie_image.tiny import tiny_config
 
         return ErnieImage(tiny_config())
+    if arch == "nucleus_image":
+        from library.models.nucleus_image.model import NucleusImage
+        from library.models.nucleus_image.tiny import tiny_config
+
+        return NucleusImage(tiny_config())
     from library.models.ideogram4.model import Ideogram4
     from library.models.ideogram4.tiny import tiny_config
 
@@ -339,7 +344,8 @@ def tiny_model(arch: str):
 
 # ai-toolkit's get_transformer_block_names: its LoRA wraps every Linear whose name holds one (transformer_only)
 @pytest.mark.parametrize("arch, blocks", [("qwen_image", "transformer_blocks"), ("zimage", "layers"),
-                                          ("ideogram4", "layers"), ("ernie_image", "layers")])
+                                          ("ideogram4", "layers"), ("ernie_image", "layers"),
+                                          ("nucleus_image", "transformer_blocks")])
 def test_the_network_trains_every_linear_of_the_blocks_as_ai_toolkits_lora(arch, blocks):
     """The blocks' modulation Linears (img_mod / txt_mod, adaLN) are among them: ours leaves them out by default,
     so the translation trained fewer modules than ai-toolkit; it adds train_modulation=true."""
@@ -378,7 +384,7 @@ def test_a_list_of_resolutions_becomes_one_datasets_table_per_size_with_the_regu
 
 
 @pytest.mark.parametrize("arch, step", [("flux2", 16), ("qwen_image", 32), ("chroma", 32), ("zimage", 16),
-                                        ("ernie_image", 32)])
+                                        ("ernie_image", 32), ("nucleus_image", 32)])
 def test_buckets_step_as_ai_toolkits_model_whatever_bucket_tolerance_says(arch, step):
     """ai-toolkit's loader writes its model's get_bucket_divisibility over every dataset's bucket_tolerance; ours
     carried bucket_tolerance (64 where unset): FLUX.2 images bucketed at 64 px steps where ai-toolkit's take 16."""

@@ -643,7 +643,7 @@ def test_real_tiny_llm_in_fp8_scaled_trains_only_lora():
 
 
 @pytest.mark.parametrize("family, ranks, added", [("krea2", 6, 8), ("ideogram4", 5, 7), ("qwen_image21", 5, 7),
-                                                  ("ernie_image", 4, 6)])
+                                                  ("ernie_image", 4, 6), ("nucleus_image", 3, 5)])
 def test_in_dims_adds_the_embedders_and_final_layer_where_the_docs_say(family, ranks, added):
     """README and the configs give these families `in_dims`; the config check refused it as an unknown key
     (only FLUX.1's spec listed it) until 2026-11-27."""
@@ -653,7 +653,8 @@ def test_in_dims_adds_the_embedders_and_final_layer_where_the_docs_say(family, r
 
     model_module = importlib.import_module(f"library.models.{family}.model")
     tiny = importlib.import_module(f"library.models.{family}.tiny")
-    classes = {"krea2": "Krea2", "ideogram4": "Ideogram4", "qwen_image21": "QwenImage21", "ernie_image": "ErnieImage"}
+    classes = {"krea2": "Krea2", "ideogram4": "Ideogram4", "qwen_image21": "QwenImage21", "ernie_image": "ErnieImage",
+               "nucleus_image": "NucleusImage"}
     model = getattr(model_module, classes[family])(tiny.tiny_config())
     args = {"in_dims": str([4] * ranks)}
     check_network_args("networks.lora", family, args)

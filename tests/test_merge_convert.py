@@ -352,6 +352,7 @@ def test_merged_fp8_file_generates_an_image(tiny_set, tmp_path):
 FP8_MERGE_BASES = {"flux_bfl": True, "flux_diffusers": False, "chroma_bfl": True, "chroma_diffusers": False,
                    "flux2_tiny": True, "flux2_diffusers": False, "flux3_tiny": True, "flux3_diffusers": True,
                    "krea2": False, "krea2_diffusers": False, "ernie_image": True, "ernie_image_diffusers": True,
+                   "nucleus_image": True, "nucleus_image_diffusers": True,  # Linears fp8, the packed experts as read
                    "zimage": True, "zimage_diffusers": True, "qwen_image": True, "qwen_image21": True,
                    "qwen_image21_comfy": True}  # fmt: skip
 

@@ -310,8 +310,14 @@ def test_fp8_compute_row_and_column_need_bf16_then_run(tiny_set, tmp_path, capsy
 
 # The random LoRA moves the tiny FLUX.3's output by only 1-2% (random inputs): computed in bf16, its effect error on
 # an fp8 base is 0.21, in fp32 0.035 (both measured), the rest bf16's rounding of that small difference. It runs fp32.
+# Nucleus-Image's expert-choice routing is a top-k per expert: the fp8 base's rounding upstream flips which tokens an
+# expert takes, with the LoRA and without it alike, so the effect moves by more (0.36 on fp8 and fp8_scaled in fp32,
+# 0.32-0.45 in bf16; the same tiny model all dense 0.07, its experts taking every token 0.10: measured).
+EFFECT_ERROR_BOUND = {"nucleus_image": 0.5}
+
+
 @pytest.mark.parametrize("family, dtype", [("zimage", "bf16"), ("chroma", "bf16"), ("krea2", "bf16"),
-                                           ("flux3", "fp32"), ("ernie_image", "bf16")])
+                                           ("flux3", "fp32"), ("ernie_image", "bf16"), ("nucleus_image", "fp32")])
 def test_a_tiny_matrix_runs_on_the_families_tiny_set(tiny_set, tmp_path, family, dtype):
     """Every deploy column for one given LoRA (random, rank 4: no training) on the family's tiny set at
     128 px, one image, one sigma: the config comes from the family's spec (TINY.config_files) through
@@ -338,7 +344,7 @@ def test_a_tiny_matrix_runs_on_the_families_tiny_set(tiny_set, tmp_path, family,
     # the LoRA at runtime on an fp8 base keeps its effect, with the error the base's rounding gives it
     for deploy in ("fp8+lora", "fp8_scaled+lora"):
         kept, error = cell[deploy]["effect_kept"], cell[deploy]["effect_error"]
-        assert 0.9 < kept < 1.1 and 0.0 < error < 0.2, (deploy, cell[deploy])
+        assert 0.9 < kept < 1.1 and 0.0 < error < EFFECT_ERROR_BOUND.get(family, 0.2), (deploy, cell[deploy])
     assert all(0.0 < c["val_loss"] < 10.0 for c in cell.values())
 
 

@@ -1,7 +1,9 @@
-"""Pre-quantized Z-Image, Chroma and FLUX.3 transformer files, loaded as stored (precision/stored_layouts.py):
-ComfyUI's scaled fp8 (`scaled_fp8` marker + per-tensor `scale_weight`) and comfy_quant (`weight_scale`
-+ per-layer JSON), musubi-tuner's per-tensor and per-64-block `scale_weight`s, our fp8_scaled block
-scales, plain e4m3 (everything, norms included) and city96's ComfyUI-GGUF blocks.
+"""Pre-quantized Z-Image, Chroma, FLUX.3, ERNIE-Image and Nucleus-Image transformer files, loaded as stored
+(precision/stored_layouts.py): ComfyUI's scaled fp8 (`scaled_fp8` marker + per-tensor `scale_weight`) and
+comfy_quant (`weight_scale` + per-layer JSON), musubi-tuner's per-tensor and per-64-block `scale_weight`s, our
+fp8_scaled block scales, plain e4m3 (everything, norms included) and city96's ComfyUI-GGUF blocks. Nucleus-Image's
+packed experts (Parameters, no Linears) are stored bf16 beside the fp8 Linears; a plain e4m3 file, whose experts are
+e4m3 too, is one error naming an expert tensor (they load in bf16 / fp16 / fp32 only, for now).
 
 The tiny files are written here from the tiny set's single files, in each family's single-file names
 (Z-Image: ComfyUI's fused `attention.qkv`; Chroma, FLUX.3: BFL names). The oracle is a plain float32 model
@@ -29,6 +31,8 @@ from library.models.ernie_image.checkpoint import load_ernie_image
 from library.models.ernie_image.model import ErnieImage
 from library.models.flux3.checkpoint import load_flux3
 from library.models.flux3.model import Flux3Transformer
+from library.models.nucleus_image.checkpoint import load_nucleus_image
+from library.models.nucleus_image.model import NucleusImage
 from library.models.zimage.checkpoint import CONFIG_KEY, QKV, from_single_file_state_dict, load_zimage
 from library.models.zimage.model import ZImage
 from library.precision import fp8
@@ -50,6 +54,7 @@ FAMILIES = {
     "chroma": ("chroma_bfl", "chroma_config", Chroma, load_chroma),
     "flux3": ("flux3_tiny", "flux3_config", Flux3Transformer, load_flux3),
     "ernie_image": ("ernie_image", "ernie_image_config", ErnieImage, load_ernie_image),
+    "nucleus_image": ("nucleus_image", "nucleus_image_config", NucleusImage, load_nucleus_image),
 }
 # layout -> (what the loader reports, the ComfyUI prefix the file carries)
 LAYOUTS = {
@@ -166,6 +171,10 @@ def write_fp8(tiny_set, family: str, layout: str, path) -> tuple[str, dict[str, 
 def test_fp8_files_load_as_stored_and_compute_as_their_dequantized_twin(tiny_set, tmp_path, family, layout):
     path, stored = write_fp8(tiny_set, family, layout, tmp_path / f"{family}-{layout}.safetensors")
     loader = FAMILIES[family][3]
+    if family == "nucleus_image" and layout == "plain":  # every tensor e4m3: its packed experts too (3-D, no Linear)
+        with pytest.raises(CheckpointError, match=r"experts\.\w+' is stored as F8_E4M3: .* bf16 / fp16 / fp32"):
+            loader(path)
+        return
     with pytest.warns(UserWarning, match="widened"):  # ComfyUI's fp8 embedders / final layer: kept high precision here
         model = loader(path).eval()
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
