@@ -312,7 +312,7 @@ class ExpertChoiceMoE(nn.Module):
         rows = (tokens + s * torch.arange(b, device=tokens.device)[:, None, None]).transpose(0, 1).reshape(-1)
         gates = picked.transpose(0, 1).reshape(-1)  # [E * B * C], activation dtype
         totals = gates.new_zeros(b * s).scatter_add(0, rows, gates)  # each token's summed scores
-        return rows, gates / (totals[rows] + ROUTER_EPS) * self.route_scale
+        return rows, gates / (totals.index_select(0, rows) + ROUTER_EPS) * self.route_scale
 
     def forward(self, y: torch.Tensor, y_unmodulated: torch.Tensor, temb: torch.Tensor,
                 output_needed: bool = True) -> torch.Tensor:
