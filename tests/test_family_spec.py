@@ -70,7 +70,7 @@ def _releases() -> dict[str, dict[str, str]]:
         "krea2_edit": {f"{RAW}-edit": "Krea-2-Edit/lora", f"{KREA2_TURBO}-edit-kv_cache": "Krea-2-Edit/lora"},  # ours
         "ideogram4": {"ideogram4": "Ideogram-4/lora"},  # musubi-tuner
         "ernie_image": {"ernie-image": "ERNIE-Image/lora"},  # ours (ai-toolkit, which trains it, writes no modelspec)
-        "nucleus_image": {"nucleus-image": "Nucleus-Image/lora"},  # ours (ai-toolkit, which trains it, writes none)
+        "nucleus_image": {"nucleus-image": "nucleus-image/lora"},  # ours (ai-toolkit, which trains it, writes none)
     }
 
 

@@ -60,7 +60,7 @@ def test_nucleus_image_lora_trains_saves_and_samples(trained):
     with safe_open(str(trained / "nucleus.safetensors"), "pt") as f:
         meta = f.metadata()
     assert (meta["ss_base_model_version"], meta["ss_timestep_sampling"]) == ("nucleus-image", "nucleus_shift")
-    assert meta["modelspec.architecture"] == "Nucleus-Image/lora"
+    assert meta["modelspec.architecture"] == "nucleus-image/lora"  # sd-scripts' style
     assert sample_png(trained, "nucleus", "final").stat().st_size > 0
 
 

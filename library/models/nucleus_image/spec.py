@@ -67,7 +67,7 @@ LORA = S.LoRATargets(
 # `img_mlp_gate_layer` / `gate_up`: lora_info's regex anchors it, the substring markers leave it out.
 LORA_FILES = S.LoRAFiles(
     markers=("_encoder_proj", "_img_mlp_shared_expert_"),
-    # ours (nucleus-image) and ai-toolkit's nucleus_image (separators aside); our modelspec Nucleus-Image/lora
+    # ours (nucleus-image) and ai-toolkit's nucleus_image (separators aside); our modelspec nucleus-image/lora
     model_versions=("nucleus-image",),
     block_pattern=r"(transformer_blocks)[._](\d+)[._]",
     module_paths="library.models.nucleus_image.lora_files:module_paths",
@@ -108,6 +108,12 @@ SAMPLING = S.Sampling(method="nucleus_shift", shift=1.0)
 
 
 # -- memory planner shapes and presets
+# The preset plans 16.9 B parameters, 15.3 B of them the packed experts: bf16 does not fit a 24 GB card without block
+# swap, and fp8 / fp8_scaled store only the Linears (1.6 B) in fp8, leaving the experts bf16 until they get an fp8
+# storage of their own (a later step). tools/plan_memory.py --preset nucleus-image at 1024 px, batch 1, rank 16:
+# the base 31.5 GiB in bf16, 30.1 GiB in fp8_scaled; the training step 33.1 / 31.7 GiB with checkpointing; on 24 GB
+# checkpointing with blocks_to_swap 13 (bf16, peak 21.3 GiB) or 12 (fp8_scaled, 21.4 GiB); on 16 GB fp8_scaled
+# with 19; on 48 GB none. Caching: Qwen3-VL-8B's 29 layers 11.6 GiB in bf16, the VAE's encode (batch 4) 15.6 GiB.
 # Captions vary in length (each caption's chat text, a batch padded with a mask): the plan sizes 512 tokens.
 # The text encoder as load_nucleus_text_encoder reads Qwen3-VL-8B: the embeddings, the first 29 of 36 decoder
 # layers (hidden_states[-8]) and the final norm, no head, no vision (fp8: its decoder Linears, one scale per 64
@@ -136,9 +142,11 @@ CONFIG_KEYS = (
 )
 
 
-# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata): ours in musubi-tuner's style (none of the peers
-# that write modelspec trains Nucleus-Image; ai-toolkit writes ss_base_model_version "nucleus_image").
-MODELSPEC = {"nucleus-image": S.ModelSpecNames("Nucleus-Image", "https://huggingface.co/NucleusAI/Nucleus-Image")}
+# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata): ours in sd-scripts' style (its sai_model_spec
+# ARCH_ names are lowercase and hyphenated, "hunyuan-image-2.1", "lumina-2"; its IMPL_ a URL, the model card's where
+# no code base is the reference, IMPL_CHROMA): none of the peers that write modelspec trains Nucleus-Image, and
+# ai-toolkit writes ss_base_model_version "nucleus_image".
+MODELSPEC = {"nucleus-image": S.ModelSpecNames("nucleus-image", "https://huggingface.co/NucleusAI/Nucleus-Image")}
 
 
 SPEC = S.ArchSpec(
