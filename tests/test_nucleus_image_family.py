@@ -217,3 +217,45 @@ def test_generate_renders_with_cfg_and_the_lora(tiny_set, trained, tmp_path):
     (png,) = out.glob("*.png")
     with Image.open(png) as image:
         assert image.size == (48, 32) and image.text["steps"] == "2" and float(image.text["guidance"]) == 4.0
+
+
+def test_lora_files_module_paths_are_the_models_linears():
+    """convert_lora resolves kohya names against lora_files.module_paths: the released model's Linears (dense blocks
+    0-2, then routers and shared experts; the packed experts are none) and the tiny one's, built on meta."""
+    import torch.nn as nn
+
+    from library.models.nucleus_image.lora_files import module_paths
+    from library.models.nucleus_image.model import NUCLEUS_IMAGE, NucleusImage
+    from library.models.nucleus_image.tiny import tiny_config
+
+    for config in (NUCLEUS_IMAGE, tiny_config()):
+        with torch.device("meta"):
+            model = NucleusImage(config)
+        linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
+        assert set(module_paths({"transformer_blocks": config.num_layers})) == linears, config.num_layers
+
+
+def test_lora_info_names_a_nucleus_lora_and_its_release_and_not_qwen_images(tmp_path):
+    """Released shapes (width 2048, text 4096, 32 blocks): Nucleus-Image by its own names and by shapes alone (an
+    attention-only file); a file of its dense blocks' img_mlp.net and img_mod.1 only (Qwen-Image's names) is told by
+    no marker of either."""
+    from networks import lora_files as lf
+    from networks.lora_arch import base_arch_of_names
+    from tools import lora_info
+
+    def w(width_in, width_out):
+        return lf.LoRAWeights(torch.zeros(1, width_in), torch.zeros(width_out, 1), 1.0)
+
+    own = {"transformer_blocks.31.encoder_proj": w(4096, 2048), "transformer_blocks.0.attn.to_q": w(2048, 2048),
+           "transformer_blocks.3.img_mlp.gate": w(4096, 64)}
+    attention = {f"transformer_blocks.{i}.attn.{n}": w(2048, 512 if n in ("to_k", "to_v") else 2048)
+                 for i in range(32) for n in ("to_q", "to_k", "to_v")}
+    shared = {f"transformer_blocks.{i}.{n}": w(2048, 8192 if "mod" in n else 10752)
+              for i in range(3) for n in ("img_mod.1", "img_mlp.net.0.proj")}
+    for name, modules in (("own", own), ("attention", attention), ("shared", shared)):
+        lf.write_kohya(modules, str(tmp_path / f"{name}.safetensors"))
+    assert lora_info.read_info(str(tmp_path / "own.safetensors"))["arch"] == "nucleus_image"
+    got = lora_info.read_info(str(tmp_path / "attention.safetensors"))
+    assert (got["arch"], got["fits"]) == ("nucleus_image", "Nucleus-Image")
+    with pytest.raises(ValueError, match="cannot tell"):
+        base_arch_of_names([f"lora_unet_{m.replace('.', '_')}.lora_down.weight" for m in shared])

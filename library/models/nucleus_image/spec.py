@@ -27,10 +27,11 @@ from library.models import spec as S
 #            img_mlp.shared_expert)
 #   router   the MoE router img_mlp.gate (Linear [64, 2 x 2048] over the timestep embedding and the unmodulated
 #            tokens). On by default, as ai-toolkit's LoRA module trains it where a config names no
-#            network_kwargs.ignore_if_contains. A LoRA here moves the expert-choice routing: each expert takes its
-#            top-k tokens by the router's softmax, so a router delta changes which tokens every expert (and the
-#            unadapted expert weights) sees, a discrete change the gradient only reaches through the picked
-#            tokens' gating weights. ai-toolkit's UI preset for Nucleus-Image ignores img_mlp.gate (and
+#            network_kwargs.ignore_if_contains (so a translated ai-toolkit config trains the modules ai-toolkit
+#            trained; 7.6 M weights, 0.5% of the Linears). A LoRA here moves the expert-choice routing: each expert
+#            takes its top-k tokens by the router's softmax, so a router delta changes which tokens every expert
+#            (and the unadapted expert weights) sees, a discrete change the gradient only reaches through the
+#            picked tokens' gating weights. ai-toolkit's UI preset for Nucleus-Image ignores img_mlp.gate (and
 #            img_mlp.experts): `router_dim=0` trains as that preset does.
 # The packed experts are Parameters, not Linears: no LoRA targets them (15.3 B weights stay frozen as loaded). The
 # embedders and the final layer take a rank through in_dims, in this order: img_in, time_embedding
