@@ -53,10 +53,18 @@ class NucleusImageFamily(DiffusionFamily):
         return [
             ModelFile("ae", self.vae_path, "a Qwen-Image VAE (16 latent channels, 3-D convolutions)", "vae",
                       vae_markers(self.latent_channels, video=True)),
+            # the tokenizer is checked as its loader looks for it (check_model_files): processor/ or tokenizer/
             ModelFile("text_encoder", self.text_paths["text_encoder"], "a Qwen3-VL language model", "text_encoder",
-                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None},
-                      (None, "processor", "Qwen2")),  # the pipeline's processor/ (its loader looks there first)
+                      {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None}),
         ]
+
+    def check_model_files(self) -> None:
+        """The generic checks, then the text encoder's tokenizer where load_nucleus_text_encoder finds it: the
+        pipeline's processor/ beside text_encoder/, else the weights folder or tokenizer/ beside it (no torch)."""
+        from library.models.nucleus_image.text_encoder import nucleus_tokenizer_folder
+
+        super().check_model_files()
+        nucleus_tokenizer_folder(self.text_paths["text_encoder"])
 
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.joint_attention_dim}
