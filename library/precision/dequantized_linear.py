@@ -1,5 +1,6 @@
 """The one autograd path of every frozen low-bit base Linear (fp8.py's FP8Linear, bnb_weights' nf4 /
-nf4_dq / int8, gguf_weights' blocks, bfl_weights' fp8r / nvfp4): y = x @ dequantize(*args)^T + b.
+nf4_dq / int8, gguf_weights' blocks, bfl_weights' fp8r / nvfp4): y = x @ dequantize(*args)^T + b; and its
+batched sibling for packed weights (fp8_packed.py: a mixture's experts), y = bmm(x, dequantize(*args)).
 
 Each format brings only its dequantize function and arguments (its stored tensors, and what else it
 needs: shape, block type, the compute dtype); dequantize(*args) returns the [out, in] weight in the
@@ -52,3 +53,30 @@ def dequantized_linear(x: torch.Tensor, bias: torch.Tensor | None, dequantize, *
     if not needs_backward(x):
         return F.linear(x, dequantize(*args), bias)
     return DequantizedLinearFunction.apply(x, bias, dequantize, *args)
+
+
+class DequantizedBmmFunction(torch.autograd.Function):
+    """y = bmm(x, dequantize(*args)) (x [e, n, K], the weight [e, K, N]) whose backward dequantizes again
+    instead of keeping the weight, for packed frozen weights (a mixture's experts) as DequantizedLinearFunction
+    is for Linears: the stored tensors held on ctx, the base given no gradient."""
+
+    @staticmethod
+    def forward(ctx, x, dequantize, *args):
+        ctx.dequantize, ctx.args = dequantize, args
+        return torch.bmm(x, dequantize(*args))
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_x = None
+        if ctx.needs_input_grad[0]:
+            w = ctx.dequantize(*ctx.args)
+            grad_x = torch.bmm(grad_out.to(w.dtype), w.transpose(1, 2))
+        return (grad_x, None) + (None,) * len(ctx.args)
+
+
+def dequantized_bmm(x: torch.Tensor, dequantize, *args) -> torch.Tensor:
+    """torch.bmm(x, dequantize(*args)) for a frozen packed low-bit weight: through DequantizedBmmFunction where x
+    needs a gradient, else as plain ops (the same bits). x in the dtype dequantize returns."""
+    if not needs_backward(x):
+        return torch.bmm(x, dequantize(*args))
+    return DequantizedBmmFunction.apply(x, dequantize, *args)

@@ -24,6 +24,14 @@ the product rounded once in it (so in bf16 the scale is rounded to bf16 before t
 Always kept in high precision (each architecture's FP8Rules.keep, from its spec): embedders,
 input/output projections, the final layer, and (not Linear anyway) norms and RoPE, which core.py
 computes in fp32.
+
+Packed weights (a mixture's experts: W [E, K, N] used as x @ W[e], K the contraction) are stored as
+FP8Linear's weights would be: expert e's W[e] is the Linear weight W[e]^T [N, K] quantized by
+quantize_weight, so the codes are float8_e4m3fn [E, K, N] and "fp8_scaled" keeps bf16 scales over
+blocks of 64 along K, [E, K/64, N] (per (expert, column) when K % 64 != 0: [E, 1, N]), under the state
+dict key `<name>_scale` (ComfyUI's name for a packed weight's scale); "fp8_tensor_scaled" one fp32
+scale for the whole tensor. A module declares such weights by a class attribute `packed_weights`
+(fp8_packed.PackedWeights, which holds and reads them); prepare_fp8 and FP8LoadConverter find them by it.
 """
 
 from __future__ import annotations
@@ -185,6 +193,65 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor | None, dtype: torch.
     return w.to(dtype)
 
 
+PACKED_SCALE_SUFFIX = "_scale"  # a packed weight's scale: state dict key f"{name}_scale"
+
+
+def packed_scale_shape(experts: int, k: int, n: int) -> tuple[int, int, int]:
+    """Shape of a packed weight's fp8_scaled scale: one per 64 rows of K per (expert, column), or per
+    (expert, column) as a fallback: scale_shape(n, k) of each expert's Linear weight W[e]^T, transposed."""
+    return (experts, k // BLOCK, n) if k % BLOCK == 0 else (experts, 1, n)
+
+
+def quantize_packed_weight(w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """w [E, K, N] used as x @ w[e] (bf16/fp16/fp32) -> (codes float8_e4m3fn [E, K, N], scale or None).
+
+    "fp8" / "fp8_scaled": each expert's w[e] exactly as quantize_weight quantizes the Linear weight
+    w[e]^T [N, K] (the same codes, transposed; scale bf16 [E, K/64, N], packed_scale_shape), so the
+    error is FP8Linear's. "fp8_tensor_scaled": one fp32 scale absmax / 448 for the whole tensor (scale
+    0-dim), as ComfyUI stores a packed weight. Expert by expert: the peak is one expert in fp32."""
+    _check_mode(mode)
+    if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        raise ValueError(f"quantize_packed_weight: weight is already {w.dtype}; re-quantizing fp8 compounds its error")
+    if w.dim() != 3:
+        raise ValueError(f"quantize_packed_weight: expected a packed weight [E, K, N], got shape {tuple(w.shape)}")
+    codes = torch.empty(w.shape, dtype=FP8_DTYPE, device=w.device)
+    scale = None
+    if mode == "fp8_scaled":
+        scale = torch.empty(packed_scale_shape(*w.shape), dtype=SCALE_DTYPE, device=w.device)
+    elif mode == "fp8_tensor_scaled":
+        scale = (w.detach().abs().amax().float() / FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)  # fp32, 0-dim
+    for e in range(w.shape[0]):
+        if mode == "fp8_tensor_scaled":
+            codes[e] = (w[e].detach().float() / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            continue
+        q, s = quantize_weight(w[e].T, mode)  # [N, K] codes, [N, K/64] scales
+        codes[e] = q.T
+        if s is not None:
+            scale[e] = s.T
+    return codes, scale
+
+
+def dequantize_packed_weight(codes: torch.Tensor, scale: torch.Tensor | None, dtype: torch.dtype,
+                             experts: slice | int = slice(None)) -> torch.Tensor:
+    """The packed weight of `experts` (an index or a slice of codes [E, K, N]) in `dtype`: [e, K, N] (or
+    [K, N] for an index), dequantize_weight's arithmetic (one rounding in bf16 / fp32; a 0-dim scale
+    ComfyUI's q.to(dtype) * scale.to(dtype)). Peak memory: those experts' weight in `dtype`."""
+    single = isinstance(experts, int)
+    if single:
+        experts = slice(experts, experts + 1)
+    q = codes[experts]
+    if scale is not None and scale.dim() == 0:
+        w = fp8_to(q, dtype).mul_(scale.to(dtype))
+    else:
+        work = dtype if dtype in (torch.bfloat16, torch.float32) else torch.float32
+        w = fp8_to(q, work)  # exact: every e4m3 value is a bf16/fp16/fp32 value
+        if scale is not None:
+            s = scale[experts]  # [e, blocks, N]
+            w.view(s.shape[0], s.shape[1], -1, s.shape[2]).mul_(s.to(work)[:, :, None, :])
+        w = w.to(dtype)
+    return w[0] if single else w
+
+
 def stochastic_round_to_fp8(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Unbiased stochastic rounding of x (any float dtype, values clamped to +-448) to float8_e4m3fn.
 
@@ -315,13 +382,34 @@ def _replace_linears(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module
     return model
 
 
-def prepare_fp8(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
-    """Replace every nn.Linear that `rules` does not keep in high precision by an FP8Linear, in place.
+def packed_weight_names(model: nn.Module) -> dict[str, tuple[nn.Module, str]]:
+    """Qualified name -> (module, weight name) of every packed weight of `model`: those its modules name in
+    their class attribute `packed_weights` (fp8_packed.PackedWeights), stored in fp8 or not."""
+    return {f"{name}.{weight}" if name else weight: (module, weight)
+            for name, module in model.named_modules() for weight in getattr(type(module), "packed_weights", ())}
+
+
+def keeps_packed(name: str, rules: KeepRules) -> bool:
+    """True if the packed weight `name` (module.weight) stays in high precision: `rules` name it or its module."""
+    return is_high_precision(name, rules) or is_high_precision(name.rpartition(".")[0], rules)
+
+
+def _quantize_packed(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
+    for name, (module, weight) in packed_weight_names(model).items():
+        if weight not in module.packed_modes and not keeps_packed(name, rules):
+            module.quantize_packed(weight, mode)
+    return model
+
+
+def prepare_fp8(model: nn.Module, mode: str, rules: KeepRules, packed: bool = True) -> nn.Module:
+    """Replace every nn.Linear that `rules` does not keep in high precision by an FP8Linear, in place, and
+    store the packed weights (packed=True; fp8_packed.PackedWeights) that the rules do not keep in fp8.
 
     On a `meta` model the new layers hold meta fp8 tensors of the right shapes for
     load_streaming(convert=fp8_load_converter(model, mode)) to fill; on a loaded model the
     weights are quantized. Returns the model."""
-    return _replace_linears(model, mode, rules)
+    _replace_linears(model, mode, rules)
+    return _quantize_packed(model, mode, rules) if packed else model
 
 
 def quantize_module(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
@@ -329,12 +417,22 @@ def quantize_module(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
     meta = [n for n, p in model.named_parameters() if p.is_meta]
     if meta:
         raise ValueError(f"quantize_module: '{meta[0]}' is on the meta device; use prepare_fp8 + load_streaming")
-    return _replace_linears(model, mode, rules)
+    return prepare_fp8(model, mode, rules)
+
+
+def _refuse_fp8_source(key: str, tensor: torch.Tensor) -> None:
+    if tensor.dtype == torch.float8_e5m2:  # a plain e5m2 file (fp8_checkpoints.py): widened, not re-quantized
+        raise CheckpointError(f"'{key}' is float8_e5m2: it widens exactly to bf16 but not to the fp8 base asked "
+                              f"for; set base_precision = \"bf16\" (fp8_base = false), or give a bf16 checkpoint")
+    if tensor.dtype == torch.float8_e4m3fn:
+        raise CheckpointError(f"'{key}' is already {tensor.dtype}: re-quantizing fp8 compounds error; "
+                              f"give a bf16/fp16/fp32 checkpoint")
 
 
 class FP8LoadConverter:
     """load_streaming(convert=...) hook: `X.weight` of every FP8Linear X is quantized on the fly
-    into {X.weight: fp8, X.weight_scale: bf16}; all other tensors pass through unchanged.
+    into {X.weight: fp8, X.weight_scale: bf16}, and every packed weight P stored in fp8 into {P: fp8,
+    P_scale: its scale}; all other tensors pass through unchanged.
 
     keep_dtype(key) is True for those weights, so load_streaming hands them over in the file's
     dtype (quantizing fp32 -> fp8 directly, not fp32 -> bf16 -> fp8)."""
@@ -343,25 +441,27 @@ class FP8LoadConverter:
         if not isinstance(model, nn.Module):
             raise TypeError("fp8_load_converter(model, mode): pass the model prepared by prepare_fp8")
         layers = {name: m for name, m in model.named_modules() if isinstance(m, FP8Linear)}
-        modes = {m.mode for m in layers.values()}
+        self.quantized = {f"{name}.weight": m.mode for name, m in layers.items()}
+        self.packed = {name: module.packed_modes[weight]
+                       for name, (module, weight) in packed_weight_names(model).items()
+                       if weight in module.packed_modes}  # fmt: skip
+        modes = {*self.quantized.values(), *self.packed.values()}
         if mode is not None:
             _check_mode(mode)
             if modes - {mode}:
                 raise ValueError(f"fp8_load_converter: model was prepared with {sorted(modes)}, not {mode!r}")
-        self.quantized = {f"{name}.weight": m.mode for name, m in layers.items()}
 
     def keep_dtype(self, key: str) -> bool:
-        return key in self.quantized
+        return key in self.quantized or key in self.packed
 
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if key in self.packed:
+            _refuse_fp8_source(key, tensor)
+            q, scale = quantize_packed_weight(tensor, self.packed[key])
+            return {key: q} if scale is None else {key: q, key + PACKED_SCALE_SUFFIX: scale}
         if key not in self.quantized:
             return {key: tensor}
-        if tensor.dtype == torch.float8_e5m2:  # a plain e5m2 file (fp8_checkpoints.py): widened, not re-quantized
-            raise CheckpointError(f"'{key}' is float8_e5m2: it widens exactly to bf16 but not to the fp8 base asked "
-                                  f"for; set base_precision = \"bf16\" (fp8_base = false), or give a bf16 checkpoint")
-        if tensor.dtype == torch.float8_e4m3fn:
-            raise CheckpointError(f"'{key}' is already {tensor.dtype}: re-quantizing fp8 compounds error; "
-                                  f"give a bf16/fp16/fp32 checkpoint")
+        _refuse_fp8_source(key, tensor)
         q, scale = quantize_weight(tensor, self.quantized[key])
         parts = {key: q}
         if scale is not None:
@@ -386,8 +486,9 @@ def refuse_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> 
 
 
 def bytes_per_parameter(model: nn.Module) -> float:
-    """Bytes of all parameters and buffers / number of base weight elements (scales excluded)."""
-    tensors = list(model.named_parameters()) + list(model.named_buffers())
-    total = sum(t.numel() * t.element_size() for _, t in tensors)
-    base = sum(t.numel() for name, t in tensors if not name.endswith("weight_scale"))
+    """Bytes of all parameters and buffers / number of base weight elements (scales excluded: the
+    buffers named `weight_scale` or `<packed weight>_scale`)."""
+    params, buffers = list(model.parameters()), list(model.named_buffers())
+    total = sum(t.numel() * t.element_size() for t in (*params, *(b for _, b in buffers)))
+    base = sum(t.numel() for t in params) + sum(b.numel() for n, b in buffers if not n.endswith(PACKED_SCALE_SUFFIX))
     return total / base

@@ -52,6 +52,12 @@ A Linear a comfy_quant file stores in high precision (ComfyUI's "fp8mixed" files
 bf16 weight) stays a plain Linear holding the file's weight in the compute dtype, as ComfyUI's
 mixed_precision_ops computes with it. In the other layouts such a weight is quantized per tensor at load.
 
+Packed weights (fp8_packed.py: [E, K, N] tensors of a mixture's experts, no Linear) load as stored: e4m3 codes
+plain, with one scale per tensor (ComfyUI's packed `P_scale` beside its comfy_quant config, or a Linear's
+`.scale_weight` / `.weight_scale`), or with our bf16 blocks `P_scale` [E, K/64, N]; each in the mode its scale
+says, whatever the Linears' layout. A packed weight the file keeps in high precision stays so (ComfyUI computes
+with it as stored). Other scale shapes, or two scales for one weight, are refused naming the key.
+
 An fp8 tensor where our model keeps high precision (the architecture's fp8 keep rules: embedders,
 the final layer; and norms, biases) is widened, with one warning: widening is exact, so the base
 trained on is the very one ComfyUI computes with (ComfyUI casts those codes to the compute dtype the
@@ -70,7 +76,9 @@ import torch.nn as nn
 
 from library.io import CheckpointError, CheckpointReader
 from library.precision.fp8 import (
-    FP8_CHECKPOINT_DTYPES, SCALE_DTYPE, TENSOR_SCALE_DTYPE, FP8LoadConverter, KeepRules, dequantize_weight, prepare_fp8, scale_shape,
+    FP8_CHECKPOINT_DTYPES, PACKED_SCALE_SUFFIX, SCALE_DTYPE, TENSOR_SCALE_DTYPE, FP8LoadConverter, KeepRules,
+    dequantize_packed_weight, dequantize_weight, keeps_packed, packed_scale_shape, packed_weight_names, prepare_fp8,
+    scale_shape,
 )  # fmt: skip
 
 DIFFUSION_MODEL_PREFIXES = ("model.diffusion_model.", "diffusion_model.")  # ComfyUI full / UNet-only files
@@ -82,6 +90,8 @@ COMFY_FORMAT = "float8_e4m3fn"  # the only comfy_quant format with our per-tenso
 CONFIG_PRECISION = {"fp8": "fp8", "fp8_scaled": "fp8_scaled", "fp8_tensor_scaled": "fp8_scaled"}
 DROPPED_SUFFIXES = (".scale_input", ".input_scale", ".comfy_quant")  # activation scales, per-layer markers
 SCALE_SUFFIXES = (".scale_weight", ".weight_scale", *DROPPED_SUFFIXES)  # what a quantized Linear keeps beside .weight
+# A packed weight P's scale in files: P_scale (ours, and ComfyUI's name for a packed weight), or a Linear's names
+PACKED_FILE_SCALE_SUFFIXES = (PACKED_SCALE_SUFFIX, ".scale_weight", ".weight_scale")
 
 
 @dataclass(frozen=True)
@@ -92,6 +102,7 @@ class Fp8Checkpoint:
     layout: str  # "fp8" | "fp8_scaled" | "fp8_tensor_scaled"
     scale_suffix: str | None  # ".scale_weight" (ComfyUI marker layout, musubi) | ".weight_scale" (comfy_quant)
     prefix: str
+    packed_scales: frozenset[str] = frozenset()  # the scales of packed fp8 weights (_packed_scales), no prefix
 
     @property
     def comfy_quant(self) -> bool:
@@ -102,6 +113,31 @@ class Fp8Checkpoint:
         if name == COMFY_MARKER or name.endswith(DROPPED_SUFFIXES):
             return True
         return self.scale_suffix is not None and name.endswith(self.scale_suffix)  # loaded with its weight
+
+
+def _packed_scales(reader: CheckpointReader, where: str, prefix: str, fp8: list[str]) -> frozenset[str]:
+    """The scales (names without the prefix) of the file's packed fp8 weights: 3-D e4m3 tensors P [E, K, N] (a
+    mixture's experts, fp8_packed.py), each with at most one of P_scale (ours and ComfyUI's packed name),
+    P.scale_weight, P.weight_scale: one number (a per-tensor scale, ComfyUI's) or, ours, P_scale in bf16 blocks
+    [E, K/64, N]. Anything else is refused naming the key."""
+    found = set()
+    for name in fp8:
+        shape = reader.shape(prefix + name)
+        if len(shape) != 3 or reader.dtype_name(prefix + name) != "F8_E4M3":
+            continue
+        scales = [name + s for s in PACKED_FILE_SCALE_SUFFIXES if prefix + name + s in reader]
+        if len(scales) > 1:
+            raise CheckpointError(f"{where}: '{prefix + name}' has {len(scales)} scales ({', '.join(scales)}); a "
+                                  f"packed fp8 weight takes one")
+        for scale in scales:
+            have = reader.shape(prefix + scale)
+            blocks = scale == name + PACKED_SCALE_SUFFIX and have == packed_scale_shape(*shape)
+            if not (have in ((), (1,)) or blocks):
+                raise CheckpointError(f"{where}: '{prefix + scale}' has shape {have}: a packed fp8 weight {shape} is "
+                                      f"read with one scale per tensor, or bf16 block scales "
+                                      f"{packed_scale_shape(*shape)} as '{name + PACKED_SCALE_SUFFIX}'")
+            found.add(scale)
+    return frozenset(found)
 
 
 def diffusion_model_prefix(keys: list[str]) -> str:
@@ -191,6 +227,8 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
     prefix, names, fp8 = _transformer_fp8(reader, where)
     if not fp8:
         return None
+    packed = _packed_scales(reader, where, prefix, fp8)
+    names = [n for n in names if n not in packed]  # the Linears' scales and markers tell the layout
     e5m2 = [n for n in fp8 if reader.dtype_name(prefix + n) == "F8_E5M2"]
     if _plain_e5m2(reader, names, fp8, e5m2):
         warnings.warn(f"{where}: {len(e5m2)} float8_e5m2 tensors (first '{prefix + e5m2[0]}') are widened exactly to "
@@ -204,7 +242,7 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
             raise CheckpointError(f"{where}: '{prefix + COMFY_MARKER}' is {reader.dtype_name(prefix + COMFY_MARKER)}: "
                                   f"ComfyUI's marker names the weights' fp8 type, and only float8_e4m3fn is read")
         _check_per_tensor_scales(reader, where, [prefix + n for n in names if n.endswith(".scale_weight")])
-        return Fp8Checkpoint("fp8_tensor_scaled", ".scale_weight", prefix)
+        return Fp8Checkpoint("fp8_tensor_scaled", ".scale_weight", prefix, packed)
     formats = _comfy_quant_formats(reader, names, prefix)
     if formats:
         other = next(((k, f) for k, f in formats.items() if f != COMFY_FORMAT), None)
@@ -212,10 +250,10 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
             raise CheckpointError(f"{where}: layer '{other[0]}' is comfy_quant format {other[1]!r}; only "
                                   f"{COMFY_FORMAT!r} (one float32 scale per tensor) is read")
         _check_per_tensor_scales(reader, where, [prefix + n for n in names if n.endswith(".weight_scale")])
-        return Fp8Checkpoint("fp8_tensor_scaled", ".weight_scale", prefix)
+        return Fp8Checkpoint("fp8_tensor_scaled", ".weight_scale", prefix, packed)
     musubi = [n for n in names if n.endswith(".scale_weight")]
     if musubi:
-        return Fp8Checkpoint(_musubi_layout(reader, where, prefix, musubi), ".scale_weight", prefix)
+        return Fp8Checkpoint(_musubi_layout(reader, where, prefix, musubi), ".scale_weight", prefix, packed)
     scales = [n for n in names if n.endswith(".weight_scale")]
     flat = next((n for n in scales if len(reader.shape(prefix + n)) != 2), None)
     if flat:
@@ -227,7 +265,7 @@ def read_fp8_checkpoint(reader: CheckpointReader, path: str | None = None) -> Fp
         if reader.shape(key) != want:
             raise CheckpointError(f"{where}: '{key}' has shape {reader.shape(key)}, not the fp8_scaled block scales "
                                   f"{want} (one per 64 input columns) of a 2-D '{weight}'")
-    return Fp8Checkpoint("fp8_scaled" if scales else "fp8", None, prefix)
+    return Fp8Checkpoint("fp8_scaled" if scales else "fp8", None, prefix, packed)
 
 
 def fp8_checkpoint_layout(reader: CheckpointReader, path: str | None = None) -> str | None:
@@ -246,10 +284,13 @@ class PrequantizedConverter:
     to `dtype`; markers and activation scales are dropped."""
 
     def __init__(self, model: nn.Module, info: Fp8Checkpoint, dtype: torch.dtype, reader: CheckpointReader, source: str):
-        self.inner, self.info, self.dtype, self.reader = FP8LoadConverter(model, info.layout), info, dtype, reader
+        # no mode check: a packed weight's mode is what its stored scale says (_packed_as_stored), not the layout's
+        self.inner, self.info, self.dtype, self.reader = FP8LoadConverter(model), info, dtype, reader
+        self.packed = set(packed_weight_names(model))  # every packed weight, stored in fp8 by the model or not
         fp8_names = [k[len(info.prefix) :] for k in reader.keys()
                      if k.startswith(info.prefix) and reader.dtype_name(k) in FP8_CHECKPOINT_DTYPES]  # fmt: skip
-        self.widened = [n for n in fp8_names if n not in self.inner.quantized and not info.is_dropped(n)]
+        self.widened = [n for n in fp8_names if n not in self.inner.quantized and n not in self.inner.packed
+                        and not info.is_dropped(n)]  # fmt: skip
         self.source, self._warned = source, False  # warned at the first widening: not when only planning memory
 
     def keep_dtype(self, key: str) -> bool:
@@ -286,7 +327,31 @@ class PrequantizedConverter:
                                   f"checkpoint or one written by merge_lora --save_precision fp8_scaled")
         return held
 
+    def _packed(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A packed weight as stored: e4m3 codes with their scale where the model stores it in fp8 (_packed_as_stored
+        made it so for each it does not keep), widened with its scale where it keeps it; one stored in high
+        precision cast to `dtype`. Its scale is read with it (its own key gives nothing)."""
+        if key in self.info.packed_scales:
+            return {}
+        if tensor.dtype != torch.float8_e4m3fn:
+            return {key: tensor.to(self.dtype)}
+        scale = self._packed_scale(key)
+        if key in self.inner.packed:
+            return {key: tensor} if scale is None else {key: tensor, key + PACKED_SCALE_SUFFIX: scale}
+        self._warn_widening()
+        return {key: dequantize_packed_weight(tensor, scale, self.dtype)}
+
+    def _packed_scale(self, key: str) -> torch.Tensor | None:
+        """A packed weight's scale as PackedWeights holds it: one number fp32 0-dim, blocks bf16 [E, K/64, N]."""
+        name = next((key + s for s in PACKED_FILE_SCALE_SUFFIXES if key + s in self.info.packed_scales), None)
+        if name is None:
+            return None
+        scale = self.reader.get(self.info.prefix + name)
+        return scale.to(TENSOR_SCALE_DTYPE).reshape(()) if scale.numel() == 1 else self._block_scale(name, scale)
+
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
+        if key in self.packed or key in self.info.packed_scales:
+            return self._packed(key, tensor)
         if self.info.is_dropped(key):
             return {}
         is_fp8 = tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -328,14 +393,32 @@ def _high_precision_linears(model: nn.Module, info: Fp8Checkpoint, reader: Check
             if key in reader and reader.dtype_name(key) not in FP8_CHECKPOINT_DTYPES]  # fmt: skip
 
 
+def _packed_as_stored(model: nn.Module, info: Fp8Checkpoint, rules: KeepRules, reader: CheckpointReader) -> None:
+    """The packed weights of the meta `model` that the file stores in e4m3 (and `rules` do not keep) are stored in
+    fp8 in the mode their scale says: none "fp8", one number "fp8_tensor_scaled", blocks "fp8_scaled". The others
+    stay in high precision as stored, as ComfyUI computes with them (its packed experts without a quantization
+    config are plain tensors in the compute dtype)."""
+    for name, (module, weight) in packed_weight_names(model).items():
+        key = info.prefix + name
+        if key not in reader or reader.dtype_name(key) != "F8_E4M3" or keeps_packed(name, rules):
+            continue
+        scale = next((info.prefix + name + s for s in PACKED_FILE_SCALE_SUFFIXES if name + s in info.packed_scales),
+                     None)
+        mode = "fp8" if scale is None else "fp8_tensor_scaled" if reader.shape(scale) in ((), (1,)) else "fp8_scaled"
+        module.quantize_packed(weight, mode)
+
+
 def prequantized_converter(model: nn.Module, info: Fp8Checkpoint, rules: KeepRules, dtype: torch.dtype,
                            reader: CheckpointReader, source: str) -> PrequantizedConverter:
     """Swap the Linears of the meta `model` that the architecture's `rules` do not keep (and a comfy_quant
-    file stores in fp8) for FP8Linear of the file's layout; the convert hook."""
+    file stores in fp8) for FP8Linear of the file's layout, store its packed weights as the file does
+    (_packed_as_stored); the convert hook."""
     as_stored = _high_precision_linears(model, info, reader)
     if as_stored:
         rules = _StoredKeepRules((*rules.keep, *map(re.escape, as_stored)), tuple(rules.modulation))
-    return PrequantizedConverter(prepare_fp8(model, info.layout, rules), info, dtype, reader, source)
+    model = prepare_fp8(model, info.layout, rules, packed=False)
+    _packed_as_stored(model, info, rules, reader)
+    return PrequantizedConverter(model, info, dtype, reader, source)
 
 
 def scaled_fp8_converter(model: nn.Module, reader: CheckpointReader, source: str, rules: KeepRules | None,

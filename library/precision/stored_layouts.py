@@ -61,13 +61,13 @@ def stored_converter(model: nn.Module, info: StoredLayout, rules: KeepRules, dty
 
 def stored_extras(info: StoredLayout | None):
     """key -> True for the tensors of a stored file (keys without its prefix) that are no tensor of the
-    high-precision model: fp8 scales, ComfyUI's marker and activation scales. A loader's key check
-    skips them; GGUF files store only the model's own tensors."""
+    high-precision model: fp8 scales (the packed weights' too), ComfyUI's marker and activation scales. A loader's
+    key check skips them; GGUF files store only the model's own tensors."""
     if isinstance(info, BflCheckpoint):
         return info.is_dropped
     if not isinstance(info, Fp8Checkpoint):
         return lambda key: False
-    return lambda key: info.is_dropped(key) or key.endswith(".weight_scale")
+    return lambda key: info.is_dropped(key) or key.endswith(".weight_scale") or key in info.packed_scales
 
 
 def config_precision(layout: str) -> str:
