@@ -2,7 +2,7 @@
 blocks, per-layer capacities, masked text of different lengths, an odd grid), the experts' batched path against
 the loop and diffusers' layer, the released size on `meta`, checkpoint layouts (single file, ComfyUI prefix, diffusers
 folder, pre-quantized; the config from config.json / metadata / shapes), one-line errors, checkpointing and block
-swap."""
+swap; the experts in fp8 (quantized while loading, saved and loaded back, ComfyUI's fp8 experts as stored)."""
 
 import dataclasses
 import math
@@ -24,10 +24,12 @@ from library.models.nucleus_image.checkpoint import (
     save_nucleus_image_diffusers, save_nucleus_image_single_file,
 )
 from library.models.nucleus_image.model import (
-    NUCLEUS_IMAGE, NucleusImage, NucleusImageConfig, expert_capacity, joint_positions, random_inputs,
+    NUCLEUS_IMAGE, NucleusImage, NucleusImageConfig, SwiGLUExperts, expert_capacity, joint_positions, random_inputs,
 )
 from library.models.spec import FP8Rules
-from library.precision.fp8 import FP8Linear
+from library.precision import fp8_packed
+from library.precision.fp8 import FP8Linear, fp8_load_converter, prepare_fp8
+from library.training.memory_plan import module_bytes
 from library.precision.gguf_weights import GGUFLinear
 
 # head_dim 32 with the released RoPE split scaled down (4, 14, 14); in, out and text widths differ so that a swapped
@@ -462,24 +464,20 @@ def test_a_comfyui_scaled_fp8_file_loads_as_stored(files, tmp_path, monkeypatch)
         load_nucleus_image(path)
 
 
-def test_quantized_or_split_experts_are_refused_naming_the_tensor(files, tmp_path):
-    """ComfyUI's fp8 conversion quantizes the packed experts too, and some files split them per expert: one line
-    each, naming the tensor; a GGUF whose Linears are blocks and whose experts are F32 loads."""
+def test_gguf_or_split_experts_are_refused_naming_the_tensor(files, tmp_path):
+    """Some files split the experts per expert, a GGUF may store them in blocks: one line each, naming the tensor; a
+    GGUF whose Linears are blocks and whose experts are F32 loads."""
     from tests.test_gguf import write_gguf
 
     sd = load_file(files["single"])
     key = "transformer_blocks.3.img_mlp.experts.gate_up_proj"
-    stored, _ = fp8_scaled(sd)
-    save_file({**stored, key: sd[key].to(E4M3)}, tmp_path / "fp8_experts.safetensors")
-    with pytest.raises(CheckpointError, match=f"'{key}' is stored as F8_E4M3: Nucleus-Image's packed experts load "
-                                              f"in bf16 / fp16 / fp32 only for now"):
-        load_nucleus_image(str(tmp_path / "fp8_experts.safetensors"), fp8_rules=FP8_RULES)
     split = "transformer_blocks.3.img_mlp.experts.gate_up_projs.0.weight"
     save_file({**sd, split: torch.zeros(96, 128)}, tmp_path / "split.safetensors")
     with pytest.raises(CheckpointError, match=f"'{re.escape(split)}': experts split per expert"):
         load_nucleus_image(str(tmp_path / "split.safetensors"))
     linears = {k: "Q8_0" for k, v in sd.items() if v.dim() == 2 and v.shape[1] % 32 == 0}
-    with pytest.raises(CheckpointError, match=f"'{key}' is stored as Q8_0"):
+    with pytest.raises(CheckpointError, match=f"'{key}' is stored as Q8_0: Nucleus-Image's packed experts load in "
+                                              f"bf16 / fp16 / fp32 / fp8 only"):
         load_nucleus_image(write_gguf(sd, tmp_path / "q8_experts.gguf", {**linears, key: "Q8_0"}))
     loaded = load_nucleus_image(write_gguf(sd, tmp_path / "q8.gguf", linears)).eval()
     blocks = {n: m for n, m in loaded.named_modules() if isinstance(m, GGUFLinear)}
@@ -491,3 +489,152 @@ def test_quantized_or_split_experts_are_refused_naming_the_tensor(files, tmp_pat
         out, expected = loaded(**inputs()), diffusers_forward(files["reference"], inputs())
         assert torch.equal(out, twin.eval()(**inputs()))
     assert ((out - expected).norm() / expected.norm()).item() < 0.05  # measured 0.036: Q8_0 routers move tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# fp8 experts (precision/fp8_packed.py)
+
+EXPERTS = [f"transformer_blocks.{i}.img_mlp.experts" for i in (3, 4, 5)]
+
+
+def fp8_prepare(mode: str):
+    """What the family's fp8_prepare hands the loader (with its spec's keep rules: here the test's)."""
+    return lambda model: fp8_load_converter(prepare_fp8(model, mode, FP8_RULES))
+
+
+def dequantized_twin(model: NucleusImage) -> NucleusImage:
+    """The float32 model holding what the fp8 model's weights dequantize to."""
+    sd = {k: v.float() for k, v in model.state_dict().items() if v.dtype != E4M3 and not k.endswith("_scale")}
+    for name, module in model.named_modules():
+        if isinstance(module, FP8Linear):
+            sd[f"{name}.weight"] = module.dequantized_weight(torch.float32)
+        elif isinstance(module, SwiGLUExperts):
+            sd[f"{name}.gate_up_proj"], sd[f"{name}.down_proj"] = module.matrices(torch.float32)
+    twin = NucleusImage(model.config)
+    twin.load_state_dict(sd, strict=True)
+    return twin.eval().requires_grad_(False)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+def test_fp8_scaled_experts_compute_as_their_dequantized_twin(files, monkeypatch):
+    """Loaded with base precision fp8_scaled, the experts are fp8 codes + bf16 block scales (quantized while
+    streaming); in float32 compute the model's output and its input gradient are its dequantized twin's, chunks of
+    one expert change nothing; model.to(bf16) keeps the codes. Measured against the float32 model (of the output's
+    norm): fp8_scaled 0.192 in float32 and 0.193 in bf16, the bf16 model 0.093. The routers (kept in high precision)
+    see inputs fp8 moved, and top-k border flips amplify it, as bf16's: fp8_scaled experts alone 0.119, Linears alone
+    0.167; a dense-only config (no routing) 0.055."""
+    model = load_nucleus_image(files["single"], prepare=fp8_prepare("fp8_scaled")).eval().requires_grad_(False)
+    for name in EXPERTS:
+        experts = model.get_submodule(name)
+        assert experts.packed_modes == {"gate_up_proj": "fp8_scaled", "down_proj": "fp8_scaled"}
+        assert experts.gate_up_proj.dtype == E4M3 and experts.gate_up_proj_scale.shape == (8, 2, 96)
+        assert experts.down_proj_scale.shape == (8, 1, 128)  # inner 48: per (expert, column)
+    twin, reference = dequantized_twin(model), load_nucleus_image(files["single"]).eval()
+    x = inputs()
+    img = x["img"].clone().requires_grad_(True)
+    out = model(**{**x, "img": img})
+    (grad,) = torch.autograd.grad(out.square().mean(), img)
+    img_twin = x["img"].clone().requires_grad_(True)
+    expected = twin(**{**x, "img": img_twin})
+    (grad_twin,) = torch.autograd.grad(expected.square().mean(), img_twin)
+    print(f"fp8_scaled vs its twin: output {rel(out, expected):.1e}, input gradient {rel(grad, grad_twin):.1e}")
+    assert rel(out, expected) <= 1e-6 and rel(grad, grad_twin) <= 1e-6
+    monkeypatch.setattr(fp8_packed, "DEQUANTIZED_CHUNK_BYTES", 1)
+    assert len(model.transformer_blocks[3].img_mlp.experts.expert_chunks(torch.float32)) == 8
+    with torch.no_grad():
+        assert rel(model(**x), out) <= 1e-6
+        errors = {"fp8_scaled": rel(out, reference(**x))}
+        bf16 = load_nucleus_image(files["single"], dtype=torch.bfloat16).eval()
+        errors["bf16"] = rel(bf16(**x), reference(**x))
+        experts = model.transformer_blocks[4].img_mlp.experts
+        codes = experts.down_proj.clone()
+        model.to(torch.bfloat16).compute_dtype = torch.bfloat16
+        assert torch.equal(experts.down_proj.view(torch.uint8), codes.view(torch.uint8))
+        errors["fp8_scaled in bf16"] = rel(model(**x), reference(**x))
+    print("against the float32 model: " + ", ".join(f"{k} {v:.3f}" for k, v in errors.items()))
+    assert errors["fp8_scaled"] < 0.25 and errors["bf16"] < 0.15 and errors["fp8_scaled in bf16"] < 0.25
+
+
+def test_fp8_experts_under_checkpointing_and_block_swap_give_the_same_gradients(files):
+    """The fp8 experts' autograd holds the codes and scales themselves (no saved copy): checkpointing's recompute and
+    block swap, which releases and reloads the swapped blocks' codes under the same tensors, give the plain run's
+    input gradient bit for bit."""
+    x = inputs()
+    grads = []
+    for ckpt, swap in ((False, 0), (True, 0), (True, 3)):
+        model = load_nucleus_image(files["single"], prepare=fp8_prepare("fp8_scaled")).eval().requires_grad_(False)
+        model.gradient_checkpointing = ckpt
+        if swap:
+            enable_block_swap(model, swap, "cpu")
+        img = x["img"].clone().requires_grad_(True)
+        (grad,) = torch.autograd.grad(model(**{**x, "img": img}).square().mean(), img)
+        grads.append(grad)
+    assert grads[0].abs().max() > 0 and all(torch.equal(g, grads[0]) for g in grads[1:])
+
+
+# Measured: experts 15,804,923,904 bytes (1.03125 a weight: e4m3 + a bf16 scale per 64), the whole base
+# 17,500,119,040 (bf16: 33,845,358,592; plain fp8: 16,972,853,248).
+def test_the_released_size_prepared_fp8_scaled_weighs_a_byte_a_weight():
+    """What the memory planner counts (module_bytes of the meta model as the fp8_scaled load builds it)."""
+    with torch.device("meta"):
+        model = NucleusImage(NUCLEUS_IMAGE).to(torch.bfloat16)
+    prepare_fp8(model, "fp8_scaled", FP8_RULES)
+    experts = sum(module_bytes(b.img_mlp.experts) for b in model.transformer_blocks if b.moe_enabled)
+    total = module_bytes(model)
+    print(f"released size, fp8_scaled: experts {experts:,} bytes, the base {total:,} bytes")
+    assert experts == 15_325_986_816 * (1 + 2 / 64) == 15_804_923_904
+    assert total == 17_500_119_040 and total / 2**30 < 16.5  # bf16: 31.5 GiB
+
+
+def test_a_saved_fp8_model_loads_back_as_stored_bit_for_bit(files, tmp_path):
+    """Our fp8_scaled model saved as a single file (the Linears' weight_scale, the experts' <name>_scale) loads as
+    stored: every tensor bit for bit, the same output; the planner's meta load of it holds the same meta fp8."""
+    model = load_nucleus_image(files["single"], dtype=torch.bfloat16, prepare=fp8_prepare("fp8_scaled")).eval()
+    path = str(tmp_path / "nucleus_fp8_scaled.safetensors")
+    save_nucleus_image_single_file(model, path)
+    assert load_file(path)[EXPERTS[0] + ".gate_up_proj_scale"].dtype == torch.bfloat16
+    again = load_nucleus_image(path, dtype=torch.bfloat16, fp8_rules=FP8_RULES).eval()
+    assert again.get_submodule(EXPERTS[1]).packed_modes == {"gate_up_proj": "fp8_scaled", "down_proj": "fp8_scaled"}
+    saved, loaded = model.state_dict(), again.state_dict()
+    assert saved.keys() == loaded.keys()
+    for key, value in saved.items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key].view(torch.uint8), value.view(torch.uint8))
+    with torch.no_grad():
+        assert torch.equal(again(**inputs()), model(**inputs()))
+    planned = load_nucleus_image(path, dtype=torch.bfloat16, read_weights=False, fp8_rules=FP8_RULES)
+    assert {k: (v.shape, v.dtype) for k, v in planned.state_dict().items()} == \
+        {k: (v.shape, v.dtype) for k, v in saved.items()}
+
+
+def test_comfyui_fp8_experts_load_as_stored(files, tmp_path):
+    """ComfyUI's fp8 files quantize the packed experts too: e4m3 with one float32 scale per tensor (its `_scale`, or a
+    Linear's `.scale_weight`) beside the scaled Linears, or plain e4m3. They load as stored (the codes bit for bit) and
+    the output is the dequantized float32 model's exactly."""
+    sd = load_file(files["single"])
+    stored, dequantized = fp8_scaled(sd)
+    for i, name in enumerate(f"{e}.{w}" for e in EXPERTS for w in ("gate_up_proj", "down_proj")):
+        if i % 3 == 2:  # plain e4m3
+            stored[name] = sd[name].to(E4M3)
+            dequantized[name] = stored[name].float()
+            continue
+        scale = sd[name].abs().max() / 448
+        stored[name] = (sd[name] / scale).to(E4M3)
+        stored[name + ("_scale" if i % 3 == 0 else ".scale_weight")] = scale
+        dequantized[name] = stored[name].float() * scale
+    path = str(tmp_path / "comfy_fp8_experts.safetensors")
+    save_file({COMFY_PREFIX + k: v for k, v in stored.items()}, path)
+    loaded = load_nucleus_image(path, fp8_rules=FP8_RULES).eval()
+    modes = {e: loaded.get_submodule(e).packed_modes for e in EXPERTS}
+    assert modes[EXPERTS[0]] == {"gate_up_proj": "fp8_tensor_scaled", "down_proj": "fp8_tensor_scaled"}
+    assert modes[EXPERTS[1]] == {"gate_up_proj": "fp8", "down_proj": "fp8_tensor_scaled"}
+    for e in EXPERTS:
+        for w in ("gate_up_proj", "down_proj"):
+            codes = getattr(loaded.get_submodule(e), w)
+            assert torch.equal(codes.view(torch.uint8), stored[f"{e}.{w}"].view(torch.uint8))
+    twin = NucleusImage(tiny_config())
+    twin.load_state_dict(dequantized, strict=True)
+    with torch.no_grad():
+        assert torch.equal(loaded(**inputs()), twin.eval()(**inputs()))

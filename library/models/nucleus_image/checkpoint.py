@@ -11,8 +11,11 @@ Pre-quantized files (ComfyUI's scaled fp8 and comfy_quant, plain fp8, musubi-tun
 precision/stored_layouts.py) load as they are stored, under any of the prefixes; nothing is fused, so each stored
 scale stays its Linear's. Which Linears stay in high precision is the family's fp8 rule (library/models/nucleus_image/
 spec.py `FP8`, read when such a file is loaded, or given as `fp8_rules`). The packed experts ([E, in, out] tensors, no
-Linear) load only as stored in bf16 / fp16 / fp32 for now: a file that stores them in fp8 or GGUF blocks (ComfyUI's
-fp8 conversion quantizes them), or split per expert, is refused naming the tensor.
+Linear: precision/fp8_packed.py) load as stored too: in bf16 / fp16 / fp32, or as e4m3 codes, plain or with one
+scale per tensor (ComfyUI's `_scale`, `.scale_weight` or `.weight_scale`) or with our bf16 block scales
+(`<name>_scale` [E, in/64, out], what an fp8_scaled model saves). A base precision fp8 / fp8_scaled asked of a
+high-precision file quantizes them while loading, as the Linears. Experts in GGUF blocks, or split per expert (some
+ComfyUI conversions), are refused naming the tensor.
 
 What the shapes do not say (a single file without our metadata): the patch size (2), the RoPE split (16/56/56 of 128,
 scaled to the head), use_sigmoid (False), route_scale (2.5) and the per-block capacity factors: the released pattern
@@ -56,7 +59,7 @@ DIFFUSERS_DEFAULTS = dict(patch_size=2, in_channels=64, out_channels=None, num_l
                           dense_moe_strategy="leave_first_three_and_last_block_dense", num_experts=128,
                           moe_intermediate_dim=1344, capacity_factors=8.0, use_sigmoid=False, route_scale=2.5)
 EXPERT_TENSORS = (".img_mlp.experts.gate_up_proj", ".img_mlp.experts.down_proj")
-EXPERT_DTYPES = ("BF16", "F16", "F32")  # safetensors' and ggml's names alike
+EXPERT_DTYPES = ("BF16", "F16", "F32", "F8_E4M3", "F8_E5M2")  # safetensors' names (ggml's: the first three)
 SPLIT_EXPERTS = re.compile(r"\.img_mlp\.experts\.(gate_up|down)_projs\.\d+\.")  # ComfyUI's per-expert Linears
 
 # ----------------------------------------------------------------------------------------------
@@ -205,8 +208,8 @@ def _prefix(path: str, keys: list[str]) -> str:
 
 
 def refuse_quantized_experts(reader: CheckpointReader, path: str) -> None:
-    """The packed experts load as stored in bf16 / fp16 / fp32 only (for now): one line naming the first expert
-    tensor stored otherwise (fp8, GGUF blocks), or split per expert."""
+    """The packed experts load as stored in bf16 / fp16 / fp32 / fp8 (precision/fp8_checkpoints.py): one line
+    naming the first expert tensor stored otherwise (GGUF blocks), or split per expert."""
     for key in reader.keys():
         if SPLIT_EXPERTS.search(key):
             raise CheckpointError(f"{path}: '{key}': experts split per expert (ComfyUI's layout of some quantized "
@@ -214,7 +217,7 @@ def refuse_quantized_experts(reader: CheckpointReader, path: str) -> None:
         if key.endswith(EXPERT_TENSORS) and (reader.dtype_name(key) not in EXPERT_DTYPES
                                              or reader.is_block_quantized(key)):
             raise CheckpointError(f"{path}: '{key}' is stored as {reader.dtype_name(key)}: Nucleus-Image's packed "
-                                  f"experts load in bf16 / fp16 / fp32 only for now; give a file that keeps them so")
+                                  f"experts load in bf16 / fp16 / fp32 / fp8 only; give a file that keeps them so")
 
 
 def spec_fp8_rules(path: str, stored: StoredLayout) -> KeepRules:
@@ -245,10 +248,10 @@ def load_nucleus_image(
 
     dtype casts floating weights on read and becomes compute_dtype. config overrides config.json, the
     `nucleus_image_config` metadata and the key shapes. convert / prepare: the per-tensor and meta-model hooks (fp8
-    while loading: Linears only, the packed experts stay in dtype). read_weights=False: the meta model as it would
-    load, from the headers alone (the memory planner). Every key and shape is checked before any weight is read. A
-    pre-quantized file is used as it is stored, whatever `prepare` asks; fp8_rules: the Linears its fp8 layers keep in
-    high precision (default: the family spec's FP8)."""
+    while loading: the family's fp8_prepare quantizes the Linears and the packed experts). read_weights=False: the
+    meta model as it would load, from the headers alone (the memory planner). Every key and shape is checked before
+    any weight is read. A pre-quantized file is used as it is stored (its experts too), whatever `prepare` asks;
+    fp8_rules: the Linears its fp8 layers keep in high precision (default: the family spec's FP8)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"load_nucleus_image dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), "
                          f"got {dtype}")

@@ -60,6 +60,7 @@ from library.models.core import (
 )
 from library.models.flux2.model import swiglu
 from library.models.qwen_image.model import OutputNorm, image_positions
+from library.precision.fp8_packed import PackedWeights
 
 # Which blocks hold a mixture of experts (diffusers' _is_moe_layer), by the config's dense_moe_strategy. diffusers
 # takes any other name as "every block"; we refuse it (a typo would silently build another model).
@@ -252,12 +253,16 @@ class SwiGLUFeedForward(nn.Module):
         return residual_projection(self.net[2], self.hidden(x), output_needed)
 
 
-class SwiGLUExperts(nn.Module):
+class SwiGLUExperts(PackedWeights):
     """The routed experts as diffusers packs them: `gate_up_proj` [E, dim, 2 inner] ([gate | up] columns) and
     `down_proj` [E, inner, dim], stored as x @ W (no transpose). Expert e: (silu(x W_gu[e][:, :I]) * x W_gu[e][:, I:])
     @ W_d[e]. Every expert picks the same number of tokens (expert choice), so all of them run as one batched
-    matmul (torch.bmm, on every device and dtype): no grouped GEMM is needed. `matrices` is the one place the
-    weights are read, so that a quantized subclass (fp8 experts) need only override it."""
+    matmul (torch.bmm, on every device and dtype): no grouped GEMM is needed. The weights are packed weights
+    (precision/fp8_packed.py): an fp8 base stores them as fp8 codes + scales, read only through `matrices` (the
+    reference loop's) and packed_bmm; then the forward runs by chunks of experts, each chunk's weights
+    dequantized in forward and again in backward, never kept."""
+
+    packed_weights = ("gate_up_proj", "down_proj")
 
     def __init__(self, dim: int, inner: int, experts: int):
         super().__init__()
@@ -267,12 +272,16 @@ class SwiGLUExperts(nn.Module):
 
     def matrices(self, dtype: torch.dtype, experts: slice | int = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
         """(gate_up [.., dim, 2 inner], down [.., inner, dim]) of `experts` (an index or a slice) in `dtype`."""
-        return self.gate_up_proj[experts].to(dtype), self.down_proj[experts].to(dtype)
+        return self.packed_weight("gate_up_proj", dtype, experts), self.packed_weight("down_proj", dtype, experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x [E, N, dim]: expert e's N tokens in row e (activation dtype) -> [E, N, dim] in x.dtype."""
-        gate_up, down = self.matrices(x.dtype)
-        return torch.bmm(swiglu(torch.bmm(x, gate_up)), down)
+        """x [E, N, dim]: expert e's N tokens in row e (activation dtype) -> [E, N, dim] in x.dtype (autocast's
+        for fp8 weights under autocast). High-precision weights: one chunk of all experts."""
+        out = []
+        for experts in self.expert_chunks(x.dtype):
+            hidden = swiglu(self.packed_bmm(x[experts], "gate_up_proj", experts))
+            out.append(self.packed_bmm(hidden, "down_proj", experts))
+        return out[0] if len(out) == 1 else torch.cat(out)
 
     def forward_loop(self, x: torch.Tensor) -> torch.Tensor:
         """The same, one expert at a time (diffusers' for-loop path): the reference the batched one is tested on."""
