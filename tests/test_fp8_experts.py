@@ -129,7 +129,8 @@ def test_packed_error_equals_fp8linears_on_the_same_weights(std, plain_error, sc
         linear_out = torch.stack([F.linear(x[e], linear[e].T) for e in range(4)])
         errors[mode] = (rel_err(packed, w), rel_err(torch.bmm(x, packed), torch.bmm(x, w)))
         assert rel_err(linear_out, torch.bmm(x, w)) == pytest.approx(errors[mode][1], rel=1e-4)
-    print(f"std {std}: weight / output relative error " + ", ".join(f"{m} {a:.4f} / {b:.4f}" for m, (a, b) in errors.items()))
+    print(f"std {std}: weight / output relative error "
+          + ", ".join(f"{m} {a:.4f} / {b:.4f}" for m, (a, b) in errors.items()))
     assert errors["fp8"][1] == pytest.approx(plain_error, abs=0.002)
     assert errors["fp8_scaled"][1] == pytest.approx(scaled_error, abs=0.002)
 
@@ -218,6 +219,22 @@ def test_autocast_dequantizes_in_its_dtype():
     assert y.dtype == torch.bfloat16 and torch.equal(y, model.experts(x.to(torch.bfloat16)))
 
 
+def test_fsdp_shards_the_codes_and_scales_as_frozen_parameters():
+    """FSDP shards parameters and replicates buffers: the codes and scales become frozen Parameters (the same
+    tensors), and the module computes as before."""
+    from library.training.fsdp import stored_buffers_to_parameters
+
+    model = quantize_module(stand_in(), "fp8_scaled", RULES)
+    x = torch.randn(E, 4, DIM)
+    expected, state = model(x), {k: v.clone() for k, v in model.state_dict().items()}
+    assert stored_buffers_to_parameters(model) == 2 + 4  # proj's weight and scale, the experts' codes and scales
+    params = dict(model.experts.named_parameters())
+    assert sorted(params) == ["down", "down_scale", "up", "up_scale"]
+    assert not any(p.requires_grad for p in params.values())
+    assert all(torch.equal(v.view(torch.uint8), state[k].view(torch.uint8)) for k, v in model.state_dict().items())
+    assert torch.equal(model(x), expected)
+
+
 def test_model_to_dtype_keeps_codes_and_scales():
     model = quantize_module(stand_in(), "fp8_scaled", RULES)
     codes, scale = model.experts.up.clone(), model.experts.up_scale.clone()
@@ -242,8 +259,8 @@ def test_meta_prepare_gives_the_shapes_and_bytes_the_planner_counts():
     assert {n: (tuple(b.shape), b.dtype) for n, b in experts.named_buffers()} == {
         "up": ((E, DIM, INNER), F8), "up_scale": ((E, DIM // 64, INNER), torch.bfloat16),
         "down": ((E, INNER, DIM), F8), "down_scale": ((E, 1, DIM), torch.bfloat16)}
-    assert bytes_per_parameter(experts) == pytest.approx((E * DIM * INNER * (1 + 2 / 64) + E * INNER * DIM * (1 + 2 / INNER))
-                                                         / (2 * E * DIM * INNER))
+    up_bytes, down_bytes = E * DIM * INNER * (1 + 2 / 64), E * INNER * DIM * (1 + 2 / INNER)  # scales: bf16
+    assert bytes_per_parameter(experts) == pytest.approx((up_bytes + down_bytes) / (2 * E * DIM * INNER))
     with torch.device("meta"):
         large = StandInExperts(experts=8, dim=2048, inner=2688)
     assert bytes_per_parameter(prepare_fp8(large, "fp8_scaled", RULES)) == 1 + 2 / 64  # 1.03125 bytes a weight

@@ -64,8 +64,12 @@ class PackedWeights(nn.Module):
         self.register_buffer(name + PACKED_SCALE_SUFFIX, scale)
         self.packed_modes[name] = mode
 
+    def stored_names(self) -> tuple[str, ...]:
+        """The tensors holding the fp8 weights: codes and scales (buffers; FSDP makes them frozen Parameters)."""
+        return (*self.packed_modes, *(name + PACKED_SCALE_SUFFIX for name in self.packed_modes))
+
     def packed_scale(self, name: str) -> torch.Tensor | None:
-        return self._buffers.get(name + PACKED_SCALE_SUFFIX)
+        return getattr(self, name + PACKED_SCALE_SUFFIX, None)  # None: plain fp8 (a None buffer) or high precision
 
     def packed_weight(self, name: str, dtype: torch.dtype, experts: slice | int = slice(None)) -> torch.Tensor:
         """Weight `name` of `experts` (an index or a slice) in `dtype`: dequantized where it is stored in fp8."""
@@ -96,8 +100,8 @@ class PackedWeights(nn.Module):
         return [slice(begin, min(begin + size, experts)) for begin in range(0, experts, size)]
 
     def _apply(self, fn, recurse=True):
-        stored = (*self.packed_modes, *(name + PACKED_SCALE_SUFFIX for name in self.packed_modes))
-        return apply_keeping_dtypes(self, fn, stored, lambda: super(PackedWeights, self)._apply(fn, recurse))
+        apply = lambda: super(PackedWeights, self)._apply(fn, recurse)  # noqa: E731
+        return apply_keeping_dtypes(self, fn, self.stored_names(), apply)
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         for name, mode in self.packed_modes.items():

@@ -86,10 +86,12 @@ def check_fsdp(accelerator, args):
 def stored_buffers_to_parameters(model: nn.Module) -> int:
     """The stored weights low-bit layers keep as buffers become frozen Parameters (the same tensors), so FSDP
     shards them (it replicates buffers: an nf4 / int8 or GGUF base was held whole by every process, 72% / 79% of
-    the tiny test base per process of 2 where fp8 held 50%): FP8Linear's codes and block scales, the bitsandbytes
-    layers' stored tensors, GGUFLinear's blocks. Returns how many tensors moved."""
+    the tiny test base per process of 2 where fp8 held 50%): FP8Linear's codes and block scales, fp8 packed weights'
+    (a mixture's experts: sharded by expert), the bitsandbytes layers' stored tensors, GGUFLinear's blocks. Returns
+    how many tensors moved."""
     from library.precision.bnb_weights import _BnbLinear
     from library.precision.fp8 import FP8Linear
+    from library.precision.fp8_packed import PackedWeights
     from library.precision.gguf_weights import GGUFLinear
 
     moved = 0
@@ -100,6 +102,8 @@ def stored_buffers_to_parameters(model: nn.Module) -> int:
             names = module.stored_names
         elif isinstance(module, GGUFLinear):
             names = ("weight",)
+        elif isinstance(module, PackedWeights):
+            names = module.stored_names()
         else:
             continue
         for name in names:
