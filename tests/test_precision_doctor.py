@@ -465,3 +465,45 @@ def test_merging_while_loading_from_disk_gives_the_in_memory_merged_codes(tmp_pa
     print(mode, "share of codes moved by the LoRA", moved_share)
     if mode == "fp8":  # plain: a delta ~2e-4 is under half the 2^-9 step of most weights, so adding it to fp8 moves ~nothing
         assert moved_share["merge_into_fp8"] < 0.01 < 0.05 < moved_share["merge_rtn"]
+
+
+# ----------------------------------------------------------------------------------------------
+# (d) expert-choice routing: a mixture-of-experts base whose rounding sends tokens to other experts
+
+
+def tiny_nucleus():
+    """Nucleus-Image's architecture: 1 dense and 2 mixture-of-experts blocks of 8 experts, each taking 2 x its share
+    of the tokens. Weights N(0, 0.02), the routers' 10x so that their scores are not all near ties, biases N(0, 1)
+    (the modulation's gates open), norm scales 1."""
+    from library.models.nucleus_image.model import NucleusImage, NucleusImageConfig
+
+    cfg = NucleusImageConfig(in_channels=16, out_channels=4, num_layers=3, attention_head_dim=32, num_attention_heads=2,
+                             num_key_value_heads=1, joint_attention_dim=32, axes_dims_rope=(4, 14, 14), num_experts=8,
+                             moe_intermediate_dim=64, dense_moe_strategy="leave_first_block_dense",
+                             capacity_factors=(0, 2, 2))
+    model = NucleusImage(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() > 1:  # Linears and the packed experts
+                p.copy_(torch.randn(p.shape) * (0.2 if name.endswith("img_mlp.gate.weight") else 0.02))
+            else:
+                p.copy_(torch.randn(p.shape) if name.endswith("bias") else torch.ones(p.shape))
+    return model
+
+
+def test_routing_audit_counts_the_expert_choices_an_fp8_base_flips():
+    torch.manual_seed(0)
+    model = tiny_nucleus()
+    inputs = doctor.make_inputs("nucleus_image", model.config, 16 * 16, 16 * 16, seed=0, text_len=8)
+    bf16 = doctor.in_memory_variant(model, "nucleus_image", "bf16")
+    models = {"bf16": bf16, "fp8_scaled": doctor.in_memory_variant(model, "nucleus_image", "fp8_scaled"),
+              "fp8": bf16}  # the reference itself under another name: every choice kept
+    result = precision.diagnose(models, inputs, timesteps=(0.9, 0.5))
+    routers = ["transformer_blocks.1.img_mlp", "transformer_blocks.2.img_mlp"]
+    assert sorted(result["modes"]["fp8"]["routing_kept"]) == routers  # the MoE blocks' routers, not the dense one
+    assert all(v == 1.0 for v in result["modes"]["fp8"]["routing_kept"].values())
+    kept = result["modes"]["fp8_scaled"]["routing_kept"]
+    assert all(0.5 < v < 1.0 for v in kept.values()), kept
+    text = doctor.report_text(result)
+    assert "== Expert-choice routing" in text and f"{kept[routers[0]]:.3f}" in text
+    assert "Expert-choice" not in doctor.report_text(run("flux", tiny_flux(), False, ("bf16", "fp8")))

@@ -18,7 +18,8 @@ Each mode is loaded from disk just before its run (fp8 quantized while loading),
 model is in memory at a time. The report (stdout, DIR/report.txt, DIR/report.json, DIR/heatmap_*.png):
 per-layer relative errors (blocks and the worst layers; the first layer over --threshold), per-token
 error heatmaps with the border-band / centre and max / min of 4x4 regions ratios and a verdict per mode,
-the positions each model really fed to core.rope_tables, and, with --lora, how much of the LoRA
+the positions each model really fed to core.rope_tables, for a mixture-of-experts model whose experts choose their
+tokens the share of the reference's (expert, token) choices each mode kept, and, with --lora, how much of the LoRA
 survives each way of applying it. --inject_position_bug casts positions to each model's weight
 dtype (float8_e4m3fn on fp8 bases), the bug users hit, to show what it looks like.
 
@@ -315,6 +316,7 @@ def report_text(result: dict, worst: int = 8) -> str:
         lines.append(f"first layer (in execution order) over {result['threshold']}:")
         lines += [f"  {m}: {modes[m]['first_layer_over_threshold'] or 'none'}" for m in layer_modes]
 
+    lines += routing_report(modes, compared)
     lines += ["", "== Positions fed to core.rope_tables (vs the int64 positions a correct model uses) =="]
     rows = [["mode", "dtype", "distinct per axis", "expected", "changed", "max |pos err|", "table vs float64"]]
     for m, e in modes.items():
@@ -332,6 +334,22 @@ def report_text(result: dict, worst: int = 8) -> str:
     if "lora_effect" in result:
         lines += lora_report(result)
     return "\n".join(lines) + "\n"
+
+
+def routing_report(modes: dict, compared: list[str]) -> list[str]:
+    """Expert-choice routers (a mixture-of-experts model): the share of the reference's (expert, token) choices each
+    mode made too, per router and in all; nothing for a model without routers."""
+    routed = [m for m in compared if modes[m].get("routing_kept")]
+    if not routed:
+        return []
+    names = list(modes[routed[0]]["routing_kept"])
+    rows = [["router"] + routed]
+    rows += [[n] + [f"{modes[m]['routing_kept'].get(n, float('nan')):.3f}" for m in routed] for n in names]
+    rows.append(["mean"] + [f"{sum(modes[m]['routing_kept'].values()) / len(modes[m]['routing_kept']):.3f}"
+                            for m in routed])
+    return ["", "== Expert-choice routing: share of the reference's (expert, token) choices kept ==", _table(rows),
+            "below 1: the base's rounding sent tokens to other experts, so the routed experts' inputs (and a LoRA's "
+            "effect through them) differ from the reference's by whole tokens, not by rounding"]
 
 
 def lora_report(result: dict) -> list[str]:

@@ -229,6 +229,52 @@ class LayerProbe:
             h.remove()
 
 
+def routers(model: nn.Module) -> dict[str, nn.Module]:
+    """Expert-choice routers: modules with an `expert_choice(logits) -> (scores, tokens [B, E, C])` method and the
+    `gate` Linear whose output is those logits (a mixture-of-experts layer whose experts pick their tokens)."""
+    return {name: m for name, m in model.named_modules()
+            if callable(getattr(m, "expert_choice", None)) and isinstance(getattr(m, "gate", None), nn.Module)}
+
+
+class RoutingProbe:
+    """Hooks on each router's gate. Without `reference`, stores the tokens every expert chose per step (int64
+    [B, E, C], on the CPU); with one, counts how many of the reference's choices the run made too. A top-k over
+    near-equal scores turns a low-precision base's small input errors into whole tokens routed elsewhere, which
+    the per-layer errors show only as a spread-out error: this says it as the share of the choices kept."""
+
+    def __init__(self, model: nn.Module, reference: dict | None = None):
+        self.reference, self.step = reference, 0
+        self.store: dict[tuple[int, str], torch.Tensor] = {}
+        self.kept_count: dict[str, int] = {}
+        self.total: dict[str, int] = {}
+        self.handles = [m.gate.register_forward_hook(self._hook(name, m)) for name, m in routers(model).items()]
+
+    def _hook(self, name: str, router: nn.Module):
+        def hook(module, args, logits):
+            tokens = router.expert_choice(logits)[1]  # [B, E, C]
+            if self.reference is None:
+                self.store[(self.step, name)] = tokens.cpu()
+                return
+            ref = self.reference.get((self.step, name))
+            if ref is None or ref.shape != tokens.shape:
+                return
+            chosen = torch.zeros(*tokens.shape[:2], logits.shape[1], dtype=torch.bool)  # [B, E, S]
+            ref_chosen = chosen.clone().scatter_(2, ref, True)
+            run_chosen = chosen.scatter_(2, tokens.cpu(), True)
+            self.kept_count[name] = self.kept_count.get(name, 0) + int((ref_chosen & run_chosen).sum())
+            self.total[name] = self.total.get(name, 0) + ref.numel()
+
+        return hook
+
+    def kept(self) -> dict[str, float]:
+        """Per router (by its module name): the share of the reference's (expert, token) choices the run made too."""
+        return {name: self.kept_count[name] / self.total[name] for name in self.total}
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
 # ----------------------------------------------------------------------------------------------
 # Per-token error map on the image grid
 
@@ -396,27 +442,31 @@ class ModeRun:
     positions: dict = field(default_factory=dict)
     position_tensors: list[dict] = field(default_factory=list)
     blocks: list[str] = field(default_factory=list)  # block_names(model): the layers that are whole blocks
+    routing: dict[str, float] = field(default_factory=dict)  # RoutingProbe.kept(): routers' choices kept
 
 
 @torch.no_grad()
 def run_mode(model: nn.Module, inputs: DoctorInputs, timesteps, max_tokens: int, reference_store: dict | None,
              inject_position_bug: bool) -> tuple[ModeRun, dict]:
-    """Run `model` on the inputs at each sigma with layer hooks and the position audit.
-    Returns the run and the layer store (filled only when reference_store is None)."""
+    """Run `model` on the inputs at each sigma with layer and routing hooks and the position audit.
+    Returns the run and the store {"layers", "routing"} (filled only when reference_store is None)."""
     audit = PositionAudit(inputs.positions, inputs.axes_dim, inputs.theta)
     bug = position_bug(storage_dtype(model)) if inject_position_bug else (lambda f: f)
-    probe = LayerProbe(model, max_tokens, reference_store)
+    reference_store = reference_store or {}
+    probe = LayerProbe(model, max_tokens, reference_store.get("layers"))
+    routing = RoutingProbe(model, reference_store.get("routing"))
     preds = []
     try:
         with patched_rope_tables(lambda rope: bug(audit.wrap(rope))):
             for step, sigma in enumerate(timesteps):
-                probe.step = step
+                probe.step = routing.step = step
                 preds.append(model(**inputs.make_kwargs(sigma)).float().cpu())
     finally:
         probe.remove()
+        routing.remove()
     run = ModeRun(preds, probe.errors(), probe.order, audit.summary(), low_precision_position_tensors(model),
-                  block_names(model))
-    return run, probe.store
+                  block_names(model), routing.kept())
+    return run, {"layers": probe.store, "routing": routing.store}
 
 
 def diagnose(models: dict, inputs: DoctorInputs, timesteps=(0.9, 0.5, 0.1), threshold: float = 0.05,
@@ -461,7 +511,7 @@ def summarise(runs: dict[str, ModeRun], inputs: DoctorInputs, timesteps, thresho
             first = next((n for n in run.order if run.layers.get(n, 0.0) > threshold), None)
             entry.update(reference=reference_of(name), output_error=output_error, per_timestep=per_step, map=ratios,
                          verdict=verdict(ratios, output_error, threshold, run.positions), layers=run.layers,
-                         first_layer_over_threshold=first)
+                         first_layer_over_threshold=first, routing_kept=run.routing)
             result["maps"][name] = error_map
         else:
             entry.update(reference=None, verdict="reference")

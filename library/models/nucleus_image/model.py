@@ -309,15 +309,21 @@ class ExpertChoiceMoE(nn.Module):
         self.experts = SwiGLUExperts(d, cfg.moe_intermediate_dim, cfg.num_experts)
         self.shared_expert = SwiGLUFeedForward(d, cfg.moe_intermediate_dim)
 
+    def expert_choice(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The router's logits [B, S, E] -> (scores, tokens) [B, E, C]: each expert's C best tokens of each sample,
+        best first, and their scores in the logits' dtype. The precision doctor reads the choice through this (its
+        routing audit hooks `gate`), so a low-precision base's flipped choices are counted as the model makes them."""
+        capacity = expert_capacity(self.capacity_factor, logits.shape[1], self.num_experts)
+        scores = torch.sigmoid(logits.float()) if self.use_sigmoid else F.softmax(logits.float(), dim=-1)  # float32
+        scores = scores.to(logits.dtype)  # rounded as diffusers' (its top-k sees these values)
+        return scores.transpose(1, 2).topk(capacity, dim=-1)  # [B, E, C]: expert e's best tokens of b
+
     def route(self, y_unmodulated: torch.Tensor, temb: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(rows, gates): int64 [E * B * C] rows of the flattened [B * S] tokens, expert-major (expert e's B * C
         tokens, sample by sample, best first), and their gates [E * B * C] in the activation dtype."""
         b, s, _ = y_unmodulated.shape
-        capacity = expert_capacity(self.capacity_factor, s, self.num_experts)
         logits = self.gate(torch.cat((temb[:, None].expand(b, s, -1), y_unmodulated), dim=-1))  # [B, S, E]
-        scores = torch.sigmoid(logits.float()) if self.use_sigmoid else F.softmax(logits.float(), dim=-1)  # float32
-        scores = scores.to(logits.dtype)  # rounded as diffusers' (its top-k sees these values)
-        picked, tokens = scores.transpose(1, 2).topk(capacity, dim=-1)  # [B, E, C]: expert e's best tokens of b
+        picked, tokens = self.expert_choice(logits)
         rows = (tokens + s * torch.arange(b, device=tokens.device)[:, None, None]).transpose(0, 1).reshape(-1)
         gates = picked.transpose(0, 1).reshape(-1)  # [E * B * C], activation dtype
         totals = gates.new_zeros(b * s).scatter_add(0, rows, gates)  # each token's summed scores
