@@ -2,7 +2,8 @@
 
 A `LoRAModule` wraps one Linear-like base module (nn.Linear, library.precision.fp8.FP8Linear, anything with
 in_features/out_features) by patching `base.forward`; the base stays in the model, untouched, so
-the same base can run with the LoRA on, off (`enabled`, multiplier 0) or without it (`remove()`).
+the same base can run with the LoRA on, off (`enabled`, multiplier 0) or without it (`remove()`). A
+`PackedLoRAModule` adapts a packed weight (a mixture's experts) inside its packed_bmm (networks/lora_packed.py).
 Which modules get a LoRA is decided in one place per architecture, the targets of its spec
 (library/models/<folder>/spec.py, LORA), refined by sd-scripts-style network_args (`LoRANetwork`).
 
@@ -50,6 +51,7 @@ from networks.lora_files import (
     write_kohya,
     write_peft_folder,
 )
+from networks.lora_packed import PackedTarget, packed_targets
 from networks.lora_reader import leave_out_text_encoders, read_for_model
 
 # Device types where the LoRA's up GEMM takes the base output as its sum (torch.addmm). On the CPU the
@@ -265,6 +267,11 @@ class LoRAModule(nn.Module):
         return [self.lora_down.weight, self.lora_up.weight] + ([self.dora_scale] if self.dora_scale is not None else [])
 
     @torch.no_grad()
+    def delta_norm(self) -> float:
+        """||(alpha / rank) * up @ down|| (Frobenius, float32): the update scale_weight_norms bounds."""
+        return (self.scale * (self.lora_up.weight.float() @ self.lora_down.weight.float())).norm().item()
+
+    @torch.no_grad()
     def merge_into_base(self, weight_dtype: torch.dtype | None = None):
         """W += multiplier * (alpha / rank) * up @ down, computed in float32, stored in
         `weight_dtype` (default: the base weight's dtype); then the forward patch is removed."""
@@ -311,6 +318,77 @@ def forward_weight(forward, base_weight) -> torch.Tensor:
     return weight
 
 
+class PackedLoRAModule(LoRAModule):
+    """A packed weight's LoRA (networks/lora_packed.py: layout, hook): out = x @ W[e] + multiplier * (alpha / r) *
+    (x @ up_e) @ down_e for the experts a call runs. rank: per expert; the factors hold E times its rows / columns."""
+
+    def __init__(self, name, base: PackedTarget, rank, alpha=None, multiplier=1.0, dropout=None,
+                 rank_dropout=None, module_dropout=None, lora_dtype=torch.float32, dora: bool = False):
+        if dora:
+            raise ValueError(f"LoRA target '{name}' is a packed weight of {base.experts} experts: DoRA is not "
+                             f"supported there (nor in PEFT's ParamWrapper); train it without dora")
+        rank = int(rank)
+        alpha = float(rank if alpha is None or alpha == 0 else alpha)
+        # LoRAModule's factors at E times the rank: down [r E, N] (kaiming, as PEFT's lora_A), up [K, r E] (zeros)
+        super().__init__(name, base, rank * base.experts, alpha, multiplier, dropout, rank_dropout, module_dropout,
+                         lora_dtype)
+        self.rank, self.experts, self.packed_applied = rank, base.experts, False
+        self.set_alpha(alpha)  # the scale alpha / r of one expert's rank
+
+    @property
+    def applied(self) -> bool:
+        return self.packed_applied
+
+    def apply_to_base(self):
+        """Add this module to its weight's adapters (PackedWeights.packed_adapters), the last one applied."""
+        if not self.packed_applied:
+            self.base.module.packed_adapters.setdefault(self.base.name, []).append(self)
+            self.packed_applied = True
+
+    def remove_from_base(self):
+        if self.packed_applied:
+            adapters = self.base.module.packed_adapters[self.base.name]
+            adapters.pop(next(i for i, a in enumerate(adapters) if a is self))
+            self.packed_applied = False
+
+    def expert_factors(self, experts: slice | int = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(up [e, K, r], down [e, r, N]) of `experts`: views of the Parameters (gradients flow to them)."""
+        up = self.lora_up.weight.view(-1, self.rank, self.experts).permute(2, 0, 1)
+        return up[experts], self.lora_down.weight.view(self.experts, self.rank, -1)[experts]
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor, experts: slice = slice(None)) -> torch.Tensor:
+        """x [e, n, K] the experts' tokens, out [e, n, N] the base's x @ W[e] for the experts `experts` -> out plus
+        this LoRA's delta, in out's dtype."""
+        if self._dropped() or not self.enabled or self.multiplier == 0:
+            return out
+        autocast = autocast_dtype(x.device.type)
+        if autocast is None:  # the branch in the LoRA dtype (float32) unless autocast picks it
+            x = x.to(self.lora_down.weight.dtype)
+        up, down = self.expert_factors(experts)
+        lx = torch.bmm(x, up)  # [e, n, r]
+        if self.training and self.dropout:
+            lx = F.dropout(lx, p=self.dropout)
+        factor = self.multiplier * self.scale
+        if self.training and self.rank_dropout:  # each token's rank channels, the expected delta unchanged
+            lx = lx * (torch.rand(lx.shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
+            factor = factor / (1.0 - self.rank_dropout)
+        if factor != 1:  # on the rank side: r values a token instead of N
+            lx = lx * factor
+        return out + torch.bmm(lx, down).to(out.dtype)  # back to the base output dtype
+
+    def weights(self) -> LoRAWeights:
+        return LoRAWeights(self.lora_down.weight.detach(), self.lora_up.weight.detach(), float(self.alpha),
+                           experts=self.experts)
+
+    @torch.no_grad()
+    def delta_norm(self) -> float:
+        """||delta|| over every expert (Frobenius, float32) from the factors: ||B_e A_e||^2 = <B_e^T B_e, A_e A_e^T>,
+        no [E, K, N] delta (1.4 GB in float32 for one released gate_up_proj)."""
+        up, down = (f.float() for f in self.expert_factors())
+        squared = ((up.transpose(1, 2) @ up) * (down @ down.transpose(1, 2))).sum().clamp(min=0)
+        return self.scale * float(squared.sqrt())
+
+
 # ----------------------------------------------------------------------------------------------
 # The network
 
@@ -329,6 +407,8 @@ class LoRANetwork(nn.Module):
       <type>_dim: rank per module type of the spec's targets; 0 skips the type. <group>_dim sets
           the types of one of the spec's type_groups (unless a type's own _dim is given).
       in_dims (extra_args): "[r1, r2, ...]" ranks of the spec's in_dim_types, in order (default off)
+      <type>_dim of the spec's packed_types (a mixture's experts: networks/lora_packed.py): off, and of rank 0 for
+          include_patterns, unless given
       train_modulation: train the spec's modulation_types (default: its modulation_default)
       include_patterns / exclude_patterns: regexes matching the whole qualified module name (fullmatch, as
           musubi-tuner and sd-scripts: ".*txt_.*", not "txt_"). A module
@@ -368,8 +448,9 @@ class LoRANetwork(nn.Module):
         self.eval()
 
     def _add(self, path: str, module: nn.Module, rank: int, alpha: float, dora: bool | None = None) -> LoRAModule:
-        lora = LoRAModule(path, module, rank, alpha, self.multiplier, lora_dtype=self.lora_dtype,
-                          dora=self.dora if dora is None else dora, **self.dropouts)
+        kind = PackedLoRAModule if isinstance(module, PackedTarget) else LoRAModule
+        lora = kind(path, module, rank, alpha, self.multiplier, lora_dtype=self.lora_dtype,
+                    dora=self.dora if dora is None else dora, **self.dropouts)
         lora.train(self.training)
         self.add_module(kohya_name(path, self.spec.kohya_prefix), lora)
         if self._applied:
@@ -381,11 +462,12 @@ class LoRANetwork(nn.Module):
         return args
 
     def _candidates(self, model):
-        """(path, module, type, block kind, block index) for every module the targets name; modules
-        outside the blocks (embedders) get block kind "embed", index 0."""
+        """(path, module, type, block kind, block index) for every module the targets name, and every packed weight
+        (networks/lora_packed.py: its parameter path, a PackedTarget); modules outside the blocks (embedders) get
+        block kind "embed", index 0."""
         compiled = {t: re.compile(p) for t, p in self.spec.targets.items()}
         found = []
-        for path, module in model.named_modules():
+        for path, module in [*model.named_modules(), *packed_targets(model)]:  # packed weights: by parameter path
             for mtype, pattern in compiled.items():
                 m = pattern.fullmatch(path)
                 if m:
@@ -421,8 +503,10 @@ class LoRANetwork(nn.Module):
         train_mod = _as_bool("train_modulation", args.get("train_modulation", spec.modulation_default))
         ranks = {}
         for t in types:
-            on = t in dims or (t not in in_types and (train_mod or t not in spec.modulation_types))
-            rank, key = dims.get(t, (self.rank, "network_dim"))
+            on = t in dims or (t not in in_types and t not in spec.packed_types
+                               and (train_mod or t not in spec.modulation_types))
+            # a packed type takes no rank from network_dim: an include pattern reaching it asks for its own
+            rank, key = dims.get(t, (0, f"{t}_dim") if t in spec.packed_types else (self.rank, "network_dim"))
             ranks[t] = (rank, on, key)
         return ranks
 
@@ -551,7 +635,7 @@ class LoRANetwork(nn.Module):
         norms, scaled = [], 0
         for m in self.lora_modules():
             up, down = m.lora_up.weight, m.lora_down.weight
-            norm = (m.scale * (up.float() @ down.float())).norm().item()
+            norm = m.delta_norm()  # a packed weight's: over all its experts
             if norm > max_norm:
                 root = math.sqrt(max_norm / norm)
                 up.mul_(root)
@@ -610,11 +694,14 @@ class LoRANetwork(nn.Module):
         own downs joined: rank summed) is rebuilt at that rank, the only exact form. strict: every
         network module must be in the file (resume, reference copies); otherwise modules the file
         lacks keep their initial weights.
+        A packed weight (networks/lora_packed.py) is named by its parameter path and takes a file of its layout.
         A name that is no Linear of the model, or a module of another rank or shape, is an error."""
         name = source if isinstance(source, str) else "state dict"
         linears = {p: m for p, m in self._model[0].named_modules()
                    if hasattr(m, "in_features") and hasattr(m, "out_features") and not isinstance(m, LoRAModule)}
-        weights, regrouped = self._read(source, name, linears)
+        packed = dict(packed_targets(self._model[0]))
+        weights, regrouped = self._read(source, name, {**linears, **packed}, {p: t.experts for p, t in packed.items()})
+        linears.update(packed)
         if problem := non_finite_factor(weights):  # else every output it touches is NaN, first seen as "loss is nan"
             raise CheckpointError(f"{name}: {problem}: a broken LoRA (a diverged training's?), which would make the "
                                   f"outputs of the layers it adapts NaN")
@@ -622,6 +709,10 @@ class LoRANetwork(nn.Module):
         foreign = [p for p in weights if p not in linears]
         if foreign:
             raise CheckpointError(f"{name}: LoRA module '{foreign[0]}' is not a Linear of this {self.arch} model")
+        if unpacked := next((p for p, w in weights.items() if w.experts and p not in packed), None):
+            raise CheckpointError(f"{name}: LoRA module '{unpacked}' is a packed weight's of "
+                                  f"{weights[unpacked].experts} experts in the file (its header), a Linear in this "
+                                  f"{self.arch} model")
         missing = [p for p in by_path if p not in weights]
         if strict and missing:
             raise CheckpointError(f"{name}: no weights for LoRA module '{missing[0]}' ({len(missing)} missing)")
@@ -652,15 +743,16 @@ class LoRANetwork(nn.Module):
         return {"loaded": len(weights), "added": len(set(weights) - set(by_path)), "missing": len(missing),
                 "resized": resized}
 
-    def _read(self, source, name: str, linears) -> tuple[dict[str, LoRAWeights], set[str]]:
+    def _read(self, source, name: str, linears, experts: dict[str, int]) -> tuple[dict[str, LoRAWeights], set[str]]:
         """({module path: LoRAWeights}, the modules whose rank a fused <-> split conversion set) of a file
         or state dict; a diffusion LoRA's text-encoder modules (sd-scripts' lora_te1_ / lora_te3_) are
-        left out with a warning: this network adapts the denoiser."""
+        left out with a warning: this network adapts the denoiser. experts: {path: E} of the model's packed
+        weights (what a file without the header entry is read by)."""
         if is_lycoris_file(lora_reader(source)[0].keys() if isinstance(source, str) else source):
             raise CheckpointError(f"{name}: a LyCORIS file (LoKr / LoHa / ...); networks.lora reads down/up LoRAs: "
                                   f"set network_module = \"lycoris.kohya\" to load it")
         module_map = self._module_map if self.spec.diffusers_module_map else None
-        read = read_for_model(source, self.arch, linears, module_map, name=name, strict=True)
+        read = read_for_model(source, self.arch, linears, module_map, name=name, strict=True, experts=experts)
         leave_out_text_encoders(name, read.text_encoders, bool(read.weights), self.arch, stacklevel=4)
         return read.weights, read.regrouped
 

@@ -36,30 +36,52 @@ import torch
 from safetensors.torch import save as safetensors_bytes
 
 from library.io import CheckpointError, CheckpointReader, atomic_folder, save_safetensors, write_text
-from networks.lora_metadata import (METADATA_KEYS, MODELSPEC_HASH, MODELSPEC_VERSION, build_metadata,  # noqa: F401
-                                    dim_and_alpha, modelspec_fields)  # (their importers find them here too)
+from networks.lora_metadata import (METADATA_KEYS, MODELSPEC_HASH, MODELSPEC_VERSION, PACKED_EXPERTS_KEY,  # noqa: F401
+                                    build_metadata, dim_and_alpha, modelspec_fields, packed_experts,
+                                    packed_experts_header)  # (their importers find them here too)
 
 
 @dataclass
 class LoRAWeights:
-    """One module's LoRA: down [r, in], up [out, r]; delta W = (alpha / r) * up @ down."""
+    """One module's LoRA: down [r, in], up [out, r]; delta W = (alpha / r) * up @ down.
+
+    A packed weight's (experts set: a weight [E, K, N] of E experts used as x @ W[e], library/precision/fp8_packed.py)
+    is PEFT's ParamWrapper's layout, which reads the weight as E matrices [out, in] = [K, N]: down (lora_A)
+    [r E, N] with expert e's rows e r .. e r + r - 1, up (lora_B) [K, r E] with expert e's columns e, E + e, ...
+    (rank-major); delta[e] = (alpha / r) * up_e @ down_e [K, N], r the rank of one expert (packed_factors)."""
 
     down: torch.Tensor
     up: torch.Tensor
     alpha: float
     magnitude: torch.Tensor | None = None  # DoRA: m [out], one per output row; None for a plain LoRA
+    experts: int | None = None  # a packed weight's LoRA: its E; None for a Linear's
 
     @property
     def rank(self) -> int:
-        return self.down.shape[0]
+        return self.down.shape[0] // (self.experts or 1)
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
 
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """The shape of the weight it changes: (out, in), or (E, K, N) for a packed weight's."""
+        if self.experts:
+            return self.experts, self.up.shape[0], self.down.shape[1]
+        return self.up.shape[0], self.down.shape[1]
+
+    def packed_factors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """A packed weight's LoRA per expert: (up [E, K, r], down [E, r, N]), views of contiguous factors."""
+        experts, rank = self.experts, self.rank
+        return self.up.reshape(-1, rank, experts).permute(2, 0, 1), self.down.reshape(experts, rank, -1)
+
     def delta(self) -> torch.Tensor:
-        """The low-rank update (alpha / r) * up @ down [out, in], float32 (the whole weight delta
-        of a plain LoRA; for DoRA use merged())."""
+        """The low-rank update (alpha / r) * up @ down [out, in] (a packed weight's [E, K, N], expert by
+        expert), float32 (the whole weight delta of a plain LoRA; for DoRA use merged())."""
+        if self.experts:
+            up, down = self.packed_factors()
+            return self.scale * torch.bmm(up.float(), down.float())
         return self.scale * (self.up.float() @ self.down.float())
 
     def merged(self, weight: torch.Tensor, multiplier: float = 1.0) -> torch.Tensor:
@@ -99,13 +121,16 @@ def non_finite_factor(weights: dict[str, LoRAWeights]) -> str | None:
 
 
 def merge_into_weight(weight: torch.Tensor, loras) -> torch.Tensor:
-    """A base weight [out, in] with LoRAs merged, in the order given: loras = [(ratio, w)], w a
-    LoRAWeights or anything with merged(weight, ratio) (DoRA, LyCORIS). float32 (a copy: the base is
+    """A base weight [out, in] (a packed weight's [E, K, N]) with LoRAs merged, in the order given: loras =
+    [(ratio, w)], w a LoRAWeights or anything with merged(weight, ratio) (DoRA, LyCORIS). float32 (a copy: the base is
     never written to): W + ratio * (alpha / r) up @ down per plain LoRA, in one addmm each, the math
     tools/merge_lora.py writes checkpoints with and the trainer's base_loras merge with."""
     tensor = weight.to(torch.float32, copy=True)
     for ratio, w in loras:
-        if isinstance(w, LoRAWeights) and w.magnitude is None:
+        if isinstance(w, LoRAWeights) and w.experts:  # [E, K, N] += up_e @ down_e, one batched GEMM
+            up, down = (f.float().to(tensor.device) for f in w.packed_factors())
+            tensor.baddbmm_(up, down, alpha=ratio * w.scale)
+        elif isinstance(w, LoRAWeights) and w.magnitude is None:
             tensor.addmm_(w.up.float().to(tensor.device), w.down.float().to(tensor.device), alpha=ratio * w.scale)
         else:  # DoRA or LyCORIS: the merged weight, not an additive low-rank delta
             tensor = w.merged(tensor, ratio)
@@ -173,6 +198,12 @@ def resolve_kohya_names(names, module_paths, strict: bool = True) -> dict[str, s
                                   f"{NAME_ADVICE})")
         resolved[name] = by_flat[flat]
     return resolved
+
+
+def _kohya_flat(name: str) -> str | None:
+    """A kohya module name less its prefix (`lora_unet_double_blocks_0_qkv` -> `double_blocks_0_qkv`), else None."""
+    prefix = next((p for p in KOHYA_PREFIXES if name.startswith(p)), None)
+    return name[len(prefix) :] if prefix else None
 
 
 def naming(source: str, error: Exception) -> CheckpointError:
@@ -348,14 +379,18 @@ def _pattern_alpha(path: str, default, patterns: dict):
 
 
 def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None, module_paths=None, source="LoRA",
-               adapter_config: dict | None = None, strict: bool = True):
+               adapter_config: dict | None = None, strict: bool = True, experts: dict[str, int] | None = None):
     """Tensors of a LoRA file -> (weights, format).
 
     Keys of `weights` are dotted module paths when they can be known: always for peft/comfy files
     (prefix stripped), for kohya files when `module_paths` is given; otherwise the kohya names.
     adapter_config: a PEFT folder's adapter_config.json (lora_alpha, alpha_pattern, use_rslora).
-    strict: a kohya name that fits none of `module_paths` is an error (else it keeps its kohya name)."""
+    strict: a kohya name that fits none of `module_paths` is an error (else it keeps its kohya name).
+    experts: {module path: E} of the target's packed weights, beside the header's (packed_experts): those modules
+    read as packed weights' LoRAs (LoRAWeights.experts, the rank per expert)."""
     metadata = metadata or {}
+    experts = packed_experts(metadata, source, experts)
+    flat_experts = {p.replace(".", "_"): e for p, e in experts.items()}  # for kohya names no module path resolved
     try:  # what the names say (layout, modules): an error here names the file
         fmt = detect_format(tensors)
         groups: dict[str, dict[str, torch.Tensor]] = {}
@@ -390,6 +425,11 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
             raise CheckpointError(f"{source}: module '{module}' has rank 0 (down {tuple(down.shape)}, up "
                                   f"{tuple(up.shape)}): no LoRA there; drop its tensors from the file")
         path = rename[module]
+        if (e := experts.get(path, flat_experts.get(_kohya_flat(module)))) is not None:  # r E rows: packed_factors
+            if rank % e:
+                raise CheckpointError(f"{source}: module '{module}' down {tuple(down.shape)} is no LoRA of {e} "
+                                      f"experts (its rows are not a multiple of {e})")
+            rank //= e
         if path in weights:  # two names of one module (two kohya prefixes, two layouts): one would be lost
             other = next(m for m in groups if m != module and rename[m] == path)
             raise CheckpointError(f"{source}: modules '{other}' and '{module}' are both '{path}'; a file holds one "
@@ -408,7 +448,10 @@ def parse_lora(tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None
                 raise CheckpointError(f"{source}: module '{module}' DoRA magnitude {tuple(magnitude.shape)} is not "
                                       f"[{up.shape[0]}] or [{up.shape[0]}, 1] (one per output row)")
             magnitude = magnitude.reshape(-1)
-        weights[path] = LoRAWeights(down, up, alpha, magnitude)
+        if magnitude is not None and e is not None:
+            raise CheckpointError(f"{source}: module '{module}' is a packed weight's LoRA with a DoRA magnitude: "
+                                  f"not supported")
+        weights[path] = LoRAWeights(down, up, alpha, magnitude, e)
     return weights, fmt
 
 
@@ -619,12 +662,14 @@ def write_lora_tensors(tensors: dict[str, torch.Tensor], path: str, metadata: di
 
 
 def write_kohya(weights, path, dtype=torch.float32, metadata=None, prefix="lora_unet"):
-    write_lora_tensors(kohya_state_dict(weights, dtype, prefix), path, metadata)
+    header = {**(metadata or {}), **packed_experts_header(weights)}
+    write_lora_tensors(kohya_state_dict(weights, dtype, prefix), path, header)
 
 
 def write_peft(weights, path, prefix="transformer", dtype=torch.float32, metadata=None):
     """PEFT tensors with alpha / rank folded into lora_B, and the header saying so (FOLDED_MARK)."""
-    write_lora_tensors(peft_state_dict(weights, prefix, dtype), path, {**(metadata or {}), FOLDED_MARK: "true"})
+    write_lora_tensors(peft_state_dict(weights, prefix, dtype), path,
+                       {**(metadata or {}), FOLDED_MARK: "true", **packed_experts_header(weights)})
 
 
 # ----------------------------------------------------------------------------------------------
@@ -711,6 +756,9 @@ def peft_adapter_config(weights: dict[str, LoRAWeights], base_model: str | None 
     alpha, modules that differ go to rank_pattern / alpha_pattern (PEFT's scale is alpha / r per
     module, so lora_B is written unscaled). DoRA sets use_dora; plain and DoRA modules cannot mix.
     lora_dropout: the LoRA's trained `dropout` (network_dropout), the probability PEFT's own training reads on."""
+    if packed := next((p for p, w in weights.items() if w.experts), None):
+        raise CheckpointError(f"module '{packed}' is a packed weight's LoRA: a PEFT adapter folder of those (PEFT's "
+                              f"target_parameters) is not written; save the kohya layout")
     dora = {w.magnitude is not None for w in weights.values()}
     if len(dora) > 1:
         raise CheckpointError("a PEFT adapter is all DoRA or all plain LoRA; this LoRA mixes both")

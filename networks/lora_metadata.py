@@ -1,6 +1,7 @@
 """A LoRA file's safetensors header: the training facts as sd-scripts' `ss_*` keys (and ours where sd-scripts
-has none), Stability's ModelSpec keys as sd-scripts and musubi-tuner write them, and the rank / alpha a
-header states. networks/lora_files.py writes the tensors and the hashes over them."""
+has none), Stability's ModelSpec keys as sd-scripts and musubi-tuner write them, the rank / alpha a header
+states, and the expert counts of packed weights' modules (ours). networks/lora_files.py writes the tensors and the
+hashes over them."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import json
 import os
 
 import torch
+
+from library.io import CheckpointError
 
 # ModelSpec's "0x" + sha256 of the bytes after the header (sshs_model_hash with "0x"): metadata editors (SwarmUI's)
 # write it into a header, and SwarmUI shows and records it as the model's hash. sd-scripts / musubi-tuner write none;
@@ -124,3 +127,34 @@ def build_metadata(**fields) -> dict[str, str]:
             value = str(value).removeprefix("torch.")
         out[METADATA_KEYS[field]] = str(value)
     return out
+
+
+# Header entry of a LoRA with packed weights' modules (LoRAWeights.experts), ours in every layout: json {dotted
+# module path: E}. The shapes [r E, N] / [K, r E] do not tell r from E, and alpha / r needs r.
+PACKED_EXPERTS_KEY = "lora_packed_experts"
+
+
+def packed_experts_header(weights: dict) -> dict[str, str]:
+    """The PACKED_EXPERTS_KEY header entry of `weights` ({path: lora_files.LoRAWeights}; {} where no module is a
+    packed weight's)."""
+    experts = {path: w.experts for path, w in sorted(weights.items()) if w.experts}
+    return {PACKED_EXPERTS_KEY: json.dumps(experts)} if experts else {}
+
+
+def packed_experts(metadata: dict[str, str], source: str = "LoRA",
+                   known: dict[str, int] | None = None) -> dict[str, int]:
+    """{module path: E} of a LoRA's packed weights: the header's (PACKED_EXPERTS_KEY) and `known` (the target's, by
+    the model or checkpoint it is applied to); one that both name with another E is a CheckpointError."""
+    try:
+        said = json.loads(metadata.get(PACKED_EXPERTS_KEY) or "{}")
+        ok = isinstance(said, dict) and all(type(e) is int and e > 0 for e in said.values())
+    except ValueError:
+        ok = False
+    if not ok:
+        raise CheckpointError(f"{source}: header entry {PACKED_EXPERTS_KEY} = {metadata[PACKED_EXPERTS_KEY]!r}: "
+                              f"expected a JSON object of module path -> expert count")
+    for path, e in (known or {}).items():
+        if said.get(path, e) != e:
+            raise CheckpointError(f"{source}: module '{path}' is a LoRA of {said[path]} experts (its header "
+                                  f"{PACKED_EXPERTS_KEY}), the weight it applies to has {e}")
+    return {**said, **(known or {})}

@@ -101,10 +101,11 @@ def _names_to_resolve(tensors: dict, files, extra_paths=()) -> tuple[dict[str, i
 
 
 def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: dict | None, arch: str,
-                      extra_paths=(), source: str = "LoRA", strict: bool = True):
+                      extra_paths=(), source: str = "LoRA", strict: bool = True, experts: dict[str, int] | None = None):
     """Tensors of one architecture's LoRA -> ({module path: LoRAWeights}, format, block counts, the modules
     split from ComfyUI's fused ones), in our names or the architecture's other naming (steps 1 and 2 of the
-    module docstring). strict: a kohya name that fits no path is an error; else it stays as the file spells it."""
+    module docstring). strict: a kohya name that fits no path is an error; else it stays as the file spells it.
+    experts: {path: E} of the target's packed weights (parse_lora)."""
     files = lora_files().get(arch)
     counts, paths = _names_to_resolve(tensors, files, extra_paths)
     try:
@@ -112,7 +113,7 @@ def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: d
     except CheckpointError as e:
         raise naming(source, e) from None
     weights, _ = parse_lora(tensors, metadata, paths if fmt == "kohya" else None, source=source,
-                            adapter_config=adapter_config, strict=strict)
+                            adapter_config=adapter_config, strict=strict, experts=experts)
     if strict and fmt != "kohya" and paths and (unplaced := _unplaced_module(weights, paths, files, counts)):
         spelled = next((m for m in map(module_of_key, tensors) if m == unplaced or m.endswith("." + unplaced)), unplaced)
         raise CheckpointError(f"{source}: LoRA module '{spelled}' matches no module of the model ({NAME_ADVICE})")
@@ -169,7 +170,7 @@ def to_target_names(weights: dict[str, LoRAWeights], paths, module_map: dict | N
 
 
 def read_for_model(source, arch: str, paths, module_map=None, target_is_key: bool = True, name: str | None = None,
-                   strict: bool = False) -> LoRARead:
+                   strict: bool = False, experts: dict[str, int] | None = None) -> LoRARead:
     """A LoRA file (path: a .safetensors or PEFT adapter folder) or tensor dict -> its modules in the
     target's names (lora_for_model)."""
     name = name or (source if isinstance(source, str) else "state dict")
@@ -179,15 +180,17 @@ def read_for_model(source, arch: str, paths, module_map=None, target_is_key: boo
         refuse_embedding_lora(source, name)
         names = adapter_name_dropped(source, name)
         tensors, metadata, config = {names.get(k, k): v for k, v in source.items()}, {}, None
-    return lora_for_model(tensors, metadata, config, arch, paths, module_map, target_is_key, name, strict)
+    return lora_for_model(tensors, metadata, config, arch, paths, module_map, target_is_key, name, strict, experts)
 
 
 def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict | None, arch: str, paths,
-                   module_map=None, target_is_key: bool = True, name: str = "LoRA", strict: bool = False) -> LoRARead:
+                   module_map=None, target_is_key: bool = True, name: str = "LoRA", strict: bool = False,
+                   experts: dict[str, int] | None = None) -> LoRARead:
     """A LoRA's tensors -> its modules in the target's names. paths: the target's module paths; module_map:
     its BFL <-> diffusers map, or a function building it (called only when the file names a module outside
     `paths`); None for a target in the model's own names: the architecture's map sized from the LoRA's
-    shapes (LORA_FILES.module_map). target_is_key: see to_target_names. LyCORIS files are the caller's."""
+    shapes (LORA_FILES.module_map). target_is_key: see to_target_names. experts: {path: E} of the target's
+    packed weights (parse_lora). LyCORIS files are the caller's."""
     tensors, te = split_text_encoders(tensors)
     if te and not tensors:  # sd-scripts' text encoders alone: nothing for the model (an empty file is an error below)
         return LoRARead({}, dict(metadata), "kohya", True, te)
@@ -206,7 +209,8 @@ def lora_for_model(tensors: dict, metadata: dict[str, str], adapter_config: dict
     if (note := shared_shapes_note(name, tensors, metadata, arch)) is not None:
         warnings.warn(note, stacklevel=3)
     paths = list(paths)
-    weights, fmt, counts, split = lora_in_our_names(tensors, metadata, adapter_config, arch, paths, source=name, strict=strict)
+    weights, fmt, counts, split = lora_in_our_names(tensors, metadata, adapter_config, arch, paths, source=name,
+                                                    strict=strict, experts=experts)
     own = set(paths)
     other_naming = any(p not in own for p in weights)
     files = lora_files().get(arch)

@@ -45,6 +45,9 @@ class LoRATargets:
     modulation_types: tuple[str, ...] = ()  # the types `train_modulation` switches
     modulation_default: bool = False  # train_modulation's default
     in_dim_types: tuple[str, ...] = ()  # types trained only when given a rank, by `in_dims` in this order
+    # types whose targets are packed weights ([E, K, N] Parameters of a precision.fp8_packed.PackedWeights, matched
+    # by parameter path; networks/lora_packed.py): trained only when given a rank by their own `<type>_dim`
+    packed_types: tuple[str, ...] = ()
     type_groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # `<group>_dim` -> its member types
     extra_args: tuple[str, ...] = ()  # network_args the architecture takes beyond the common ones
     refused_args: dict[str, str] = field(default_factory=dict)  # sd-scripts args accepted when false: key -> why not true

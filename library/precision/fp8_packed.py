@@ -9,7 +9,12 @@ attribute and call quantize_packed(name, mode): the Parameter becomes the buffer
 codes [E, K, N]) and `name_scale` (bf16 [E, K/64, N] for fp8_scaled, fp32 0-dim for fp8_tensor_scaled,
 none for fp8), which model.to(dtype) leaves alone.
 
-Memory. The experts are frozen (LoRA never targets them), so gradients flow to the input only, and
+Adapters. packed_bmm is the one place a packed weight is applied, so it is where a low-rank adapter of it joins:
+`packed_adapters[name]` lists callables adapter(x [e, n, K], out [e, n, N], experts) -> out plus its delta, run in
+order after the base's bmm on the same input (networks/lora_packed.py's PackedLoRAModule: two bmm's through its
+rank, no weight-sized delta). The base weight is read as it is stored (fp8 or not), so an adapter works on either.
+
+Memory. The experts are frozen (a LoRA of them trains its own factors), so gradients flow to the input only, and
 autograd never keeps a dequantized weight: packed_bmm goes through dequantized_bmm (its Function holds the
 codes and scales and dequantizes again in backward), and a forward runs the experts in chunks
 (expert_chunks) so that one chunk of one weight is dequantized at a time: at most DEQUANTIZED_CHUNK_BYTES
@@ -43,6 +48,8 @@ class PackedWeights(nn.Module):
     def __init__(self):
         super().__init__()
         self.packed_modes: dict[str, str] = {}  # weight name -> fp8 mode, for the weights stored in fp8
+        # weight name -> adapters packed_bmm adds (see the module docstring); a plain dict: no state_dict entries
+        self.packed_adapters: dict[str, list] = {}
 
     def quantize_packed(self, name: str, mode: str) -> None:
         """Store weight `name` in fp8 `mode` from now on: quantized where it is loaded, meta fp8 tensors of the
@@ -79,14 +86,19 @@ class PackedWeights(nn.Module):
         return dequantize_packed_weight(w, self.packed_scale(name), dtype, experts)
 
     def packed_bmm(self, x: torch.Tensor, name: str, experts: slice = slice(None)) -> torch.Tensor:
-        """bmm(x [e, n, K], weight `name` of `experts` [e, K, N]) -> [e, n, N]. A high-precision weight is cast to
-        x's dtype (a plain bmm); an fp8 one is dequantized in the matmul's dtype (autocast's while it is on, as
-        FP8Linear's), in forward and again in backward, and never kept (dequantized_bmm)."""
+        """bmm(x [e, n, K], weight `name` of `experts` [e, K, N]) -> [e, n, N], plus the deltas of the adapters
+        in packed_adapters[name] (each given the same x). A high-precision weight is cast to x's dtype (a plain
+        bmm); an fp8 one is dequantized in the matmul's dtype (autocast's while it is on, as FP8Linear's), in
+        forward and again in backward, and never kept (dequantized_bmm)."""
         if name not in self.packed_modes:
-            return torch.bmm(x, self.packed_weight(name, x.dtype, experts))
-        x, dtype = matmul_input(x, None)
-        return dequantized_bmm(x.to(dtype), dequantize_packed_weight, getattr(self, name), self.packed_scale(name),
-                               dtype, experts)
+            out = torch.bmm(x, self.packed_weight(name, x.dtype, experts))
+        else:
+            matmul_x, dtype = matmul_input(x, None)
+            out = dequantized_bmm(matmul_x.to(dtype), dequantize_packed_weight, getattr(self, name),
+                                  self.packed_scale(name), dtype, experts)
+        for adapter in self.packed_adapters.get(name, ()):
+            out = adapter(x, out, experts)
+        return out
 
     def expert_chunks(self, dtype: torch.dtype) -> list[slice]:
         """The slices of experts a forward runs together: all of them where no weight is stored in fp8 (the
