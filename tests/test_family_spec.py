@@ -108,10 +108,12 @@ def test_fp8_rules_name_linears_the_released_model_has(arch):
 def test_lora_targets_name_modules_the_released_model_has(arch):
     """A target that matches nothing (a renamed module, a typo) drops its whole type from every LoRA without a
     word; each module counts for the first target it matches, as networks/lora.py selects."""
+    from networks.lora_packed import packed_targets
+
     targets = arch_specs()[arch].lora.targets
     found = set()
     for model in released_models_on_meta(arch):
-        for name, _ in model.named_modules():
+        for name, _ in [*model.named_modules(), *packed_targets(model)]:  # packed weights by parameter path
             found.update(next(([t] for t, pattern in targets.items() if re.fullmatch(pattern, name)), []))
     for mtype, pattern in targets.items():
         assert mtype in found, f"{family_folder(arch).replace('.', '/')}/spec.py: lora.targets[{mtype!r}] {pattern!r} matches no module"

@@ -219,20 +219,24 @@ def test_generate_renders_with_cfg_and_the_lora(tiny_set, trained, tmp_path):
         assert image.size == (48, 32) and image.text["steps"] == "2" and float(image.text["guidance"]) == 4.0
 
 
-def test_lora_files_module_paths_are_the_models_linears():
+def test_lora_files_module_paths_are_the_models_linears_and_packed_experts():
     """convert_lora resolves kohya names against lora_files.module_paths: the released model's Linears (dense blocks
-    0-2, then routers and shared experts; the packed experts are none) and the tiny one's, built on meta."""
+    0-2, then routers and shared experts) and packed expert weights (the experts LoRA type's modules, by parameter
+    path), and the tiny one's, built on meta."""
     import torch.nn as nn
 
     from library.models.nucleus_image.lora_files import module_paths
     from library.models.nucleus_image.model import NUCLEUS_IMAGE, NucleusImage
     from library.models.nucleus_image.tiny import tiny_config
+    from networks.lora_packed import packed_targets
 
     for config in (NUCLEUS_IMAGE, tiny_config()):
         with torch.device("meta"):
             model = NucleusImage(config)
         linears = {n for n, m in model.named_modules() if isinstance(m, nn.Linear)}
-        assert set(module_paths({"transformer_blocks": config.num_layers})) == linears, config.num_layers
+        packed = {n for n, _ in packed_targets(model)}
+        assert len(packed) == 2 * len(config.moe_blocks)
+        assert set(module_paths({"transformer_blocks": config.num_layers})) == linears | packed, config.num_layers
 
 
 def test_lora_info_names_a_nucleus_lora_and_its_release_and_not_qwen_images(tmp_path):

@@ -42,6 +42,11 @@ own, else the header's ss_sd_model_name (a local base's folder name only). A loc
 (Qwen2.5-VL, Qwen3-VL, Mistral 3: config.json with vision_config) has its modules named at model.language_model,
 as training names them for it.
 
+A mixture's packed experts (a LoRA of [E, K, N] weights: networks/lora_packed.py) are in PEFT's ParamWrapper layout in
+every layout (lora_down = lora_A [r E, N], lora_up = lora_B [K, r E]): converting renames their keys and folds alpha /
+r into lora_B, r per expert from the header's expert counts (lora_packed_experts), which a file without them is
+refused for.
+
 DoRA: the magnitude travels along (`dora_scale` [out, 1] in kohya and ComfyUI files, which is what
 ComfyUI reads, `lora_magnitude_vector` [out] in diffusers/PEFT files); it is per output row, so fused modules split and join exactly
 (joining needs every part).
@@ -55,6 +60,7 @@ the reason: a Kronecker or Hadamard factor is no down / up pair.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -103,6 +109,7 @@ from networks.lora_files import (  # noqa: E402
     FOLDED_MARK,
     KOHYA_TEXT_ENCODERS,
     LYCORIS_COMFY_PREFIX,
+    PACKED_EXPERTS_KEY,
     PEFT_CONFIG_FILE,
     LoRAWeights,
     beside_lora_note,
@@ -113,6 +120,7 @@ from networks.lora_files import (  # noqa: E402
     lycoris_kind,
     lycoris_kohya_names,
     naming,
+    packed_experts_header,
     peft_alpha_known,
     peft_state_dict,
     read_lora_tensors,
@@ -155,8 +163,20 @@ def read_source(path: str, tensors: dict, metadata: dict, adapter_config: dict |
     except CheckpointError as e:
         raise naming(path, e) from None
     weights, fmt, counts, _ = lora_in_our_names(tensors, metadata, adapter_config, model_type, source=path)
+    refuse_unsized_packed(weights, model_type, path)
     fmt = layout_name(tensors, fmt)  # the --to name: a ComfyUI file's lora_A / lora_B keys are no PEFT adapter's
     return weights, metadata, fmt, model_type, peft_alpha_known(tensors, metadata, adapter_config), counts, te
+
+
+def refuse_unsized_packed(weights: dict[str, LoRAWeights], model_type: str, path: str) -> None:
+    """A module of a packed weight (the spec's LoRATargets.packed_types) whose expert count the header does not say
+    (PACKED_EXPERTS_KEY) is a CheckpointError: its rank r and scale alpha / r are unknown (the shapes hold r E)."""
+    lora = arch_spec(model_type).lora
+    packed = [re.compile(lora.targets[t]) for t in lora.packed_types] if lora else []
+    if unsized := next((p for p, w in weights.items() if not w.experts and any(r.fullmatch(p) for r in packed)), None):
+        raise CheckpointError(f"{path}: module '{unsized}' is a packed weight's LoRA and the header names no expert "
+                              f"count ({PACKED_EXPERTS_KEY}): its rank per expert is unknown; load it on the model "
+                              f"(networks read the count from the weight) or restore the header")
 
 
 # A diverged training's NaN / inf, refused as every other LoRA tool refuses it (convert_lora wrote it on, exit 0)
@@ -215,7 +235,7 @@ def with_alpha(weights: dict[str, LoRAWeights], alpha: float) -> dict[str, LoRAW
         if (up := rescaled_up(w.up, w.alpha / alpha, w.up.dtype)) is None:
             raise ValueError(f"--alpha {alpha:g}: module {p}'s lora_up times its alpha {w.alpha:g} / {alpha:g} "
                              f"overflows {str(w.up.dtype).removeprefix('torch.')}; give an alpha nearer the file's")
-        out[p] = LoRAWeights(w.down, up, alpha, w.magnitude)
+        out[p] = dataclasses.replace(w, up=up, alpha=alpha)
     return out
 
 
@@ -282,6 +302,7 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     if to == "kohya":
         prefix = arch_spec(model_type).lora.kohya_prefix  # what networks/lora.py writes
         tensors = kohya_state_dict(weights, dtype, prefix)
+        header.update(packed_experts_header(weights))
         write_lora_tensors({**tensors, **kept_te}, dst, header)  # sd-scripts' text-encoder modules as they were
     elif to == "peft":
         write_peft_folder(names_in_base(weights, base_model), dst, dtype=dtype, metadata=header,
@@ -292,7 +313,7 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
             tensors = comfy_state_dict(weights, dtype) if to == "comfy" else peft_state_dict(weights, "transformer", dtype)
         except ValueError as e:  # a folded lora_B overflowing the file's dtype
             raise naming(src, e) from None
-        write_lora_tensors(tensors, dst, {**header, FOLDED_MARK: "true"})
+        write_lora_tensors(tensors, dst, {**header, FOLDED_MARK: "true", **packed_experts_header(weights)})
     return {"from": fmt, "to": to, "model_type": model_type, "modules": len(weights), "scale_known": known}
 
 

@@ -111,7 +111,8 @@ def target_modules(base: Base) -> list[Target]:
     A checkpoint module holding model modules under other names (parts_are_model: a fused qkv, a renamed
     projection) gives each part a target names its own LoRA, in the model's name: training gives each
     part its own, and a fused name matches no target (its rows' deltas were left out)."""
-    patterns = [re.compile(p) for p in lora_targets(base.family).targets.values()]
+    spec = lora_targets(base.family)  # a packed weight's LoRA (experts) is not extracted: Linears only
+    patterns = [re.compile(p) for t, p in spec.targets.items() if t not in spec.packed_types]
     wanted = lambda name: any(r.fullmatch(name) for r in patterns)  # noqa: E731
     targets = []
     for module in base.weight_key:

@@ -28,6 +28,7 @@ from networks.lora_files import (  # noqa: E402
     ADAPTER_METADATA_KEY,
     COMFY_PREFIXES,
     FOLDED_MARK,
+    PACKED_EXPERTS_KEY,
     comfy_state_dict,
     PEFT_PREFIXES,
     TEXT_ENCODER_PREFIXES,
@@ -82,6 +83,9 @@ def read_lora_file(path: str, tool: str, keep_beside: bool = False) -> LoRAFile:
     if is_lycoris_file(tensors):
         raise CheckpointError(f"{path}: a LyCORIS file (LoKr / LoHa / ...): {tool} works on LoRA (down/up) files only; "
                               "merge it into the base with tools/merge_lora.py instead")  # fmt: skip
+    if PACKED_EXPERTS_KEY in metadata:  # its modules' ranks and deltas are per expert (networks/lora_packed.py)
+        raise CheckpointError(f"{path}: a LoRA of packed experts (header {PACKED_EXPERTS_KEY}): {tool} works on "
+                              f"LoRAs of Linears only")
     weights, fmt = parse_lora(tensors, metadata, None, source=path, adapter_config=adapter_config)
     check_finite(weights, path, tool)
     if not peft_alpha_known(tensors, metadata, adapter_config):

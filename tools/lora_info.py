@@ -17,6 +17,8 @@ training metadata and which model it fits.
   also matched against that checkpoint exactly as tools/merge_lora.py matches it (names and shapes):
   "fits" or the reason it does not; a GGUF base too (the weights' shapes, not its blocks' packed bytes),
   which merge_lora refuses to merge into.
+- ranks of a mixture's packed experts (networks/lora_packed.py) are per expert, by the header's expert counts
+  (lora_packed_experts).
 - values: whether every factor is finite (a diverged training's LoRA holds NaN / inf, which the trainer,
   generate and the LoRA tools refuse; a LyCORIS file's factors are not read).
 - metadata: the training settings our trainer and sd-scripts write (ss_* keys, networks/lora_files.py

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 from dataclasses import dataclass, field
 from typing import Callable
@@ -51,6 +52,8 @@ class Base:
     to_model: Callable[[str], str | None]
     module_map: dict | None = None  # fused modules: model module -> [(module in the other naming, row0, row1)]
     weight_key: dict[str, str] = field(default_factory=dict)  # model module path -> checkpoint weight key
+    # a packed weight's path (its LoRA's module: networks/lora_packed.py) -> its expert count; also in weight_key
+    packed_experts: dict[str, int] = field(default_factory=dict)
     fp8: Fp8Checkpoint | None = None  # a pre-quantized base (its layout; Fp8BasePlan reads and keeps it)
     native: bool = True  # named as the model names its modules (False: module_map's other naming)
     parts_are_model: bool = False  # module_map's keys are the checkpoint's modules, its parts the model's
@@ -148,11 +151,21 @@ def open_base(path: str, tool: str = "merge_lora", names_only: bool = False) -> 
         fp8.refuse_fp8_checkpoint(reader, path)  # fp8 bases are read in the model's own names only
     else:
         base.fp8 = read_fp8_checkpoint(reader, path)
+    packed = _packed_targets(base.family)
     for key in keys:
         name = base.to_model(key)
         if name and name.endswith(".weight") and len(reader.shape(key)) == 2:
             base.weight_key[name[: -len(".weight")]] = key
+        elif name and len(reader.shape(key)) == 3 and any(p.fullmatch(name) for p in packed):
+            base.weight_key[name], base.packed_experts[name] = key, reader.shape(key)[0]
     return base
+
+
+def _packed_targets(family: str) -> list[re.Pattern]:
+    """The LoRA targets of the family's packed weights (its spec's LoRATargets.packed_types): [E, K, N] tensors a
+    LoRA names by their own path."""
+    lora = arch_spec(family).lora if family in arch_specs() else None
+    return [re.compile(lora.targets[t]) for t in lora.packed_types] if lora else []
 
 
 # ----------------------------------------------------------------------------------------------
@@ -213,7 +226,7 @@ def lora_deltas(base: Base, spec: LoRASpec,
                                     target_is_key=base.native, name=spec.path)
     else:
         weights = lora_for_model(body, metadata, adapter_config, base.family, base.weight_key, base.module_map,
-                                 target_is_key=base.native, name=spec.path).weights
+                                 target_is_key=base.native, name=spec.path, experts=base.packed_experts).weights
     whole = _whole_deltas(base, diffs, spec.path) if diffs else {}
     unmatched = [p for p in weights if p not in base.weight_key] + [f"{m} ({part})" for (m, part), (key, _) in whole.items() if key is None]
     matched = {base.weight_key[p]: w for p, w in weights.items() if p in base.weight_key}
@@ -239,7 +252,7 @@ def lora_deltas(base: Base, spec: LoRASpec,
         if not isinstance(w, LoRAWeights):  # LyCORIS (FusedRows, RowsOfFused too): checked as it merges
             continue
         want = base.reader.shape(key)
-        got = (w.up.shape[0], w.down.shape[1])
+        got = w.shape  # (out, in), a packed weight's (E, K, N)
         if got != want:
             raise CheckpointError(f"{spec.path}: LoRA for '{key}' gives a delta of shape {got}, the checkpoint weight is {want}")
     return matched

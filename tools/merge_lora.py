@@ -34,6 +34,10 @@ bias), beside down / up (ComfyUI's Extract and Save Lora) or alone (LyCORIS' ful
 them: W + ratio * diff, by rows into or out of a fused module (networks/lora_reader.py WholeDelta). Several LoRAs
 are applied in the order given.
 
+A LoRA of a mixture's packed experts ([E, K, N] weights used as x @ W[e]: networks/lora_packed.py) adds each
+expert's delta[e] to its weight (one batched GEMM), into a bf16 / fp16 / fp32 base written in high precision; into an
+fp8 base or an fp8 output it is refused.
+
 Precision: a merged weight is W (read in its file dtype, widened to float32) + sum_i ratio_i *
 (alpha_i / rank_i) * up_i @ down_i, accumulated in float32; only then is it cast to --save_precision
 (default: each tensor keeps its file dtype). fp8 stores float8_e4m3fn Linear weights (round to nearest,
@@ -653,6 +657,10 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
     for spec in loras:
         for key, w in lora_deltas(base, spec, allow_unmatched).items():
             deltas.setdefault(key, []).append((spec.ratio, w))
+    packed = next((key for key, ws in deltas.items() if any(getattr(w, "experts", None) for _, w in ws)), None)
+    if packed is not None and (fp8_out or base.fp8 is not None):  # their fp8 layouts are another plan's
+        raise ValueError(f"'{packed}': merging a LoRA of packed experts into an fp8 base or output is not supported; "
+                         f"merge into the bf16 checkpoint with --save_precision bf16 (an fp8 base loads it quantized)")
     plan = (Plan if base.fp8 is None else Fp8BasePlan)(base, precision, deltas, stochastic_rounding, seed)
     # Built beside save_to and renamed into place (an old save_to is replaced), with the umask's mode.
     with (atomic_folder if base.is_folder else atomic_path)(save_to) as tmp:

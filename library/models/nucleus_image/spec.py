@@ -33,8 +33,16 @@ from library.models import spec as S
 #            (and the unadapted expert weights) sees, a discrete change the gradient only reaches through the
 #            picked tokens' gating weights. ai-toolkit's UI preset for Nucleus-Image ignores img_mlp.gate (and
 #            img_mlp.experts): `router_dim=0` trains as that preset does.
-# The packed experts are Parameters, not Linears: no LoRA targets them (15.3 B weights stay frozen as loaded). The
-# embedders and the final layer take a rank through in_dims, in this order: img_in, time_embedding
+#   experts  the routed experts' packed weights img_mlp.experts.gate_up_proj [E, 2048, 2688] and down_proj
+#            [E, 1344, 2048] (Parameters used as x @ W[e]: networks/lora_packed.py, one rank-r delta per expert in
+#            PEFT's ParamWrapper layout; fp8-stored experts too). OFF by default, on with experts_dim (block_indices
+#            apply): the 64 experts of a weight each get their own factors, so a rank-r LoRA of the 29 MoE blocks
+#            holds 29 x 64 x r x (2688 + 2048 + 2048 + 1344) = 15,085,568 r weights: at rank 16 241 M, a 483 MB
+#            file in bf16 (30.2 MB per rank), where the default targets (every block Linear) at rank 16 are
+#            24.5 M, 49 MB. It does not touch the routing: the router img_mlp.gate is its own type and reads the
+#            block's input, so an experts LoRA changes what each expert computes on the tokens it is given, never
+#            which tokens (later blocks' routers see the changed residual stream, as after any LoRA).
+# The embedders and the final layer take a rank through in_dims, in this order: img_in, time_embedding
 # (time_text_embed.timestep_embedder.linear_1 / _2), final_layer (norm_out.linear, proj_out).
 LORA = S.LoRATargets(
     targets={
@@ -43,6 +51,7 @@ LORA = S.LoRATargets(
         "mod": r"transformer_blocks\.(?P<block>\d+)\.img_mod\.1",
         "mlp": r"transformer_blocks\.(?P<block>\d+)\.img_mlp\.(shared_expert\.)?net\.(0\.proj|2)",
         "router": r"transformer_blocks\.(?P<block>\d+)\.img_mlp\.gate",
+        "experts": r"transformer_blocks\.(?P<block>\d+)\.img_mlp\.experts\.(gate_up_proj|down_proj)",
         "img_in": r"img_in",
         "time_embedding": r"time_text_embed\.timestep_embedder\.linear_[12]",
         "final_layer": r"norm_out\.linear|proj_out",
@@ -52,6 +61,7 @@ LORA = S.LoRATargets(
     modulation_types=("mod",),
     modulation_default=True,  # ai-toolkit trains img_mod.1 with the rest of the blocks' Linears
     in_dim_types=("img_in", "time_embedding", "final_layer"),
+    packed_types=("experts",),  # experts_dim turns them on
     extra_args=("in_dims",),  # those types' ranks, in in_dim_types' order (as FLUX.1's in_dims)
 )
 
@@ -61,20 +71,22 @@ LORA = S.LoRATargets(
 # LoRA loader mixin: NucleusMoEImageTransformer2DModel.load_lora_adapter, PeftAdapterMixin, reads it) and
 # ai-toolkit's `diffusion_model.<diffusers name>.lora_A/B` (its convert_lora_weights_before_save; what a ComfyUI
 # loader would read: our ComfyUI snapshot has no Nucleus-Image model, unverified): converting changes the prefix
-# only. Markers are names only Nucleus-Image has ('_'-flattened): the per-block text projection `encoder_proj` and
-# the shared expert. Its attention, img_mod.1 and the dense blocks' img_mlp.net are Qwen-Image's names too: Qwen-Image's
-# markers leave those blocks out (qwen_image/spec.py), and Nucleus-Image is registered before Qwen-Image
-# (registry.py: lora_info tries its names first). The router's `img_mlp_gate` begins Qwen-Image-2.1's
+# only. Markers are names only Nucleus-Image has ('_'-flattened): the per-block text projection `encoder_proj`, the
+# shared expert and the packed experts (an experts LoRA's modules: the weights' paths, img_mlp.experts.gate_up_proj;
+# its header says their expert count, networks/lora_files.py PACKED_EXPERTS_KEY). Its attention, img_mod.1 and the
+# dense blocks' img_mlp.net are Qwen-Image's names too: Qwen-Image's markers leave those blocks out
+# (qwen_image/spec.py), and Nucleus-Image is registered before Qwen-Image (registry.py: lora_info tries its names
+# first). The router's `img_mlp_gate` begins Qwen-Image-2.1's
 # `img_mlp_gate_layer` / `gate_up`: lora_info's regex anchors it, the substring markers leave it out.
 LORA_FILES = S.LoRAFiles(
-    markers=("_encoder_proj", "_img_mlp_shared_expert_"),
+    markers=("_encoder_proj", "_img_mlp_shared_expert_", "_img_mlp_experts_"),
     # ours (nucleus-image) and ai-toolkit's nucleus_image (separators aside); our modelspec nucleus-image/lora
     model_versions=("nucleus-image",),
     block_pattern=r"(transformer_blocks)[._](\d+)[._]",
     module_paths="library.models.nucleus_image.lora_files:module_paths",
     layouts=("kohya", "diffusers", "comfy"),
-    info_markers=(("diffusers",
-                   r"transformer_blocks_\d+_(encoder_proj|img_mlp_gate|img_mlp_shared_expert_net_(0_proj|2))$"),),
+    info_markers=(("diffusers", r"transformer_blocks_\d+_(encoder_proj|img_mlp_gate|img_mlp_shared_expert_net_"
+                                r"(0_proj|2)|img_mlp_experts_(gate_up|down)_proj)$"),),
     info_blocks=(("block", r"(?<!single_)transformer_blocks_(\d+)_"),),
     width_modules=r"attn_to_[qkv]|attn_add_[kv]_proj|img_mod_1|img_mlp_(shared_expert_)?net_0_proj",
     releases=(S.Release("Nucleus-Image", 2048, {"block": 32}),),
