@@ -2,8 +2,8 @@
 (precision/stored_layouts.py): ComfyUI's scaled fp8 (`scaled_fp8` marker + per-tensor `scale_weight`) and
 comfy_quant (`weight_scale` + per-layer JSON), musubi-tuner's per-tensor and per-64-block `scale_weight`s, our
 fp8_scaled block scales, plain e4m3 (everything, norms included) and city96's ComfyUI-GGUF blocks. Nucleus-Image's
-packed experts (Parameters, no Linears) are stored bf16 beside the fp8 Linears; a plain e4m3 file, whose experts are
-e4m3 too, is one error naming an expert tensor (they load in bf16 / fp16 / fp32 only, for now).
+packed experts (3-D, no Linears) are stored bf16 beside the fp8 Linears; in a plain e4m3 file they are e4m3 too
+and load as stored (plain fp8, fp8_packed.PackedWeights), computing as their dequantized twin as the Linears do.
 
 The tiny files are written here from the tiny set's single files, in each family's single-file names
 (Z-Image: ComfyUI's fused `attention.qkv`; Chroma, FLUX.3: BFL names). The oracle is a plain float32 model
@@ -171,14 +171,14 @@ def write_fp8(tiny_set, family: str, layout: str, path) -> tuple[str, dict[str, 
 def test_fp8_files_load_as_stored_and_compute_as_their_dequantized_twin(tiny_set, tmp_path, family, layout):
     path, stored = write_fp8(tiny_set, family, layout, tmp_path / f"{family}-{layout}.safetensors")
     loader = FAMILIES[family][3]
-    if family == "nucleus_image" and layout == "plain":  # every tensor e4m3: its packed experts too (3-D, no Linear)
-        with pytest.raises(CheckpointError, match=r"experts\.\w+' is stored as F8_E4M3: .* bf16 / fp16 / fp32"):
-            loader(path)
-        return
     with pytest.warns(UserWarning, match="widened"):  # ComfyUI's fp8 embedders / final layer: kept high precision here
         model = loader(path).eval()
     layers = [m for m in model.modules() if isinstance(m, FP8Linear)]
     assert layers and {m.mode for m in layers} == {LAYOUTS[layout][0]}
+    # Nucleus-Image's packed experts are stored as the file holds them: e4m3 (plain fp8) in a plain file, else bf16
+    stored_as = [module.packed_modes.get(weight) for module, weight in fp8.packed_weight_names(model).values()]
+    assert bool(stored_as) == (family == "nucleus_image")
+    assert set(stored_as) <= {"fp8" if layout == "plain" else None}
     reference = twin(family, model.config, fp8_dequantized(stored))
     diff = (output(model, family) - output(reference, family)).abs().max().item()
     print(f"{family} {layout}: max abs diff vs the dequantized float32 twin {diff}")
