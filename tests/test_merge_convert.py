@@ -352,7 +352,7 @@ def test_merged_fp8_file_generates_an_image(tiny_set, tmp_path):
 FP8_MERGE_BASES = {"flux_bfl": True, "flux_diffusers": False, "chroma_bfl": True, "chroma_diffusers": False,
                    "flux2_tiny": True, "flux2_diffusers": False, "flux3_tiny": True, "flux3_diffusers": True,
                    "krea2": False, "krea2_diffusers": False, "ernie_image": True, "ernie_image_diffusers": True,
-                   "nucleus_image": True, "nucleus_image_diffusers": True,  # Linears fp8, the packed experts as read
+                   "nucleus_image": True, "nucleus_image_diffusers": True,  # the packed experts in the layout too
                    "zimage": True, "zimage_diffusers": True, "qwen_image": True, "qwen_image21": True,
                    "qwen_image21_comfy": True}  # fmt: skip
 
@@ -373,12 +373,70 @@ def test_every_fp8_merge_loads_through_the_family_loader_or_is_refused_in_one_li
         rc = merge("--model", tiny_set[base_key], "--lora", tmp_path / "l.safetensors", "--save_to", out,
                    "--save_precision", "fp8", "--fp8_layout", layout)  # fmt: skip
         assert rc == (0 if reads_fp8 else 2), (layout, capsys.readouterr().err)
-        if reads_fp8:
-            load(str(out), torch.bfloat16)
+        if reads_fp8:  # a mixture's packed experts (Nucleus-Image's) in the layout too, not left in bf16
+            packed = fp8.packed_weight_names(load(str(out), torch.bfloat16)).values()
+            assert {module.packed_modes.get(weight) for module, weight in packed} <= {merge_lora.FP8_LAYOUTS[layout]}
+            assert bool(packed) == base_key.startswith("nucleus_image")
         else:
             line = only_line(capsys.readouterr().err)
             assert "loader does not read a stored" in line and f"--fp8_layout {layout}" in line, line
             assert not out.exists() and os.listdir(tmp_path) == ["l.safetensors"]
+
+
+def test_packed_experts_merge_into_fp8_as_codes_and_scales_and_out_of_it_dequantized(tiny_set, tmp_path):
+    """A mixture's packed experts ([E, K, N], no Linear: Nucleus-Image's) in an fp8 output are e4m3 codes +
+    `<name>_scale` as the loaders store them (fp8.quantize_packed_weight: bf16 blocks, one fp32 for comfy, none
+    plain), bit for bit; they were written bf16. Out of our fp8_scaled file (and the comfy one) into fp32 / bf16 each
+    is its codes times its scales, and no scale is left over: the expert scales were ignored (the codes read as the
+    weights) and copied as stray keys. The merge out of fp8_scaled equals the LoRA at runtime on the fp8 model."""
+    from library.models.nucleus_image.checkpoint import load_nucleus_image, save_nucleus_image_single_file
+    from library.models.nucleus_image.family import NucleusImageFamily
+    from tools.precision_doctor import make_inputs
+
+    base = read_all(tiny_set["nucleus_image"])
+    model = load_nucleus_image(tiny_set["nucleus_image"])
+    experts = list(fp8.packed_weight_names(model))
+    assert len(experts) == 4  # the tiny model's two MoE blocks: gate_up_proj, down_proj
+    lora(model, "nucleus_image", rank=4, alpha=4.0, seed=3).save(str(tmp_path / "l.safetensors"))
+    for layout, mode in merge_lora.FP8_LAYOUTS.items():
+        out = tmp_path / f"{layout}.safetensors"
+        assert merge("--model", tiny_set["nucleus_image"], "--lora", tmp_path / "l.safetensors", "--save_to", out,
+                     "--save_precision", "fp8", "--fp8_layout", layout) == 0
+        written = read_all(out)
+        for name in experts:
+            codes, scale = fp8.quantize_packed_weight(base[name], mode)
+            assert torch.equal(written[name].view(torch.uint8), codes.view(torch.uint8)), (layout, name)
+            assert torch.equal(written[name + "_scale"], scale) if scale is not None else name + "_scale" not in written
+        if layout == "comfy":  # every Linear's scale_weight, the experts' scales, the marker: nothing else
+            linears = [k[: -len("weight")] for k, v in base.items() if k.endswith(".weight") and v.dim() == 2]
+            assert written.keys() == {*base, *(k + "scale_weight" for k in linears), *(e + "_scale" for e in experts),
+                                      "scaled_fp8"}
+
+    fp8_model = NucleusImageFamily(tiny_set["nucleus_image"]).load_transformer(torch.float32, "fp8_scaled").eval()
+    save_nucleus_image_single_file(fp8_model, str(tmp_path / "fp8_scaled.safetensors"))
+    net = lora(fp8_model, "nucleus_image", rank=4, alpha=4.0, seed=4)
+    net.save(str(tmp_path / "l8.safetensors"))
+    with pytest.warns(UserWarning, match="widened"):  # the comfy file's fp8 embedders, as ComfyUI writes them
+        comfy_model = load_nucleus_image(str(tmp_path / "comfy.safetensors"))
+    for source, held, mode in (("fp8_scaled", fp8_model, "fp8_scaled"), ("comfy", comfy_model, "fp8_tensor_scaled")):
+        merged = {}
+        for precision, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
+            out = tmp_path / f"{source}_{precision}.safetensors"
+            assert merge("--model", tmp_path / f"{source}.safetensors", "--lora", tmp_path / "l8.safetensors",
+                         "--save_to", out, "--save_precision", precision) == 0
+            merged[precision] = read_all(out)
+            assert merged[precision].keys() == base.keys(), sorted(merged[precision].keys() - base.keys())
+            assert {t.dtype for t in merged[precision].values()} == {dtype}
+        for name, (module, weight) in fp8.packed_weight_names(held).items():  # codes times scales, then cast
+            expected = module.packed_weight(weight, torch.float32)
+            assert module.packed_modes[weight] == mode
+            assert torch.equal(merged["fp32"][name], expected) and torch.equal(merged["bf16"][name], expected.bfloat16())
+    x = make_inputs("nucleus_image", model.config, 64, 48, seed=3, text_len=8).make_kwargs(0.6)
+    expected = runtime_output(fp8_model, [(net, 1.0)], x)
+    diff = (run(load_nucleus_image(str(tmp_path / "fp8_scaled_fp32.safetensors")).eval(), x) - expected).abs().max()
+    print(f"merged out of fp8_scaled into fp32 vs the LoRA at runtime on the fp8 model: {diff:.1e} "
+          f"(outputs up to {expected.abs().max():.2f})")
+    assert diff < 1e-5
 
 
 def test_stochastic_rounding_keeps_a_delta_that_round_to_nearest_drops(tmp_path):

@@ -14,7 +14,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
@@ -33,6 +33,9 @@ from networks.lora_reader import (FusedRows, RowsOfFused, WholeDelta, lora_for_m
                                   split_whole_deltas, whole_deltas_for_model)
 from networks.lycoris_network import LycorisDelta, is_lycoris_file, lycoris_deltas, lycoris_kohya_names
 from tools.cli import LoRASpec
+
+if TYPE_CHECKING:
+    from library.models.family import DiffusionFamily
 
 
 # ----------------------------------------------------------------------------------------------
@@ -85,18 +88,35 @@ class Base:
         return {other: own for own, parts in self.module_map.items() for other, _, _ in parts}
 
     @functools.cached_property
-    def version(self) -> str | None:
-        """The release the family names this checkpoint (model_version: what train_lora.py writes as
-        ss_base_model_version), from the model built on meta; None for an LLM or a base it cannot build."""
+    def _meta_model(self) -> tuple[DiffusionFamily, torch.nn.Module] | None:
+        """(the family, its transformer built on meta from this checkpoint's header: no tensor read); None for an
+        LLM. A base the family cannot build raises its error (CheckpointError, ...)."""
         from library.models.family import family_class
 
         if self.family == "llm" or self.family not in FAMILIES:
             return None
+        family = family_class(self.family)(self.path)
+        return family, family.load_transformer(torch.float32, read_weights=False)
+
+    @functools.cached_property
+    def version(self) -> str | None:
+        """The release the family names this checkpoint (model_version: what train_lora.py writes as
+        ss_base_model_version), from the model built on meta; None for an LLM or a base it cannot build."""
         try:
-            family = family_class(self.family)(self.path)
-            return family.model_version(family.load_transformer(torch.float32, read_weights=False))
+            built = self._meta_model
+            return None if built is None else built[0].model_version(built[1])
         except (ValueError, OSError, KeyError, RuntimeError):  # CheckpointError is a ValueError
             return None
+
+    @functools.cached_property
+    def packed_weights(self) -> dict[str, str]:
+        """Checkpoint key -> the model's name of each packed weight (a mixture's experts [E, K, N], no Linear), as
+        the family's model built on meta names them (fp8.packed_weight_names); empty for an LLM. The model is built
+        only where the checkpoint holds a 3-D tensor (some tiny bases' configs are not told by their shapes)."""
+        keys = [key for key in self.reader.keys() if self.to_model(key) and len(self.reader.shape(key)) == 3]
+        built = self._meta_model if keys else None
+        names = fp8.packed_weight_names(built[1]) if built is not None else {}
+        return {key: self.to_model(key) for key in keys if self.to_model(key) in names}
 
 
 def _family_base(path: str, reader: CheckpointReader, keys: list[str]) -> Base | None:

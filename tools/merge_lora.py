@@ -52,6 +52,10 @@ or unbiased stochastic rounding with --stochastic_rounding) in one of three layo
            modules its architecture's fp8 rules keep and every other float tensor bf16.
   block64  ours (`--save_precision fp8_scaled` is the same): e4m3 + bf16 `X.weight_scale` per 64 input
            columns (library/precision/fp8.py), high-precision modules bf16. Only our loaders read it.
+A mixture's packed experts ([E, K, N] weights, no Linear; the family's model built on meta names them:
+Base.packed_weights) are written in the layout too, unless its fp8 rules keep them: e4m3 codes + `<name>_scale`
+(comfy: one fp32 number, block64: bf16 [E, K/64, N], plain: none; fp8.quantize_packed_weight, each expert as
+FP8Linear's weight), rounded to nearest (no LoRA changes them).
 Each loads back as it is through the family's transformer loader (train_lora.py, generate.py); a layout
 and naming that loader does not read as stored (its spec's FP8Rules.stored: a diffusers folder whose
 fused rows are split, a family that quantizes only while loading) is refused before anything is written.
@@ -63,8 +67,8 @@ fp8 values. Without --save_precision the output keeps the base's layout: only th
 re-quantized (fresh scale; rounded stochastically, as ComfyUI's patching rounds, unless
 --no-stochastic_rounding: a merged weight starts on the fp8 grid, and round to nearest gives most codes
 back where a delta is under half a step, a LoRA at ratio 0.1 keeping 17-43% of its effect), every other
-tensor is copied byte for byte; with bf16/fp16/fp32 every weight is dequantized and the scales and markers left out
-(comfy_quant's `_quantization_metadata` header too).
+tensor is copied byte for byte; with bf16/fp16/fp32 every weight is dequantized (packed experts too, with their
+`<name>_scale`) and the scales and markers left out (comfy_quant's `_quantization_metadata` header too).
 Another fp8 layout is refused (it would re-round every weight). Keys outside the transformer (text
 encoders and VAE bundled in a ComfyUI checkpoint) are copied as they are. fp8 bases only in the model's
 own names (BFL names, not a diffusers folder's split rows).
@@ -87,6 +91,7 @@ output is left behind.
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import os
@@ -146,6 +151,7 @@ import torch  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 
 from library.precision import fp8  # noqa: E402
+from library.precision.fp8_checkpoints import PACKED_FILE_SCALE_SUFFIXES  # noqa: E402
 from library.precision.gguf_writer import (  # noqa: E402
     FP16_MAX, FP16_OVERFLOW, OVERFLOWS_AT, GgufEntry, output_type, save_precision_type, write_gguf_streaming)
 from library.atomic_files import write_text  # noqa: E402
@@ -260,6 +266,15 @@ class Plan:
         names = self.base.spec_names(self.base.to_model(key)[: -len(".weight")])
         return not any(fp8.is_high_precision(name, arch_spec(self.base.family).fp8) for name in names)
 
+    @functools.cached_property
+    def packed_fp8(self) -> frozenset[str]:
+        """Checkpoint keys of the packed weights (a mixture's experts [E, K, N], no Linear: Base.packed_weights)
+        written in fp8: those the family's fp8 keep rules do not keep, where the output is fp8."""
+        if self.precision not in FP8_MODES:
+            return frozenset()
+        rules = arch_spec(self.base.family).fp8
+        return frozenset(key for key, name in self.base.packed_weights.items() if not fp8.keeps_packed(name, rules))
+
     def is_fp8_bias(self, key: str) -> bool:
         """comfy: a Linear's bias, which ComfyUI holds in fp8 with its weight (stored so, not rounded on load)."""
         return self.comfy and key.endswith(".bias") and self._is_linear_weight(key[: -len("bias")] + "weight")
@@ -277,6 +292,12 @@ class Plan:
             elif self.comfy:
                 out.append(Entry(self.scale_key(key), fp8.TENSOR_SCALE_DTYPE, ()))
             return out
+        if key in self.packed_fp8:  # codes + `<name>_scale` (bf16 blocks [E, K/64, N], or one fp32 for comfy)
+            scales = {"fp8_scaled": (fp8.SCALE_DTYPE, fp8.packed_scale_shape(*shape)),
+                      "fp8_tensor_scaled": (fp8.TENSOR_SCALE_DTYPE, ())}  # fmt: skip
+            scale = scales.get(self.precision)
+            return [Entry(key, fp8.FP8_DTYPE, shape)] + ([] if scale is None else
+                                                         [Entry(key + fp8.PACKED_SCALE_SUFFIX, *scale)])
         if self.is_fp8_bias(key):
             return [Entry(key, fp8.FP8_DTYPE, shape)]
         if dtype.is_floating_point and self.precision is not None:
@@ -295,6 +316,8 @@ class Plan:
                 tensor = self.merged(key, tensor)
             if self.is_fp8_weight(key):
                 yield from self.quantized(key, tensor, self.precision).items()
+            elif key in self.packed_fp8:
+                yield from self.quantized_packed(key, tensor).items()
             elif self.is_fp8_bias(key):  # e4m3 has no inf: saturate rather than turn a huge bias into NaN
                 yield key, tensor.float().clamp(-fp8.FP8_MAX, fp8.FP8_MAX).to(fp8.FP8_DTYPE)
             else:
@@ -329,6 +352,17 @@ class Plan:
             out[self.scale_key(key)] = scale
         return out
 
+    def quantized_packed(self, key: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
+        """A packed weight -> {key: float8_e4m3fn codes [, key_scale]} as the loaders store it
+        (fp8.quantize_packed_weight, each expert as FP8Linear's weight). Round to nearest always: no LoRA targets
+        a packed weight, so there is no delta for stochastic rounding to keep, only the weight to hold as closely
+        as e4m3 can."""
+        if self.precision == "fp8":  # unscaled e4m3 clamps to +-448
+            check_in_range(key, w, fp8.FP8_OVERFLOW, fp8.FP8_MAX, "float8_e4m3fn without a scale",
+                           "use a scaled fp8 layout (--fp8_layout comfy, block64)")
+        codes, scale = fp8.quantize_packed_weight(w, self.precision)
+        return {key: codes} if scale is None else {key: codes, key + fp8.PACKED_SCALE_SUFFIX: scale}
+
 
 class Fp8BasePlan(Plan):
     """A pre-quantized base (ours, ComfyUI's fp8 / scaled fp8; fp8_checkpoints.py). Each merged fp8
@@ -337,9 +371,9 @@ class Fp8BasePlan(Plan):
       - precision None (or the base's own layout): the output keeps the layout. Only merged weights
         are re-quantized (stochastic rounding unless --no-stochastic_rounding; a fresh absmax / 448 scale per
         tensor or per block); every other tensor (codes, scales, markers) is copied byte for byte.
-      - bf16 / fp16 / fp32: every fp8 tensor is dequantized (float32) and cast; scales, markers and
-        activation scales are left out (and comfy_quant's `_quantization_metadata` header), so the output is a
-        plain high-precision checkpoint.
+      - bf16 / fp16 / fp32: every fp8 tensor is dequantized (float32; a packed weight with its scale,
+        fp8.dequantize_packed_weight) and cast; scales, markers and activation scales are left out (and
+        comfy_quant's `_quantization_metadata` header), so the output is a plain high-precision checkpoint.
     Tensors outside the transformer (a ComfyUI file's bundled text encoders and VAE) are copied as
     they are. Another fp8 layout is refused: it would re-round every weight of the base."""
 
@@ -358,7 +392,15 @@ class Fp8BasePlan(Plan):
         return self.base.reader.dtype_name(key) == "F8_E4M3"
 
     def _is_scale_or_marker(self, name: str) -> bool:
-        return self.base.fp8.is_dropped(name) or name.endswith(".weight_scale")
+        return self.base.fp8.is_dropped(name) or name.endswith(".weight_scale") or name in self.base.fp8.packed_scales
+
+    def _packed_scale_key(self, key: str) -> str | None:
+        """The checkpoint key of a packed fp8 weight's scale (`P_scale`, or a Linear's suffix), None if it has none."""
+        name = self._name(key)
+        if name is None:
+            return None
+        suffix = next((s for s in PACKED_FILE_SCALE_SUFFIXES if name + s in self.base.fp8.packed_scales), None)
+        return None if suffix is None else key + suffix
 
     def entries(self, key: str) -> list[Entry]:
         shape, dtype = self.base.reader.shape(key), ST_DTYPES[self.base.reader.dtype_name(key)]
@@ -372,6 +414,10 @@ class Fp8BasePlan(Plan):
     def dequantized(self, key: str) -> torch.Tensor:
         """The float32 weight the fp8 codes (and their scale) stand for; other tensors widened."""
         tensor, scale_key = self.base.reader.get(key), self._scale_key(key) if key.endswith(".weight") else None
+        if self._is_fp8(key) and (packed_scale := self._packed_scale_key(key)) is not None:  # [E, K, N] experts
+            scale = self.base.reader.get(packed_scale)  # one number (ComfyUI's), or our bf16 blocks [E, K/64, N]
+            scale = scale.reshape(()) if scale.numel() == 1 else scale
+            return fp8.dequantize_packed_weight(tensor, scale, torch.float32)
         if not self._is_fp8(key) or scale_key not in self.base.reader:
             return tensor.float()
         scale = self.base.reader.get(scale_key)
