@@ -311,9 +311,11 @@ def test_fp8_compute_row_and_column_need_bf16_then_run(tiny_set, tmp_path, capsy
 # The random LoRA moves the tiny FLUX.3's output by only 1-2% (random inputs): computed in bf16, its effect error on
 # an fp8 base is 0.21, in fp32 0.035 (both measured), the rest bf16's rounding of that small difference. It runs fp32.
 # Nucleus-Image's expert-choice routing is a top-k per expert: the fp8 base's rounding upstream flips which tokens an
-# expert takes, with the LoRA and without it alike, so the effect moves by more (0.36 on fp8 and fp8_scaled in fp32,
-# 0.32-0.45 in bf16; the same tiny model all dense 0.07, its experts taking every token 0.10: measured).
-EFFECT_ERROR_BOUND = {"nucleus_image": 0.5}
+# expert takes, with the LoRA and without it alike, so the effect moves by more. Measured with the experts in fp8 too
+# (fp8_packed): this LoRA 0.348 on fp8 and 0.368 on fp8_scaled in fp32; LoRA seeds 1-5 0.31-0.39 in fp32, seeds 1-3
+# 0.32-0.41 in bf16. With the experts bf16 it was 0.358 on both; the same tiny model all dense 0.07, its experts
+# taking every token 0.10 (experts bf16). The bound: 1.2x this LoRA's larger error, above every seed's.
+EFFECT_ERROR_BOUND = {"nucleus_image": 0.45}
 
 
 @pytest.mark.parametrize("family, dtype", [("zimage", "bf16"), ("chroma", "bf16"), ("krea2", "bf16"),
