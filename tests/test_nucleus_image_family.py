@@ -1,5 +1,5 @@
 """Nucleus-Image as a trainable family on the tiny models: train_lora.py trains from configs/nucleus_image.toml's
-settings (nucleus_shift, checkpointing, blocks swapped) and saves a kohya LoRA in diffusers' names; a LoRA converted
+settings (nucleus_shift, the fp8_scaled base, checkpointing, blocks swapped) and saves a kohya LoRA in diffusers' names; a LoRA converted
 by tools/convert_lora.py to diffusers' layout or ai-toolkit's `diffusion_model.*` loads in diffusers'
 NucleusMoEImageTransformer2DModel.load_lora_adapter with our runtime output, and ours reads the latter back; our
 sampling equals NucleusMoEImagePipeline's loop (unshifted, CFG 4 with the norm rescale, the prediction negated);
@@ -32,15 +32,17 @@ def read_losses(out, name):
 
 @pytest.fixture(scope="module")
 def trained(tiny_set, tmp_path_factory):
-    """Three steps from configs/nucleus_image.toml's settings (its bf16 base with checkpointing and the last blocks
-    swapped, the family's nucleus_shift), fp32 compute, samples at the end: the output folder."""
+    """Three steps from configs/nucleus_image.toml's settings (its fp8_scaled base, the packed experts in fp8 too, with
+    checkpointing; the last blocks swapped as on 16 GB; the family's nucleus_shift), fp32 compute, samples at the end:
+    the output folder."""
     out = tmp_path_factory.mktemp("nucleus_image_run")
     assert train_lora.main([
         "--model_type", "nucleus_image", "--pretrained_model_name_or_path", tiny_set["nucleus_image"],
         "--ae", tiny_set["qwen_image_vae"], "--text_encoder", tiny_set["nucleus_image_text_encoder"],
         "--dataset_config", tiny_set["dataset_config"], "--sample_prompts", tiny_set["sample_prompts"],
         "--output_dir", str(out), "--output_name", "nucleus", "--max_train_steps", "3", "--mixed_precision", "no",
-        "--gradient_checkpointing", "true", "--blocks_to_swap", "2", "--network_dim", "4", "--network_alpha", "4",
+        "--fp8_base", "--fp8_scaled", "--gradient_checkpointing", "true", "--blocks_to_swap", "2",
+        "--network_dim", "4", "--network_alpha", "4",
         "--optimizer_type", "AdamW", "--learning_rate", "3e-3", "--save_every_n_steps", "0",
     ]) == 0
     return out
@@ -60,6 +62,7 @@ def test_nucleus_image_lora_trains_saves_and_samples(trained):
     with safe_open(str(trained / "nucleus.safetensors"), "pt") as f:
         meta = f.metadata()
     assert (meta["ss_base_model_version"], meta["ss_timestep_sampling"]) == ("nucleus-image", "nucleus_shift")
+    assert meta["ss_base_precision"] == "fp8_scaled"
     assert meta["modelspec.architecture"] == "nucleus-image/lora"  # sd-scripts' style
     assert sample_png(trained, "nucleus", "final").stat().st_size > 0
 

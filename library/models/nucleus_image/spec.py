@@ -126,11 +126,13 @@ SAMPLING = S.Sampling(method="nucleus_shift", shift=1.0)
 
 # -- memory planner shapes and presets
 # The preset plans 16.9 B parameters, 15.3 B of them the packed experts: bf16 does not fit a 24 GB card without block
-# swap, and fp8 / fp8_scaled store only the Linears (1.6 B) in fp8, leaving the experts bf16 until they get an fp8
-# storage of their own (a later step). tools/plan_memory.py --preset nucleus-image at 1024 px, batch 1, rank 16:
-# the base 31.5 GiB in bf16, 30.1 GiB in fp8_scaled; the training step 33.1 / 31.7 GiB with checkpointing; on 24 GB
-# checkpointing with blocks_to_swap 13 (bf16, peak 21.3 GiB) or 12 (fp8_scaled, 21.4 GiB); on 16 GB fp8_scaled
-# with 19; on 48 GB none. Caching: Qwen3-VL-8B's 29 layers 11.6 GiB in bf16, the VAE's encode (batch 4) 15.6 GiB.
+# swap; fp8 / fp8_scaled store the experts in fp8 as the Linears (fp8_packed; nf4 / int8 leave them bf16: 29.5 GiB).
+# tools/plan_memory.py --preset nucleus-image at 1024 px, batch 1, rank 16: the base 31.5 GiB in bf16, 16.3 GiB in
+# fp8_scaled (15.8 in fp8); the training step 33.1 / 17.8 GiB with checkpointing; on 24 GB fp8_scaled with
+# checkpointing and no swap (peak 17.8 GiB; samples 17.6 with the VAE decoding in tiles), bf16 with checkpointing and
+# blocks_to_swap 13 (peak 21.3 GiB, 13.9 GiB of host memory); on 16 GB fp8_scaled with checkpointing and 8 (peak
+# 14.5 GiB) and vae_batch_size 3; on 48 GB none (bf16 with checkpointing 33.1 GiB). Caching: Qwen3-VL-8B's 29 layers
+# 11.6 GiB in bf16, the VAE's encode (batch 4) 15.6 GiB.
 # Captions vary in length (each caption's chat text, a batch padded with a mask): the plan sizes 512 tokens.
 # The text encoder as load_nucleus_text_encoder reads Qwen3-VL-8B: the embeddings, the first 29 of 36 decoder
 # layers (hidden_states[-8]) and the final norm, no head, no vision (fp8: its decoder Linears, one scale per 64
