@@ -17,19 +17,21 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Callable
 
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
-    metadata_config, prepared_convert, read_json_file, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, save_diffusers_folder,
+    save_with_config, state_and_config,
+)
+from library.models.checkpoint_files import (
+    diffusers_config_json, fill_meta_model, marked_prefix, stated_config, without_prefix,
 )
 from library.models.flux1.checkpoint import _block_count
 from library.models.ernie_image.model import ErnieImage, ErnieImageConfig
 from library.models.ernie_image.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 
 CLASS_NAME = "ErnieImageTransformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain (and diffusers)
@@ -98,7 +100,6 @@ def config_from_diffusers(cfg: dict, source: str = "config.json") -> ErnieImageC
         raise CheckpointError(f"{source}: {e}") from None
 
 
-
 def diffusers_config(config: ErnieImageConfig) -> dict:
     """The ErnieImageTransformer2DModel config.json for `config`."""
     if config.rope_theta != int(config.rope_theta):
@@ -115,38 +116,8 @@ def config_from_json(text: str) -> ErnieImageConfig:
     return ErnieImageConfig(**fields)
 
 
-def _diffusers_config_json(path: str) -> dict | None:
-    """A diffusers folder's config.json (None for a single file or a folder without one); a foreign class refused."""
-    config_json = os.path.join(path, "config.json")
-    if not (os.path.isdir(path) and os.path.isfile(config_json)):
-        return None
-    cfg = read_json_file(config_json)
-    if cfg.get("_class_name") not in (None, CLASS_NAME):
-        raise CheckpointError(f"{config_json}: _class_name is {cfg['_class_name']!r}, expected {CLASS_NAME!r}")
-    return cfg
-
-
-def _config(path: str, reader: CheckpointReader, prefix: str) -> ErnieImageConfig:
-    """The config a file says: its folder's config.json, else our metadata, else its shapes."""
-    diffusers_json = _diffusers_config_json(path)
-    if diffusers_json is not None:
-        return config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
-    if CONFIG_KEY in reader.metadata:
-        return metadata_config(reader, CONFIG_KEY, config_from_json)
-    view = PrefixedReader(reader, prefix)
-    return config_from_shapes({k: view.shape(k) for k in view.keys()}, path)
-
-
 # ----------------------------------------------------------------------------------------------
 # Loading
-
-
-def _prefix(path: str, keys: list[str]) -> str:
-    for prefix in PREFIXES:
-        if prefix + MARKER in keys:
-            return prefix
-    raise CheckpointError(f"{path}: not an ERNIE-Image transformer (no key '{MARKER}', plain or under "
-                          f"{' / '.join(p for p in PREFIXES if p)})")
 
 
 def load_ernie_image(
@@ -171,25 +142,18 @@ def load_ernie_image(
                          f"got {dtype}")
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    prefix = _prefix(path, reader.keys())
+    prefix = marked_prefix(path, reader.keys(), PREFIXES, MARKER, "an ERNIE-Image transformer")
     stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
+    view = PrefixedReader(reader, prefix)
     if config is None:
-        config = _config(path, reader, prefix)
-    else:
-        _diffusers_config_json(path)  # a foreign class is refused all the same
+        config = stated_config(path, reader, diffusers_json, config_from_diffusers, CONFIG_KEY, config_from_json,
+                               lambda: config_from_shapes({k: view.shape(k) for k in view.keys()}, path))
     with torch.device("meta"):
         model = ErnieImage(config)
-    check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config, stored_extras(stored))
-    if stored:  # the file's own layout wins over a requested base precision
-        prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
-    convert = prepared_convert(model, prepare, convert, "load_ernie_image")
-    if read_weights:
-        rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
-        load_streaming(model, reader, rename, dtype=dtype, convert=convert)
-    else:
-        model.to(dtype)
-    model.compute_dtype = dtype
-    return model
+    check_keys_and_shapes(view, model.state_dict(), config, stored_extras(stored))
+    return fill_meta_model(model, reader, without_prefix(prefix), path, dtype, stored=stored, keep_rules=FP8,
+                           prepare=prepare, convert=convert, read_weights=read_weights, loader="load_ernie_image")
 
 
 # ----------------------------------------------------------------------------------------------

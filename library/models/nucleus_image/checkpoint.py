@@ -27,21 +27,23 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from typing import Callable
 
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
-    metadata_config, prepared_convert, read_json_file, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, save_diffusers_folder,
+    save_with_config, state_and_config,
+)
+from library.models.checkpoint_files import (
+    diffusers_config_json, fill_meta_model, marked_prefix, stated_config, without_prefix,
 )
 from library.models.flux1.checkpoint import _block_count
 from library.models.nucleus_image.model import NUCLEUS_IMAGE, DENSE_MOE_STRATEGIES, NucleusImage, NucleusImageConfig
 from library.precision.fp8 import KeepRules
 from library.precision.fp8_checkpoints import Fp8Checkpoint
-from library.precision.stored_layouts import StoredLayout, read_stored_layout, stored_converter, stored_extras
+from library.precision.stored_layouts import StoredLayout, read_stored_layout, stored_extras
 
 CLASS_NAME = "NucleusMoEImageTransformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain (and diffusers)
@@ -173,38 +175,8 @@ def config_from_json(text: str) -> NucleusImageConfig:
     return NucleusImageConfig(**json.loads(text))
 
 
-def _diffusers_config_json(path: str) -> dict | None:
-    """A diffusers folder's config.json (None for a single file or a folder without one); a foreign class refused."""
-    config_json = os.path.join(path, "config.json")
-    if not (os.path.isdir(path) and os.path.isfile(config_json)):
-        return None
-    cfg = read_json_file(config_json)
-    if cfg.get("_class_name") not in (None, CLASS_NAME):
-        raise CheckpointError(f"{config_json}: _class_name is {cfg['_class_name']!r}, expected {CLASS_NAME!r}")
-    return cfg
-
-
-def _config(path: str, reader: CheckpointReader, prefix: str) -> NucleusImageConfig:
-    """The config a file says: its folder's config.json, else our metadata, else its shapes."""
-    diffusers_json = _diffusers_config_json(path)
-    if diffusers_json is not None:
-        return config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
-    if CONFIG_KEY in reader.metadata:
-        return metadata_config(reader, CONFIG_KEY, config_from_json)
-    view = PrefixedReader(reader, prefix)
-    return config_from_shapes({k: view.shape(k) for k in view.keys()}, path)
-
-
 # ----------------------------------------------------------------------------------------------
 # Loading
-
-
-def _prefix(path: str, keys: list[str]) -> str:
-    for prefix in PREFIXES:
-        if prefix + MARKER in keys:
-            return prefix
-    raise CheckpointError(f"{path}: not a Nucleus-Image transformer (no key '{MARKER}', plain or under "
-                          f"{' / '.join(p for p in PREFIXES if p)})")
 
 
 def refuse_quantized_experts(reader: CheckpointReader, path: str) -> None:
@@ -257,29 +229,21 @@ def load_nucleus_image(
                          f"got {dtype}")
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
-    prefix = _prefix(path, reader.keys())
+    prefix = marked_prefix(path, reader.keys(), PREFIXES, MARKER, "a Nucleus-Image transformer")
     refuse_quantized_experts(reader, path)
     stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
+    view = PrefixedReader(reader, prefix)
     if config is None:
-        config = _config(path, reader, prefix)
-    else:
-        _diffusers_config_json(path)  # a foreign class is refused all the same
+        config = stated_config(path, reader, diffusers_json, config_from_diffusers, CONFIG_KEY, config_from_json,
+                               lambda: config_from_shapes({k: view.shape(k) for k in view.keys()}, path))
     with torch.device("meta"):
         model = NucleusImage(config)
-    check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config, stored_extras(stored))
-    if stored:  # the file's own layout wins over a requested base precision
-        rules = fp8_rules  # fp8 layouts follow keep rules; GGUF's the file alone
-        if rules is None and isinstance(stored, Fp8Checkpoint):
-            rules = spec_fp8_rules(path, stored)
-        prepare = lambda m: stored_converter(m, stored, rules, dtype, reader, path)  # noqa: E731
-    convert = prepared_convert(model, prepare, convert, "load_nucleus_image")
-    if read_weights:
-        rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
-        load_streaming(model, reader, rename, dtype=dtype, convert=convert)
-    else:
-        model.to(dtype)
-    model.compute_dtype = dtype
-    return model
+    check_keys_and_shapes(view, model.state_dict(), config, stored_extras(stored))
+    if fp8_rules is None and isinstance(stored, Fp8Checkpoint):  # fp8 layouts follow keep rules; GGUF's the file
+        fp8_rules = spec_fp8_rules(path, stored)
+    return fill_meta_model(model, reader, without_prefix(prefix), path, dtype, stored=stored, keep_rules=fp8_rules,
+                           prepare=prepare, convert=convert, read_weights=read_weights, loader="load_nucleus_image")
 
 
 # ----------------------------------------------------------------------------------------------

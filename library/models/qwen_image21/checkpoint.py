@@ -16,19 +16,19 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
 import re
 from typing import Callable
 
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, save_diffusers_folder,
+    save_with_config, state_and_config,
 )
+from library.models.checkpoint_files import diffusers_config_json, fill_meta_model, marked_prefix, stated_config
 from library.models.qwen_image21.model import QwenImage21, QwenImage21Config
 from library.models.qwen_image21.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 
 CLASS_NAME = "QwenImage21Transformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain
@@ -120,36 +120,18 @@ def diffusers_config(config: QwenImage21Config) -> dict:
     return {"_class_name": CLASS_NAME, **d, "axes_dims_rope": list(config.axes_dims_rope)}
 
 
-def _diffusers_config_json(path: str) -> dict | None:
-    config_json = os.path.join(path, "config.json")
-    if not (os.path.isdir(path) and os.path.isfile(config_json)):
-        return None
-    with open(config_json) as f:
-        cfg = json.load(f)
-    if cfg.get("_class_name") not in (None, CLASS_NAME):
-        raise CheckpointError(f"{config_json}: _class_name is {cfg['_class_name']!r}, expected {CLASS_NAME!r}")
-    return cfg
-
-
 def _source(path: str, reader: CheckpointReader, config: QwenImage21Config | None):
     """(config, a view under our names) for either layout; the wrong file is one CheckpointError naming the key."""
-    keys = reader.keys()
-    prefix = next((p for p in PREFIXES if p + MARKER in keys), None)
-    if prefix is None:
-        raise CheckpointError(f"{path}: not a Qwen-Image-2.1 transformer (no key '{MARKER}', plain or under "
-                              f"{' / '.join(p for p in PREFIXES if p)})")
-    source = _View(reader, prefix)
+    source = _View(reader, marked_prefix(path, reader.keys(), PREFIXES, MARKER, "a Qwen-Image-2.1 transformer"))
     # A pre-quantized file (fp8, GGUF) is used as it is. Checked on the file's own keys first (an error
     # names the key as the file has it), then read under our names (the fused gate_up's scales split).
     stored = read_stored_layout(reader, path) and read_stored_layout(source, path)
     extra = stored_extras(stored)
-    diffusers_json = _diffusers_config_json(path)
-    if config is None and diffusers_json is not None:
-        config = config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
-    if config is None and CONFIG_KEY in reader.metadata:
-        config = metadata_config(reader, CONFIG_KEY, lambda text: QwenImage21Config(**json.loads(text)))
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
     if config is None:
-        config = config_from_shapes(source, path)
+        config = stated_config(path, reader, diffusers_json, config_from_diffusers, CONFIG_KEY,
+                               lambda text: QwenImage21Config(**json.loads(text)),
+                               lambda: config_from_shapes(source, path))
     with torch.device("meta"):
         expected = QwenImage21(config).state_dict()
     check_keys_and_shapes(source, expected, config, extra)  # every key named with its file, before any read
@@ -181,15 +163,8 @@ def load_qwen_image21(
     config, source, stored = _source(path, reader, config)
     with torch.device("meta"):
         model = QwenImage21(config)
-    if stored:  # the file's own layout wins over a requested base precision
-        prepare = lambda m: stored_converter(m, stored, FP8, dtype, source, path)  # noqa: E731
-    convert = prepared_convert(model, prepare, convert, "load_qwen_image21")
-    if read_weights:
-        load_streaming(model, source, lambda key: key, dtype=dtype, convert=convert)
-    else:
-        model.to(dtype)
-    model.compute_dtype = dtype
-    return model
+    return fill_meta_model(model, source, lambda key: key, path, dtype, stored=stored, keep_rules=FP8, prepare=prepare,
+                           convert=convert, read_weights=read_weights, loader="load_qwen_image21")
 
 
 # ----------------------------------------------------------------------------------------------
