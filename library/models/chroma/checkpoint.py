@@ -18,9 +18,10 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
-    metadata_config, prepared_convert, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder,
+    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
+from library.models.checkpoint_files import fill_meta_model, without_prefix
 from library.models.chroma.model import Chroma, ChromaConfig
 from library.models.flux1.checkpoint import (  # FLUX.1's name map and row-joining view, unchanged
     BFL_PREFIXES,
@@ -35,7 +36,7 @@ from library.models.flux1.checkpoint import (  # FLUX.1's name map and row-joini
     flux_diffusers_module_map,
 )
 from library.models.chroma.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 
 DIFFUSERS_CLASS = "ChromaTransformer2DModel"
 APPROXIMATOR = "distilled_guidance_layer."
@@ -284,8 +285,7 @@ def load_chroma(
         with torch.device("meta"):
             expected = Chroma(config).state_dict()
         check_keys_and_shapes(PrefixedReader(reader, prefix), expected, config, stored_extras(stored))
-        source = reader
-        rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
+        source, rename = reader, without_prefix(prefix)
     else:
         config_json = os.path.join(path, "config.json") if os.path.isdir(path) else None
         if config is None and config_json and os.path.exists(config_json):
@@ -300,15 +300,10 @@ def load_chroma(
 
     with torch.device("meta"):
         model = Chroma(config)
-    if stored:  # the file's own layout wins over a requested base precision
-        prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
-    convert = prepared_convert(model, prepare, convert, "load_chroma")
-    if read_weights:
-        load_streaming(model, source, rename, dtype=dtype, convert=convert)
-    else:  # the memory planner: the model as it would load, on meta, from the file's header alone
-        model.to(dtype)
-    model.compute_dtype = dtype
-    return model
+    # a stored layout's scales are read under BFL names (a diffusers folder's are refused above, or fail its key
+    # check): `source` is the reader then
+    return fill_meta_model(model, source, rename, path, dtype, stored=stored, keep_rules=FP8, prepare=prepare,
+                           convert=convert, read_weights=read_weights, loader="load_chroma")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -20,11 +20,12 @@ import torch
 
 from library.models.flux1.model import Flux, FluxConfig
 from library.models.flux1.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
-    metadata_config, prepared_convert, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder,
+    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
+from library.models.checkpoint_files import fill_meta_model, without_prefix
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
 
@@ -384,8 +385,7 @@ def load_flux(
         if config is None:
             shapes = {k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}
             config = config_from_bfl_shapes(shapes, source=path)
-        source = reader
-        rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
+        source, rename = reader, without_prefix(prefix)
     elif diffusers_named:  # (x_embedder. alone is Z-Image's too)
         config_json = os.path.join(path, "config.json") if os.path.isdir(path) else None
         if config is None and config_json and os.path.exists(config_json):
@@ -404,15 +404,9 @@ def load_flux(
         model = Flux(config)
     if prefix is not None:  # every key and shape from the header, before caching (the load named them after it)
         check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config, stored_extras(stored))
-    if stored:  # the file's own layout wins over a requested base precision
-        prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
-    convert = prepared_convert(model, prepare, convert, "load_flux")
-    if read_weights:
-        load_streaming(model, source, rename, dtype=dtype, convert=convert)
-    else:  # the memory planner: the model as it would load, on meta, from the file's header alone
-        model.to(dtype)
-    model.compute_dtype = dtype
-    return model
+    # a stored layout comes only with BFL names (refused above in diffusers'), so `source` is the reader then
+    return fill_meta_model(model, source, rename, path, dtype, stored=stored, keep_rules=FP8, prepare=prepare,
+                           convert=convert, read_weights=read_weights, loader="load_flux")
 
 
 # ----------------------------------------------------------------------------------------------

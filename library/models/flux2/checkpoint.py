@@ -20,9 +20,10 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
-    metadata_config, prepared_convert, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, metadata_config,
+    save_diffusers_folder, save_with_config, state_and_config,
 )
+from library.models.checkpoint_files import diffusers_config_json, fill_meta_model, without_prefix
 from library.models.flux1.checkpoint import (
     RowMap,
     _block_count,
@@ -33,7 +34,7 @@ from library.models.flux1.checkpoint import (
 )
 from library.models.flux2.model import Flux2, Flux2Config
 from library.models.flux2.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
 CLASS_NAME = "Flux2Transformer2DModel"
@@ -267,20 +268,11 @@ def _bfl_prefix(keys: list[str]) -> str | None:
     return None
 
 
-def _diffusers_class(path: str) -> str | None:
-    config_json = os.path.join(path, "config.json")
-    if os.path.isdir(path) and os.path.isfile(config_json):
-        with open(config_json) as f:
-            return json.load(f).get("_class_name")
-    return None
-
-
-def _diffusers_source(path: str, reader: CheckpointReader, config: Flux2Config | None):
-    """(config, BFL-keyed view) of a diffusers Flux2Transformer2DModel folder; shapes checked up front."""
-    config_json = os.path.join(path, "config.json") if os.path.isdir(path) else None
-    if config is None and config_json and os.path.exists(config_json):
-        with open(config_json) as f:
-            config = config_from_diffusers(json.load(f), source=config_json)
+def _diffusers_source(path: str, reader: CheckpointReader, config: Flux2Config | None, diffusers_json: dict | None):
+    """(config, BFL-keyed view) of a diffusers Flux2Transformer2DModel folder (diffusers_json: its config.json);
+    shapes checked up front."""
+    if config is None and diffusers_json is not None:
+        config = config_from_diffusers(diffusers_json, source=os.path.join(path, "config.json"))
     if config is None:
         meta = {k: torch.empty(reader.shape(k), device="meta") for k in reader.keys()}
         config = config_from_bfl_shapes({k: tuple(v.shape) for k, v in diffusers_to_flux2_state_dict(meta).items()}, path)
@@ -312,22 +304,19 @@ def load_flux2(
     reader = CheckpointReader(path)
     stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
     keys = reader.keys()
-    class_name = _diffusers_class(path)
-    if class_name not in (None, CLASS_NAME):
-        raise CheckpointError(f"{os.path.join(path, 'config.json')}: _class_name is {class_name!r}, expected {CLASS_NAME!r}")
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)
     prefix = _bfl_prefix(keys)
     if prefix is not None:
         if config is None and "flux2_config" in reader.metadata:
             config = metadata_config(reader, "flux2_config", flux2_config_from_json)
         if config is None:
             config = config_from_bfl_shapes({k[len(prefix) :]: reader.shape(k) for k in keys if k.startswith(prefix)}, path)
-        source = reader
-        rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
+        source, rename = reader, without_prefix(prefix)
     elif FLUX2_MARKERS[1] in keys:
         if stored:
             raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) FLUX.2 checkpoint must use BFL key names "
                                   f"(diffusers folders split the fused qkv rows, which stored scales do not survive)")
-        config, source = _diffusers_source(path, reader, config)
+        config, source = _diffusers_source(path, reader, config, diffusers_json)
         rename = lambda key: key  # noqa: E731
     else:
         raise CheckpointError(f"{path}: not a FLUX.2 transformer (no key '{FLUX2_MARKERS[0]}' (BFL) or "
@@ -337,15 +326,9 @@ def load_flux2(
         model = Flux2(config)
     if prefix is not None:  # every key and shape from the header, before caching (the load named them after it)
         check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config, stored_extras(stored))
-    if stored:  # the file's own layout wins over a requested base precision
-        prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
-    convert = prepared_convert(model, prepare, convert, "load_flux2")
-    if read_weights:
-        load_streaming(model, source, rename, dtype=dtype, convert=convert)
-    else:
-        model.to(dtype)
-    model.compute_dtype = dtype
-    return model
+    # a stored layout comes only with BFL names (refused above in diffusers'), so `source` is the reader then
+    return fill_meta_model(model, source, rename, path, dtype, stored=stored, keep_rules=FP8, prepare=prepare,
+                           convert=convert, read_weights=read_weights, loader="load_flux2")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -24,15 +24,14 @@ import torch
 
 from library.io import (
     CheckpointError, CheckpointReader, PrefixedReader, RowSplitView, check_keys_and_shapes, component_folder,
-    load_streaming, metadata_config, prepared_convert, read_json_file, save_diffusers_folder, save_with_config,
-    state_and_config,
+    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
+from library.models.checkpoint_files import diffusers_config_json, fill_meta_model
 from library.models.flux1.checkpoint import _block_count
-from library.models.flux2.checkpoint import _diffusers_class
 from library.models.flux3.model import MODES, STREAMS, Flux3Config, Flux3Transformer
 from library.models.flux3.spec import FP8
 from library.precision.fp8_checkpoints import COMFY_MARKER
-from library.precision.stored_layouts import StoredLayout, read_stored_layout, stored_converter, stored_extras
+from library.precision.stored_layouts import StoredLayout, read_stored_layout, stored_extras
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
 CLASS_NAME = "Flux3Transformer2DModel"
@@ -251,12 +250,12 @@ class _DiffusersAsBFL(RowSplitView):
         return tensor
 
 
-def _diffusers_source(path: str, reader: CheckpointReader, config: Flux3Config | None, stored: StoredLayout | None):
-    """(config, BFL-keyed view, its stored layout) of a diffusers Flux3Transformer2DModel folder; keys and shapes
-    checked up front (a stored layout's scales and markers aside)."""
-    config_json = os.path.join(path, "config.json") if os.path.isdir(path) else None
-    if config is None and config_json and os.path.exists(config_json):
-        config = config_from_diffusers(read_json_file(config_json), source=config_json)
+def _diffusers_source(path: str, reader: CheckpointReader, config: Flux3Config | None, stored: StoredLayout | None,
+                      diffusers_json: dict | None):
+    """(config, BFL-keyed view, its stored layout) of a diffusers Flux3Transformer2DModel folder (diffusers_json: its
+    config.json); keys and shapes checked up front (a stored layout's scales and markers aside)."""
+    if config is None and diffusers_json is not None:
+        config = config_from_diffusers(diffusers_json, source=os.path.join(path, "config.json"))
     if config is None:  # a bare weights file: the sizes from its shapes, under BFL names
         to_bfl = {d: b for b, d in names_for(reader.keys(), diffusers=True).items()}
         config = config_from_bfl_shapes({to_bfl[k]: reader.shape(k) for k in reader.keys() if k in to_bfl}, path)
@@ -315,17 +314,14 @@ def load_flux3(
     path = component_folder(path, "transformer")
     reader = CheckpointReader(path)
     stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF, BFL's) is used as it is
-    class_name = _diffusers_class(path)
-    if class_name not in (None, CLASS_NAME):
-        raise CheckpointError(f"{os.path.join(path, 'config.json')}: _class_name is {class_name!r}, expected "
-                              f"{CLASS_NAME!r}")
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)
     keys = reader.keys()
     prefix = _bfl_prefix(keys)
     if prefix is not None:
         config, rename = _bfl_source(path, reader, prefix, config)
         source = reader
     elif FLUX3_MARKERS[1] in keys:
-        config, source, stored = _diffusers_source(path, reader, config, stored)
+        config, source, stored = _diffusers_source(path, reader, config, stored, diffusers_json)
         rename = lambda key: key  # noqa: E731
     else:
         raise CheckpointError(f"{path}: not a FLUX.3 transformer (no key '{FLUX3_MARKERS[0]}' (BFL) or "
@@ -337,15 +333,8 @@ def load_flux3(
         extra = stored_extras(stored)
         check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config,
                               lambda key: key.startswith(TRAINING_ONLY) or extra(key))
-    if stored:  # the file's own layout wins over a requested base precision (fp8: the spec's keep rules)
-        prepare = lambda m: stored_converter(m, stored, FP8, dtype, source, path)  # noqa: E731
-    convert = prepared_convert(model, prepare, convert, "load_flux3")
-    if read_weights:
-        load_streaming(model, source, rename, dtype=dtype, convert=convert)
-    else:
-        model.to(dtype)
-    model.compute_dtype = dtype
-    return model
+    return fill_meta_model(model, source, rename, path, dtype, stored=stored, keep_rules=FP8, prepare=prepare,
+                           convert=convert, read_weights=read_weights, loader="load_flux3")
 
 
 # ----------------------------------------------------------------------------------------------

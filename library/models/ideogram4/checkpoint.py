@@ -16,8 +16,6 @@ a file with other names is refused naming its first unknown key.
 from __future__ import annotations
 
 import dataclasses
-import json
-import os
 import re
 from typing import Callable
 
@@ -25,6 +23,7 @@ import torch
 
 from library.io import CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, load_streaming, \
     prepared_convert, save_diffusers_folder
+from library.models.checkpoint_files import diffusers_config_json
 from library.models.ideogram4.model import Ideogram4, Ideogram4Config
 from library.precision.bfl_weights import bfl_converter, read_bfl_checkpoint
 from library.precision.stored_layouts import read_stored_layout
@@ -88,17 +87,6 @@ def config_from_shapes(view: _View, source: str) -> Ideogram4Config:
                            llm_features_dim=llm)
 
 
-def _diffusers_json(path: str) -> dict | None:
-    config_json = os.path.join(path, "config.json")
-    if not (os.path.isdir(path) and os.path.isfile(config_json)):
-        return None
-    with open(config_json) as f:
-        cfg = json.load(f)
-    if cfg.get("_class_name") not in (None, CLASS_NAME):
-        raise CheckpointError(f"{config_json}: _class_name is {cfg['_class_name']!r}, expected {CLASS_NAME!r}")
-    return cfg
-
-
 # ----------------------------------------------------------------------------------------------
 # Loading
 
@@ -134,7 +122,7 @@ def load_ideogram4(
     if stored is None and (other := read_stored_layout(reader, path)) is not None:
         raise CheckpointError(f"{path}: a {other.layout} Ideogram 4 file is not read; Ideogram 4 is released "
                               f"as BFL fp8r / nvfp4, which are")
-    if config is None and (cfg := _diffusers_json(path)) is not None:
+    if config is None and (cfg := diffusers_config_json(path, CLASS_NAME)) is not None:
         config = config_from_diffusers(cfg)
     config = config or config_from_shapes(view, path)
     with torch.device("meta"):

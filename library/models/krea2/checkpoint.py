@@ -25,16 +25,16 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from typing import Callable
 
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, save_diffusers_folder, save_with_config,
+    state_and_config,
 )
+from library.models.checkpoint_files import diffusers_config_json, fill_meta_model, stated_config
 from library.models.krea2.model import Krea2, Krea2Config
 from library.precision.stored_layouts import read_stored_layout
 
@@ -204,17 +204,6 @@ def krea2_config_from_json(text: str) -> Krea2Config:
 # Loading
 
 
-def _diffusers_config_json(path: str) -> dict | None:
-    config_json = os.path.join(path, "config.json")
-    if not (os.path.isdir(path) and os.path.isfile(config_json)):
-        return None
-    with open(config_json) as f:
-        cfg = json.load(f)
-    if cfg.get("_class_name") not in (None, CLASS_NAME):
-        raise CheckpointError(f"{config_json}: _class_name is {cfg['_class_name']!r}, expected {CLASS_NAME!r}")
-    return cfg
-
-
 def _source(path: str, reader: CheckpointReader, config: Krea2Config | None):
     """(config, a reader under our names) for either layout; the wrong file is one CheckpointError."""
     keys = reader.keys()
@@ -226,13 +215,10 @@ def _source(path: str, reader: CheckpointReader, config: Krea2Config | None):
     else:
         raise CheckpointError(f"{path}: not a Krea 2 transformer (no key '{MARKER}' (single file, plain or under "
                               f"{' / '.join(p for p in PREFIXES if p)}) or '{DIFFUSERS_MARKER}' (diffusers))")
-    diffusers_json = _diffusers_config_json(path)
-    if config is None and diffusers_json is not None:
-        config = config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
-    if config is None and CONFIG_KEY in reader.metadata:
-        config = metadata_config(reader, CONFIG_KEY, krea2_config_from_json)
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
     if config is None:
-        config = config_from_shapes({k: source.shape(k) for k in source.keys()}, path)
+        config = stated_config(path, reader, diffusers_json, config_from_diffusers, CONFIG_KEY, krea2_config_from_json,
+                               lambda: config_from_shapes({k: source.shape(k) for k in source.keys()}, path))
     with torch.device("meta"):
         expected = Krea2(config).state_dict()
     check_keys_and_shapes(source, expected, config)  # every key named with its file, before any read
@@ -270,13 +256,8 @@ def load_krea2(
     config, source = _source(path, reader, config)
     with torch.device("meta"):
         model = Krea2(config)
-    convert = prepared_convert(model, prepare, convert, "load_krea2")
-    if read_weights:
-        load_streaming(model, source, lambda key: key, dtype=dtype, convert=convert)
-    else:
-        model.to(dtype)
-    model.compute_dtype = dtype
-    return model
+    return fill_meta_model(model, source, lambda key: key, path, dtype, stored=None, keep_rules=None, prepare=prepare,
+                           convert=convert, read_weights=read_weights, loader="load_krea2")
 
 
 # ----------------------------------------------------------------------------------------------

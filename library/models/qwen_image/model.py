@@ -27,11 +27,11 @@ import torch.nn.functional as F
 
 from library.models import core
 from library.models.qwen_image.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, load_streaming,
-    prepared_convert, save_diffusers_folder,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, save_diffusers_folder,
 )
+from library.models.checkpoint_files import fill_meta_model, without_prefix
 
 # ----------------------------------------------------------------------------------------------
 # Config
@@ -457,16 +457,8 @@ def load_qwen_image(
         model = QwenImage(config)
     # every key and shape from the header, before caching (the load named them after it)
     check_keys_and_shapes(PrefixedReader(reader, prefix), model.state_dict(), config, stored_extras(stored))
-    if stored:  # the file's own layout wins over a requested base precision
-        prepare = lambda m: stored_converter(m, stored, FP8, dtype, reader, path)  # noqa: E731
-    convert = prepared_convert(model, prepare, convert, "load_qwen_image")
-    if read_weights:
-        rename = lambda key: key[len(prefix) :] if key.startswith(prefix) else None  # noqa: E731
-        load_streaming(model, reader, rename, dtype=dtype, convert=convert)
-    else:  # the memory planner: the model as it would load, on meta, from the file's header alone
-        model.to(dtype)
-    model.compute_dtype = dtype
-    return model
+    return fill_meta_model(model, reader, without_prefix(prefix), path, dtype, stored=stored, keep_rules=FP8,
+                           prepare=prepare, convert=convert, read_weights=read_weights, loader="load_qwen_image")
 
 
 def save_qwen_image_diffusers(state_dict: dict[str, torch.Tensor], config: QwenImageConfig, folder: str) -> None:

@@ -24,19 +24,19 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import re
 from typing import Callable
 
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, load_streaming, prepared_convert,
-    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, save_diffusers_folder,
+    save_with_config, state_and_config,
 )
+from library.models.checkpoint_files import diffusers_config_json, fill_meta_model, stated_config
 from library.models.zimage.model import ZImage, ZImageConfig
 from library.models.zimage.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_converter, stored_extras
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 
 CLASS_NAME = "ZImageTransformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain
@@ -252,22 +252,11 @@ def _single_file_prefix(keys: list[str]) -> str | None:
     return None
 
 
-def _diffusers_config_json(path: str) -> dict | None:
-    config_json = os.path.join(path, "config.json")
-    if not (os.path.isdir(path) and os.path.isfile(config_json)):
-        return None
-    with open(config_json) as f:
-        cfg = json.load(f)
-    if cfg.get("_class_name") not in (None, CLASS_NAME):
-        raise CheckpointError(f"{config_json}: _class_name is {cfg['_class_name']!r}, expected {CLASS_NAME!r}")
-    return cfg
-
-
 def _source(path: str, reader: CheckpointReader, config: ZImageConfig | None):
     """(config, a reader under our names, its stored layout or None) for either layout; the wrong file
     is one CheckpointError."""
     keys = reader.keys()
-    diffusers_json = _diffusers_config_json(path)
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
     prefix = None if DIFFUSERS_MARKER in keys else _single_file_prefix(keys)
     if prefix is not None:
         source = _SingleFileView(reader, prefix)
@@ -282,16 +271,17 @@ def _source(path: str, reader: CheckpointReader, config: ZImageConfig | None):
     stored = read_stored_layout(reader, path)
     if stored is not None and source is not reader:
         stored = read_stored_layout(source, path)
-    if config is None and diffusers_json is not None:
-        config = config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
-    if config is None and CONFIG_KEY in reader.metadata:
-        config = metadata_config(reader, CONFIG_KEY, zimage_config_from_json)
+    extra = stored_extras(stored)
+
+    def from_shapes() -> ZImageConfig:  # a stored layout's scales and markers are no tensors of the model
+        return config_from_shapes({k: source.shape(k) for k in source.keys() if not extra(k)}, path)
+
     if config is None:
-        extra = stored_extras(stored)
-        config = config_from_shapes({k: source.shape(k) for k in source.keys() if not extra(k)}, path)
+        config = stated_config(path, reader, diffusers_json, config_from_diffusers, CONFIG_KEY, zimage_config_from_json,
+                               from_shapes)
     with torch.device("meta"):
         expected = ZImage(config).state_dict()
-    check_keys_and_shapes(source, expected, config, stored_extras(stored))  # every key named with its file, before any read
+    check_keys_and_shapes(source, expected, config, extra)  # every key named with its file, before any read
     return config, source, stored
 
 
@@ -323,15 +313,8 @@ def load_zimage(
     config, source, stored = _source(path, reader, config)
     with torch.device("meta"):
         model = model_class(config)
-    if stored:  # the file's own layout wins over a requested base precision
-        prepare = lambda m: stored_converter(m, stored, FP8, dtype, source, path)  # noqa: E731
-    convert = prepared_convert(model, prepare, convert, "load_zimage")
-    if read_weights:
-        load_streaming(model, source, lambda key: key, dtype=dtype, convert=convert)
-    else:
-        model.to(dtype)
-    model.compute_dtype = dtype
-    return model
+    return fill_meta_model(model, source, lambda key: key, path, dtype, stored=stored, keep_rules=FP8, prepare=prepare,
+                           convert=convert, read_weights=read_weights, loader="load_zimage")
 
 
 # ----------------------------------------------------------------------------------------------
