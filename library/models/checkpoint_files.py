@@ -10,12 +10,14 @@ files from every other family's (MARKER), the safetensors metadata key our write
 The order a loader goes in: the file's prefix (marked_prefix), the config it states (diffusers_config_json, then
 stated_config; a `config=` given wins, but a foreign config.json is refused all the same), the model built on
 `meta` and every key and shape checked against the header (the family's, as its names differ), then
-fill_meta_model: the weights streamed in (or the meta model cast, for the memory planner).
+fill_meta_model: the weights streamed in (or the meta model cast, for the memory planner). A family's inference of
+its config from the shapes counts its blocks with block_count.
 """
 
 from __future__ import annotations
 
 import os
+import re
 from typing import Callable, TypeVar
 
 import torch
@@ -70,6 +72,13 @@ def stated_config(
     if config_key in reader.metadata:
         return metadata_config(reader, config_key, from_json)
     return from_shapes()
+
+
+def block_count(keys, prefix: str) -> int:
+    """How many blocks `keys` hold under `prefix` ("layers.", "transformer_blocks."): the highest index + 1, 0 for
+    none (a missing block in between is the key check's to name)."""
+    found = {int(m.group(1)) for k in keys if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))}
+    return max(found) + 1 if found else 0
 
 
 def without_prefix(prefix: str) -> Callable[[str], str | None]:

@@ -21,12 +21,11 @@ from library.io import (
     CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder,
     metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import fill_meta_model, without_prefix
+from library.models.checkpoint_files import block_count, fill_meta_model, without_prefix
 from library.models.chroma.model import Chroma, ChromaConfig
 from library.models.flux1.checkpoint import (  # FLUX.1's name map and row-joining view, unchanged
     BFL_PREFIXES,
     RowMap,
-    _block_count,
     _DiffusersAsBFL,
     _join_rows,
     _norm_names,
@@ -123,7 +122,7 @@ def config_from_bfl_shapes(shapes: dict[str, tuple[int, ...]], source: str = "ch
         return shapes[key]
 
     hidden, in_channels = shape("img_in.weight")
-    depth, depth_single = _block_count(shapes, "double_blocks."), _block_count(shapes, "single_blocks.")
+    depth, depth_single = block_count(shapes, "double_blocks."), block_count(shapes, "single_blocks.")
     block = "double_blocks.0.img_attn." if depth else "single_blocks.0."
     head_dim = shape(block + "norm.query_norm.scale")[0]
     mlp = shape("double_blocks.0.img_mlp.0.weight")[0] if depth else shape("single_blocks.0.linear1.weight")[0] - 3 * hidden
@@ -139,7 +138,7 @@ def config_from_bfl_shapes(shapes: dict[str, tuple[int, ...]], source: str = "ch
         axes_dim=default_axes_dim(head_dim),
         approximator_in_dim=approximator_in,
         approximator_hidden=approximator_hidden,
-        approximator_layers=_block_count(shapes, APPROXIMATOR + "layers."),
+        approximator_layers=block_count(shapes, APPROXIMATOR + "layers."),
     )
 
 
@@ -152,7 +151,7 @@ def config_from_diffusers_shapes(keys: list[str], shape: Callable[[str], tuple],
         return shape(key)
 
     hidden, in_channels = need("x_embedder.weight")
-    depth, single = _block_count(keys, "transformer_blocks."), _block_count(keys, "single_transformer_blocks.")
+    depth, single = block_count(keys, "transformer_blocks."), block_count(keys, "single_transformer_blocks.")
     mlp = need("transformer_blocks.0.ff.net.0.proj.weight")[0] if depth else need("single_transformer_blocks.0.proj_mlp.weight")[0]
     head_dim = 128 if hidden % 128 == 0 else hidden
     approximator_hidden, approximator_in = need(MARKER)
@@ -160,7 +159,7 @@ def config_from_diffusers_shapes(keys: list[str], shape: Callable[[str], tuple],
         in_channels=in_channels, context_in_dim=need("context_embedder.weight")[1], hidden_size=hidden,
         mlp_ratio=mlp / hidden, num_heads=hidden // head_dim, depth=depth, depth_single=single, axes_dim=(head_dim,),
         approximator_in_dim=approximator_in, approximator_hidden=approximator_hidden,
-        approximator_layers=_block_count(keys, APPROXIMATOR + "layers."),
+        approximator_layers=block_count(keys, APPROXIMATOR + "layers."),
     )  # fmt: skip
 
 

@@ -26,9 +26,8 @@ from library.io import (
     save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import (
-    diffusers_config_json, fill_meta_model, marked_prefix, stated_config, without_prefix,
+    block_count, diffusers_config_json, fill_meta_model, marked_prefix, stated_config, without_prefix,
 )
-from library.models.flux1.checkpoint import _block_count
 from library.models.ernie_image.model import ErnieImage, ErnieImageConfig
 from library.models.ernie_image.spec import FP8
 from library.precision.stored_layouts import read_stored_layout, stored_extras
@@ -72,7 +71,7 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], source: str = "checkp
     return ErnieImageConfig(
         hidden_size=hidden,
         num_attention_heads=hidden // head_dim,
-        num_layers=_block_count(shapes, "layers."),
+        num_layers=block_count(shapes, "layers."),
         ffn_hidden_size=shape("layers.0.mlp.gate_proj.weight")[0],
         in_channels=in_channels,
         out_channels=shape("final_linear.weight")[0] // (patch * patch),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from typing import Callable
 
 import torch
@@ -25,7 +24,7 @@ from library.io import (
     CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder,
     metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import fill_meta_model, without_prefix
+from library.models.checkpoint_files import block_count, fill_meta_model, without_prefix
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
 
@@ -101,21 +100,16 @@ def _norm_names(depth: int, depth_single: int) -> dict[str, str]:
     return names
 
 
-def _block_count(keys, prefix: str) -> int:
-    found = {int(m.group(1)) for k in keys if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))}
-    return max(found) + 1 if found else 0
-
-
 def row_tables(keys, shapes: Callable[[str], tuple], diffusers: bool) -> tuple[RowMap, dict[str, str]]:
     """Name tables sized for a state dict in either layout (sizes read from its shapes)."""
     if diffusers:
-        depth, single = _block_count(keys, "transformer_blocks."), _block_count(keys, "single_transformer_blocks.")
+        depth, single = block_count(keys, "transformer_blocks."), block_count(keys, "single_transformer_blocks.")
         hidden, out = shapes("x_embedder.weight")[0], shapes("proj_out.weight")[0]
         mlp_key = "transformer_blocks.0.ff.net.0.proj.weight" if depth else "single_transformer_blocks.0.proj_mlp.weight"
         mlp = shapes(mlp_key)[0]
         guidance = any(k.startswith("time_text_embed.guidance_embedder.") for k in keys)
     else:
-        depth, single = _block_count(keys, "double_blocks."), _block_count(keys, "single_blocks.")
+        depth, single = block_count(keys, "double_blocks."), block_count(keys, "single_blocks.")
         hidden, out = shapes("img_in.weight")[0], shapes("final_layer.linear.weight")[0]
         mlp = shapes("double_blocks.0.img_mlp.0.weight")[0] if depth else shapes("single_blocks.0.linear1.weight")[0] - 3 * hidden
         guidance = any(k.startswith("guidance_in.") for k in keys)
@@ -220,7 +214,7 @@ def config_from_bfl_shapes(shapes: dict[str, tuple[int, ...]], source: str = "ch
         return shapes[key]
 
     hidden, in_channels = shape("img_in.weight")
-    depth, depth_single = _block_count(shapes, "double_blocks."), _block_count(shapes, "single_blocks.")
+    depth, depth_single = block_count(shapes, "double_blocks."), block_count(shapes, "single_blocks.")
     block = "double_blocks.0.img_attn." if depth else "single_blocks.0."
     head_dim = shape(block + "norm.query_norm.scale")[0]
     mlp = shape("double_blocks.0.img_mlp.0.weight")[0] if depth else shape("single_blocks.0.linear1.weight")[0] - 3 * hidden

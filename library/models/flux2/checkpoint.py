@@ -23,10 +23,9 @@ from library.io import (
     CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, metadata_config,
     save_diffusers_folder, save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import diffusers_config_json, fill_meta_model, without_prefix
+from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, without_prefix
 from library.models.flux1.checkpoint import (
     RowMap,
-    _block_count,
     _DiffusersAsBFL,
     _join_rows,
     _source_keys,
@@ -104,13 +103,13 @@ def _norm_names(depth: int, depth_single: int) -> dict[str, str]:
 def row_tables(keys, shapes: Callable[[str], tuple], diffusers: bool) -> tuple[RowMap, dict[str, str]]:
     """Name tables sized for a state dict in either layout (sizes read from its shapes)."""
     if diffusers:
-        depth, single = _block_count(keys, "transformer_blocks."), _block_count(keys, "single_transformer_blocks.")
+        depth, single = block_count(keys, "transformer_blocks."), block_count(keys, "single_transformer_blocks.")
         hidden, out = shapes("x_embedder.weight")[0], shapes("proj_out.weight")[0]
         mlp = shapes("single_transformer_blocks.0.attn.to_out.weight")[1] - hidden if single else \
             shapes("transformer_blocks.0.ff.linear_out.weight")[1]
         guidance = any(k.startswith("time_guidance_embed.guidance_embedder.") for k in keys)
     else:
-        depth, single = _block_count(keys, "double_blocks."), _block_count(keys, "single_blocks.")
+        depth, single = block_count(keys, "double_blocks."), block_count(keys, "single_blocks.")
         hidden, out = shapes("img_in.weight")[0], shapes("final_layer.linear.weight")[0]
         mlp = shapes("single_blocks.0.linear2.weight")[1] - hidden if single else shapes("double_blocks.0.img_mlp.2.weight")[1]
         guidance = any(k.startswith("guidance_in.") for k in keys)
@@ -178,7 +177,7 @@ def config_from_bfl_shapes(shapes: dict[str, tuple[int, ...]], source: str = "ch
         return shapes[key]
 
     hidden, in_channels = shape("img_in.weight")
-    depth, depth_single = _block_count(shapes, "double_blocks."), _block_count(shapes, "single_blocks.")
+    depth, depth_single = block_count(shapes, "double_blocks."), block_count(shapes, "single_blocks.")
     head_dim = shape("double_blocks.0.img_attn.norm.query_norm.scale" if depth else "single_blocks.0.norm.query_norm.scale")[0]
     mlp = shape("double_blocks.0.img_mlp.2.weight")[1] if depth else shape("single_blocks.0.linear2.weight")[1] - hidden
     if shape("final_layer.linear.weight")[0] != in_channels:

@@ -26,8 +26,7 @@ from library.io import (
     CheckpointError, CheckpointReader, PrefixedReader, RowSplitView, check_keys_and_shapes, component_folder,
     metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import diffusers_config_json, fill_meta_model
-from library.models.flux1.checkpoint import _block_count
+from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model
 from library.models.flux3.model import MODES, STREAMS, Flux3Config, Flux3Transformer
 from library.models.flux3.spec import FP8
 from library.precision.fp8_checkpoints import COMFY_MARKER
@@ -91,7 +90,7 @@ def names_for(keys, diffusers: bool) -> dict[str, str]:
         single, flow_map = "single_transformer_blocks.", any(k.startswith("target_timestep_embedder.") for k in keys)
     else:
         single, flow_map = "single_blocks.", any(k.startswith("ref_time_in.") for k in keys)
-    return flux3_diffusers_names(_block_count(keys, "txt_mode_blocks."), _block_count(keys, single), flow_map)
+    return flux3_diffusers_names(block_count(keys, "txt_mode_blocks."), block_count(keys, single), flow_map)
 
 
 def _renamed(sd: dict[str, torch.Tensor], names: dict[str, str]) -> dict[str, torch.Tensor]:
@@ -139,10 +138,10 @@ def config_from_bfl_shapes(shapes: dict[str, tuple[int, ...]], source: str = "ch
         return shapes[key]
 
     hidden, in_channels = shape("emb_in.image.weight")
-    depth, depth_single = _block_count(shapes, "txt_mode_blocks."), _block_count(shapes, "single_blocks.")
+    depth, depth_single = block_count(shapes, "txt_mode_blocks."), block_count(shapes, "single_blocks.")
     for mode in MODES:
-        if _block_count(shapes, f"content_mode_blocks.{mode}.") != depth:
-            raise CheckpointError(f"{source}: {_block_count(shapes, f'content_mode_blocks.{mode}.')} "
+        if block_count(shapes, f"content_mode_blocks.{mode}.") != depth:
+            raise CheckpointError(f"{source}: {block_count(shapes, f'content_mode_blocks.{mode}.')} "
                                   f"content_mode_blocks.{mode} blocks but {depth} txt_mode_blocks; FLUX.3 has as many "
                                   f"of each mode")
     block = "single_blocks.0." if depth_single else "txt_mode_blocks.0."

@@ -34,7 +34,7 @@ from library.io import (
     CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, save_diffusers_folder, save_with_config,
     state_and_config,
 )
-from library.models.checkpoint_files import diffusers_config_json, fill_meta_model, stated_config
+from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, stated_config
 from library.models.krea2.model import Krea2, Krea2Config
 from library.precision.stored_layouts import read_stored_layout
 
@@ -138,11 +138,6 @@ class _PrefixView(_DiffusersView):
 # Config
 
 
-def _count(keys, prefix: str) -> int:
-    found = {int(m.group(1)) for k in keys if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))}
-    return max(found) + 1 if found else 0
-
-
 def default_axes(head_dim: int) -> tuple[int, int, int]:
     """The original model's RoPE split of a head (krea-ai/krea-2's SingleStreamDiT): 6 (head_dim // 16)
     each for rows and columns, the rest for the first axis ((32, 48, 48) for 128). Files do not store it."""
@@ -165,7 +160,7 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], source: str = "checkp
     text_head = shape("txtfusion.layerwise_blocks.0.attn.qknorm.qnorm.scale")[0]
     return Krea2Config(
         in_channels=in_channels,
-        num_layers=_count(shapes, "blocks."),
+        num_layers=block_count(shapes, "blocks."),
         attention_head_dim=head_dim,
         num_attention_heads=hidden // head_dim,
         num_key_value_heads=shape("blocks.0.attn.wk.weight")[0] // head_dim,
@@ -176,8 +171,8 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], source: str = "checkp
         text_num_attention_heads=text_dim // text_head,
         text_num_key_value_heads=shape("txtfusion.layerwise_blocks.0.attn.wk.weight")[0] // text_head,
         text_intermediate_size=shape("txtfusion.layerwise_blocks.0.mlp.gate.weight")[0],
-        num_layerwise_text_blocks=_count(shapes, "txtfusion.layerwise_blocks."),
-        num_refiner_text_blocks=_count(shapes, "txtfusion.refiner_blocks."),
+        num_layerwise_text_blocks=block_count(shapes, "txtfusion.layerwise_blocks."),
+        num_refiner_text_blocks=block_count(shapes, "txtfusion.refiner_blocks."),
         axes_dims_rope=default_axes(head_dim),
     )
 

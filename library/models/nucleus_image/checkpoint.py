@@ -37,9 +37,8 @@ from library.io import (
     save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import (
-    diffusers_config_json, fill_meta_model, marked_prefix, stated_config, without_prefix,
+    block_count, diffusers_config_json, fill_meta_model, marked_prefix, stated_config, without_prefix,
 )
-from library.models.flux1.checkpoint import _block_count
 from library.models.nucleus_image.model import NUCLEUS_IMAGE, DENSE_MOE_STRATEGIES, NucleusImage, NucleusImageConfig
 from library.precision.fp8 import KeepRules
 from library.precision.fp8_checkpoints import Fp8Checkpoint
@@ -116,7 +115,7 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], source: str = "checkp
 
     inner, in_channels = shape("img_in.weight")
     head_dim = shape("transformer_blocks.0.attn.norm_q.weight")[0]
-    num_layers = _block_count(shapes, "transformer_blocks.")
+    num_layers = block_count(shapes, "transformer_blocks.")
     moe = tuple(i for i in range(num_layers) if f"transformer_blocks.{i}.img_mlp.gate.weight" in shapes)
     dense = [i for i in range(num_layers) if i not in moe]
     strategy, enabled = _strategy(moe, num_layers, source)

@@ -33,7 +33,7 @@ from library.io import (
     CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, save_diffusers_folder,
     save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import diffusers_config_json, fill_meta_model, stated_config
+from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, stated_config
 from library.models.zimage.model import ZImage, ZImageConfig
 from library.models.zimage.spec import FP8
 from library.precision.stored_layouts import read_stored_layout, stored_extras
@@ -145,11 +145,6 @@ class _SingleFileView(RowSplitView):
 # Config
 
 
-def _count(keys, prefix: str) -> int:
-    found = {int(m.group(1)) for k in keys if (m := re.match(re.escape(prefix) + r"(\d+)\.", k))}
-    return max(found) + 1 if found else 0
-
-
 def default_axes_dims(head_dim: int) -> tuple[int, int, int]:
     """Z-Image's RoPE split of a head: a quarter for the sequence axis, 3/8 each for rows and columns
     ((32, 48, 48) for head_dim 128). Files do not store it."""
@@ -179,8 +174,8 @@ def config_from_shapes(shapes: dict[str, tuple[int, ...]], source: str = "checkp
         in_channels=patch_dim // (patch * patch),
         patch_size=patch,
         dim=dim,
-        n_layers=_count(shapes, "layers."),
-        n_refiner_layers=_count(shapes, "noise_refiner."),
+        n_layers=block_count(shapes, "layers."),
+        n_refiner_layers=block_count(shapes, "noise_refiner."),
         n_heads=dim // head_dim,
         qk_norm=norm_q in shapes,
         cap_feat_dim=shape("cap_embedder.1.weight")[1],
