@@ -560,7 +560,9 @@ def test_stop_ends_a_running_tool_through_its_clean_ups(ui, tmp_path):
         "lora": lora, "save_to": "c.safetensors", "to": "comfy"})))
     worker.start()
     deadline = time.monotonic() + 30  # a safeguard against a hang, not a timing assertion
-    while not os.path.exists(f"{python}.ready"):  # its trap set
+    # its trap set, and run_tool has listed it (a loaded machine can run the child's first lines before the thread
+    # that started it lists the process: Stop then found "no tool is running")
+    while not (os.path.exists(f"{python}.ready") and ui.tool_runs.processes):
         assert time.monotonic() < deadline
         time.sleep(0.01)
     os.remove(f"{python}.ready")
@@ -579,7 +581,8 @@ def test_stop_ends_a_running_tool_through_its_clean_ups(ui, tmp_path):
     worker = threading.Thread(target=lambda: answers.append(ui.lora_tool("convert_lora", {
         "lora": lora, "save_to": "c.safetensors", "to": "comfy"})))
     worker.start()
-    while not os.path.exists(f"{python}.ready"):  # its trap set (before it, SIGTERM would end the shell with 143)
+    # its trap set (before it, SIGTERM would end the shell with 143) and the process listed
+    while not (os.path.exists(f"{python}.ready") and ui.tool_runs.processes):
         assert time.monotonic() < deadline + 30
         time.sleep(0.01)
     assert ui.stop_tools() == "stopping 1 tool run"
