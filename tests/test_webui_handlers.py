@@ -550,8 +550,10 @@ def test_stop_ends_a_running_tool_through_its_clean_ups(ui, tmp_path):
     import threading
 
     python = tmp_path / "slow_python"  # stands in for the interpreter: a tool that runs until stopped
-    python.write_text("#!/bin/sh\ntrap 'kill $!; exit 143' TERM\ntouch \"$0.ready\"\n"
-                      "sleep 600 >/dev/null 2>&1 & wait\n")
+    # the sleep starts before the ready mark: a TERM between the mark and the sleep found no $! to kill (kill's usage
+    # on stderr, in the tool's output)
+    python.write_text("#!/bin/sh\ntrap 'kill $!; exit 143' TERM\nsleep 600 >/dev/null 2>&1 &\n"
+                      "touch \"$0.ready\"\nwait\n")
     python.chmod(0o755)
     ui.python = str(python)
     lora = str(tmp_path / "data" / "a.safetensors")
@@ -575,8 +577,8 @@ def test_stop_ends_a_running_tool_through_its_clean_ups(ui, tmp_path):
 
     # Stop landing while a tool that finished exits: its own output, not "stopped" (it said "its output was not
     # written" of a merge it had written)
-    python.write_text("#!/bin/sh\ntrap 'kill $!; echo wrote c.safetensors; exit 0' TERM\ntouch \"$0.ready\"\n"
-                      "sleep 600 >/dev/null 2>&1 & wait\n")
+    python.write_text("#!/bin/sh\ntrap 'kill $!; echo wrote c.safetensors; exit 0' TERM\n"
+                      "sleep 600 >/dev/null 2>&1 &\ntouch \"$0.ready\"\nwait\n")
     answers.clear()
     worker = threading.Thread(target=lambda: answers.append(ui.lora_tool("convert_lora", {
         "lora": lora, "save_to": "c.safetensors", "to": "comfy"})))
