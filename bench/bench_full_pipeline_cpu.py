@@ -15,8 +15,9 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
         # Qwen-Image-Layered as Qwen-Image (full width, 6 blocks), its RGBA VAE, composites with 2 layers
     python bench/bench_full_pipeline_cpu.py --family flux3 --work /tmp/fullflux3       # FLUX.3 [klein] base, ~19 GB
     python bench/bench_full_pipeline_cpu.py --family ernie_image --work /tmp/fullernie # ERNIE-Image, ~23 GB
+    python bench/bench_full_pipeline_cpu.py --family nucleus_image --work /tmp/fullnucleus  # Nucleus-Image, ~46 GB
 
-The writers of the generic files and of FLUX.3's and ERNIE-Image's are in bench/full_size_files.py.
+The writers of the generic files and of FLUX.3's, ERNIE-Image's and Nucleus-Image's are in bench/full_size_files.py.
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -69,8 +70,8 @@ from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 
 from bench.full_size_files import (  # noqa: E402, F401 (meta_shapes, write_random: bench_planner_cpu.py's)
     ERNIE_IMAGE_FILE, FLUX3_FILE, GiB, QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, meta_shapes, qwen3_vl_4b, random_tensor,
-    write_ernie_image_files, write_flux2_vae, write_flux3_files, write_qwen3_vl_folder, write_random,
-    write_random_sharded)
+    write_ernie_image_files, write_flux2_vae, write_flux3_files, write_nucleus_image_files, write_qwen3_vl_folder,
+    write_qwen_image_vae, write_random, write_random_sharded)
 PHASES = (("vae caching", "latents:"), ("text caching", "captions:"), ("transformer load", "training:"),
           ("training", "_lr.png"), ("sample + save", "saved "))
 
@@ -145,20 +146,6 @@ def write_qwen_transformer_and_vae(work: str, config, vae_config: dict | None = 
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump(config.to_diffusers(), f, indent=2)
     write_qwen_image_vae(work, vae_config)
-
-
-def write_qwen_image_vae(work: str, config: dict | None = None):
-    """<work>/vae: the Qwen-Image VAE (AutoencoderKLQwenImage at diffusers' defaults = its released size)."""
-    from diffusers import AutoencoderKLQwenImage
-
-    with torch.device("meta"):
-        vae = AutoencoderKLQwenImage(**(config or {}))
-    folder = os.path.join(work, "vae")
-    os.makedirs(folder, exist_ok=True)
-    write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
-                 {k: tuple(v.shape) for k, v in vae.state_dict().items()}, 2)
-    with open(os.path.join(folder, "config.json"), "w") as f:
-        json.dump({"_class_name": "AutoencoderKLQwenImage", **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
 
 
 def write_qwen_files(work: str, blocks: int, layered: bool = False):
@@ -483,6 +470,12 @@ ae = "{work}/vae"
 text_encoder = "{work}"
 output_name = "full_ernie_image"
 ''',
+        "nucleus_image": f'''model_type = "nucleus_image"
+pretrained_model_name_or_path = "{work}"
+ae = "{work}/vae"
+text_encoder = "{work}"
+output_name = "full_nucleus_image"
+''',
         "qwen_image21": f'''model_type = "qwen_image21"
 pretrained_model_name_or_path = "{work}"
 ae = "{work}/vae"
@@ -588,12 +581,13 @@ def main(argv=None):
     p.add_argument("--work", default="/tmp/fullsize")
     p.add_argument("--skip-write", action="store_true")
     p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2",
-                                        "ideogram4", "qwen_image_layered", "flux3", "ernie_image"], default="flux",
+                                        "ideogram4", "qwen_image_layered", "flux3", "ernie_image", "nucleus_image"],
+                   default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
                         "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, "
                         "whole; krea2: Krea 2 Raw, whole; ideogram4: Ideogram 4 (fp8r), whole; qwen_image_layered: "
                         "--qwen-blocks of 60, RGBA VAE, 2 layers; flux3: FLUX.3 [klein] base, whole; ernie_image: "
-                        "ERNIE-Image, whole")
+                        "ERNIE-Image, whole; nucleus_image: Nucleus-Image, whole")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
@@ -625,6 +619,8 @@ def main(argv=None):
             write_flux3_files(args.work)
         elif args.family == "ernie_image":
             write_ernie_image_files(args.work)
+        elif args.family == "nucleus_image":
+            write_nucleus_image_files(args.work)
         else:
             write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)

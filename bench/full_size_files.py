@@ -1,15 +1,17 @@
 """Random-weight files at the released sizes, tensor by tensor, for bench/bench_full_pipeline_cpu.py (which
 imports them; bench/bench_planner_cpu.py too): the generic writers (one file, sharded, a Qwen3-VL folder, FLUX.2's
-VAE) and the per-family writers of FLUX.3 [klein] and ERNIE-Image.
+and Qwen-Image's VAEs) and the per-family writers of FLUX.3 [klein], ERNIE-Image and Nucleus-Image.
 
 Weights are N(0, 0.02), norm scales 1 (random_tensor); writing never holds a model (each tensor drawn and written
-one at a time by tools/merge_lora.write_safetensors_streaming).
+one at a time by tools/merge_lora.write_safetensors_streaming). Tensors a run never reads can be written as holes
+(write_holes: the header lists them, their bytes are a sparse file's unwritten range, so they take no disk).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 
 import torch
@@ -46,10 +48,31 @@ def write_random(path: str, shapes: dict[str, tuple[int, ...]], seed: int, metad
     print(f"wrote {path}: {sum(e.nbytes for e in entries) / GiB:.2f} GiB", flush=True)
 
 
+def write_holes(path: str, shapes: dict[str, tuple[int, ...]]):
+    """A bf16 safetensors file whose header lists `shapes` and whose data is never written: the file is extended
+    to its full size by truncate, a sparse hole that reads as zeros and takes no disk. For tensors no loader of the
+    run reads (a text encoder's layers past the hidden state it keeps, its head, its vision tower)."""
+    header, offset = {}, 0
+    for key, shape in shapes.items():
+        nbytes = Entry(key, torch.bfloat16, tuple(shape)).nbytes
+        header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
+        offset += nbytes
+    header["__metadata__"] = {"format": "pt"}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    with open(path + ".tmp", "wb") as f:
+        f.write(len(blob).to_bytes(8, "little"))
+        f.write(blob)
+        f.truncate(8 + len(blob) + offset)
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}: {offset / GiB:.2f} GiB as a hole (never read)", flush=True)
+
+
 def write_random_sharded(folder: str, stem: str, shapes: dict[str, tuple[int, ...]], seed: int, shards: int,
-                         ones: tuple[str, ...] = ()):
+                         ones: tuple[str, ...] = (), holes: dict[str, tuple[int, ...]] | None = None):
     """<folder>/<stem>-0000i-of-0000n.safetensors + <stem>.safetensors.index.json, as the released
-    repos shard (keys in order, cut into `shards` files of about equal bytes); tensor by tensor."""
+    repos shard (keys in order, cut into `shards` files of about equal bytes); tensor by tensor. `holes`: tensors
+    listed in one more, last shard written by write_holes (never read by the run)."""
     os.makedirs(folder, exist_ok=True)
     total = sum(Entry(k, torch.bfloat16, tuple(s)).nbytes for k, s in shapes.items())
     groups, size = [[]], 0
@@ -58,11 +81,17 @@ def write_random_sharded(folder: str, stem: str, shapes: dict[str, tuple[int, ..
             groups.append([])
         groups[-1].append(key)
         size += Entry(key, torch.bfloat16, tuple(shape)).nbytes
+    count = len(groups) + bool(holes)
     weight_map = {}
     for i, keys in enumerate(groups):
-        name = f"{stem}-{i + 1:05d}-of-{len(groups):05d}.safetensors"
+        name = f"{stem}-{i + 1:05d}-of-{count:05d}.safetensors"
         write_random(os.path.join(folder, name), {k: shapes[k] for k in keys}, seed * 100 + i, ones=ones)
         weight_map.update({k: name for k in keys})
+    if holes:
+        name = f"{stem}-{count:05d}-of-{count:05d}.safetensors"
+        write_holes(os.path.join(folder, name), holes)
+        weight_map.update({k: name for k in holes})
+        total += sum(Entry(k, torch.bfloat16, tuple(s)).nbytes for k, s in holes.items())
     with open(os.path.join(folder, f"{stem}.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
 
@@ -88,6 +117,21 @@ def write_flux2_vae(work: str):
                    **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
 
 
+def write_qwen_image_vae(work: str, config: dict | None = None):
+    """<work>/vae: the Qwen-Image VAE (AutoencoderKLQwenImage at diffusers' defaults = its released size)."""
+    from diffusers import AutoencoderKLQwenImage
+
+    with torch.device("meta"):
+        vae = AutoencoderKLQwenImage(**(config or {}))
+    folder = os.path.join(work, "vae")
+    os.makedirs(folder, exist_ok=True)
+    write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
+                 {k: tuple(v.shape) for k, v in vae.state_dict().items()}, 2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"_class_name": "AutoencoderKLQwenImage",
+                   **{k: v for k, v in vae.config.items() if not k.startswith("_")}}, f)
+
+
 # Qwen3-VL-8B's language model and vision tower (Qwen-Image-2.1's and Ideogram 4's text encoder); the
 # pad token comes from the tokenizer written beside it.
 QWEN3_VL_8B_TEXT = {
@@ -102,17 +146,24 @@ QWEN3_VL_8B_VISION = {"depth": 27, "hidden_size": 1152, "intermediate_size": 430
 
 
 def write_qwen3_vl_folder(folder: str, text: dict, vision: dict, tokenizer, shards: int, conditional: bool = False,
-                          **ids):
+                          read_layers: int | None = None, **ids):
     """A Qwen3-VL text-encoder folder (Qwen3VLModel, or Qwen3VLForConditionalGeneration when `conditional`)
     with random bf16 weights for the language model only (text-to-image never reads the vision tower or
-    lm_head), in `shards` shards, and its config.json."""
+    lm_head), in `shards` shards, and its config.json. read_layers: every tensor of the model is listed, as a
+    released folder's index lists them, and those the encoder reads (the embeddings, decoder layers below
+    read_layers, the final norm) are drawn; the deeper layers, lm_head and the vision tower are holes."""
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration, Qwen3VLModel
 
     config = Qwen3VLConfig(text_config={**text, "pad_token_id": tokenizer.pad_token_id}, vision_config=vision, **ids)
     cls, prefix = ((Qwen3VLForConditionalGeneration, "model.language_model.") if conditional
                    else (Qwen3VLModel, "language_model."))
-    shapes = {k: v for k, v in meta_shapes(lambda: cls(config)).items() if k.startswith(prefix)}
-    write_random_sharded(folder, "model", shapes, 3, shards)
+    every = meta_shapes(lambda: cls(config))
+    shapes = {k: v for k, v in every.items() if k.startswith(prefix)}
+    if read_layers is not None:
+        deeper = re.compile(re.escape(prefix) + r"layers\.(\d+)\.")
+        shapes = {k: v for k, v in shapes.items() if not (m := deeper.match(k)) or int(m.group(1)) < read_layers}
+    holes = None if read_layers is None else {k: v for k, v in every.items() if k not in shapes}
+    write_random_sharded(folder, "model", shapes, 3, shards, holes=holes)
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"architectures": [cls.__name__], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
 
@@ -195,3 +246,42 @@ def write_ernie_image_files(work: str):
     with open(os.path.join(folder, "config.json"), "w") as f:
         json.dump({"architectures": ["Mistral3Model"], **config.to_dict(), "torch_dtype": "bfloat16"}, f, indent=2)
     save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
+
+
+# ----------------------------------------------------------------------------------------------
+# Nucleus-Image
+
+
+def write_nucleus_image_files(work: str, config=None, text: dict = QWEN3_VL_8B_TEXT,
+                              vision: dict = QWEN3_VL_8B_VISION):
+    """Nucleus-Image at its released size, laid out as NucleusAI/Nucleus-Image: transformer/ (the diffusers folder:
+    config.json with the released config, 7 bf16 shards and the index; NUCLEUS_IMAGE, 16,922,679,296 parameters,
+    31.52 GiB, 15.3 B of them the packed experts), Qwen-Image's AutoencoderKLQwenImage as vae/, text_encoder/ (a
+    Qwen3VLForConditionalGeneration folder with Qwen3-VL-8B's config, own lm_head: the 6.22 B weights the encoder
+    reads, the embeddings, decoder layers 0-28 (hidden_states[-8] of 36) and the final norm, drawn in 4 shards; the
+    layers 29-35, lm_head and the vision tower listed in the index and a fifth shard whose data is a sparse hole:
+    never read, no disk) and processor/ (the small Qwen tokenizer with the pipeline's chat text and Qwen3-VL's chat
+    template, as the tiny set's). config (a NucleusImageConfig), text, vision: other sizes, for a dry run."""
+    from library.models.llm import hidden_state_index
+    from library.models.nucleus_image.checkpoint import diffusers_config
+    from library.models.nucleus_image.model import NUCLEUS_IMAGE, NucleusImage
+    from library.models.nucleus_image.text_encoder import NUCLEUS_CHAT_TEXT, NUCLEUS_HIDDEN_STATE, NUCLEUS_SYSTEM_PROMPT
+    from library.models.qwen_image21.tiny import QWEN3_VL_CHAT_TEMPLATE
+    from library.models.tiny_files import build_qwen_tokenizer, save_vl_processor
+
+    config = config or NUCLEUS_IMAGE
+    folder = os.path.join(work, "transformer")
+    write_random_sharded(folder, "diffusion_pytorch_model", meta_shapes(lambda: NucleusImage(config)), 1, 7)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump(diffusers_config(config), f, indent=2)
+    write_qwen_image_vae(work)
+    tokenizer = build_qwen_tokenizer(vision_templates=(NUCLEUS_CHAT_TEXT.format(NUCLEUS_SYSTEM_PROMPT, "{}"),))
+    ids = {k: tokenizer.convert_tokens_to_ids(t) for k, t in (("image_token_id", "<|image_pad|>"),
+           ("video_token_id", "<|video_pad|>"), ("vision_start_token_id", "<|vision_start|>"),
+           ("vision_end_token_id", "<|vision_end|>"))}
+    read = hidden_state_index(NUCLEUS_HIDDEN_STATE, text["num_hidden_layers"])
+    write_qwen3_vl_folder(os.path.join(work, "text_encoder"), text, vision, tokenizer, 4,
+                          conditional=True, read_layers=read, **ids)
+    tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
+    save_vl_processor(os.path.join(work, "processor"), {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
+                      "min_pixels": 32 * 32, "max_pixels": 1024 * 1024}, "Qwen3VLProcessor", tokenizer)
