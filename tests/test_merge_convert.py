@@ -430,7 +430,8 @@ def test_packed_experts_merge_into_fp8_as_codes_and_scales_and_out_of_it_dequant
         for name, (module, weight) in fp8.packed_weight_names(held).items():  # codes times scales, then cast
             expected = module.packed_weight(weight, torch.float32)
             assert module.packed_modes[weight] == mode
-            assert torch.equal(merged["fp32"][name], expected) and torch.equal(merged["bf16"][name], expected.bfloat16())
+            assert torch.equal(merged["fp32"][name], expected)
+            assert torch.equal(merged["bf16"][name], expected.bfloat16())
     x = make_inputs("nucleus_image", model.config, 64, 48, seed=3, text_len=8).make_kwargs(0.6)
     expected = runtime_output(fp8_model, [(net, 1.0)], x)
     diff = (run(load_nucleus_image(str(tmp_path / "fp8_scaled_fp32.safetensors")).eval(), x) - expected).abs().max()
