@@ -1,10 +1,10 @@
 """Nucleus-Image as a trainable family on the tiny models: train_lora.py trains from configs/nucleus_image.toml's
 settings (nucleus_shift, the fp8_scaled base, checkpointing, blocks swapped) and saves a kohya LoRA in diffusers'
-names; a LoRA converted by tools/convert_lora.py to diffusers' layout or ai-toolkit's `diffusion_model.*` loads in diffusers'
-NucleusMoEImageTransformer2DModel.load_lora_adapter with our runtime output, and ours reads the latter back; our
-sampling equals NucleusMoEImagePipeline's loop (unshifted, CFG 4 with the norm rescale, the prediction negated);
-merge_lora merges into both checkpoint layouts; a batch of captions of other lengths predicts as each alone;
-generate.py renders."""
+names; a LoRA converted by tools/convert_lora.py to diffusers' layout or ai-toolkit's `diffusion_model.*` loads in
+diffusers' NucleusMoEImageTransformer2DModel.load_lora_adapter with our runtime output, and ours reads the latter
+back; our sampling equals NucleusMoEImagePipeline's loop (unshifted, CFG 4 with the norm rescale, the prediction
+negated); merge_lora merges into both checkpoint layouts; a batch of captions of other lengths predicts as each
+alone; generate.py renders."""
 
 import csv
 import os
