@@ -15,7 +15,8 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
         # Qwen-Image-Layered as Qwen-Image (full width, 6 blocks), its RGBA VAE, composites with 2 layers
     python bench/bench_full_pipeline_cpu.py --family flux3 --work /tmp/fullflux3       # FLUX.3 [klein] base, ~19 GB
     python bench/bench_full_pipeline_cpu.py --family ernie_image --work /tmp/fullernie # ERNIE-Image, ~23 GB
-    python bench/bench_full_pipeline_cpu.py --family nucleus_image --work /tmp/fullnucleus  # Nucleus-Image, ~46 GB
+    python bench/bench_full_pipeline_cpu.py --family nucleus_image --work /tmp/fullnucleus  # Nucleus-Image, 46.5 GB
+        # measured with --train-steps 1 --sample-steps 2: 2 steps and a 4-step sample take ~80 min on 2 busy cores
 
 The writers of the generic files and of FLUX.3's, ERNIE-Image's and Nucleus-Image's are in bench/full_size_files.py.
 
@@ -389,7 +390,7 @@ def write_references(work: str, images: str, count: int) -> None:
 
 
 def write_run_config(work: str, family: str = "flux", single_file: bool = False, mixed_precision: str = "bf16",
-                     references: int = 0) -> str:
+                     references: int = 0, train_steps: int = 2, sample_steps: int = 4) -> str:
     from PIL import Image
 
     images = os.path.join(work, "images")
@@ -491,6 +492,11 @@ output_name = "full_flux"
 ''',
     }
     settings = RUN_SETTINGS.replace('mixed_precision = "bf16"', f'mixed_precision = "{mixed_precision}"')
+    settings = settings.replace("max_train_steps = 2", f"max_train_steps = {train_steps}")
+    with open(os.path.join(work, "prompts.txt")) as f:
+        prompts = f.read()
+    with open(os.path.join(work, "prompts.txt"), "w") as f:
+        f.write(prompts.replace(" --s 4 ", f" --s {sample_steps} "))
     if family == "ideogram4":  # its released files are pre-quantized (BFL fp8r): used as stored, no fp8_base
         settings = settings.replace("fp8_base = true\nfp8_scaled = true\n", "fp8_base = false\n")
     config = os.path.join(work, "train.toml")
@@ -596,6 +602,10 @@ def main(argv=None):
                         "matmuls run ~5x slower than float32 (the text encoder stays bf16 either way)")
     p.add_argument("--references", type=int, default=0,
                    help="flux2: reference images per target (256x256, control_directory) and in the sample")
+    p.add_argument("--train-steps", type=int, default=2,
+                   help="training steps; 1 where the CPU is too slow for 2 (the optimizer's state is made at its "
+                        "end, so the phase holds what a second step would: 17.33 vs 17.36 GiB on Nucleus-Image)")
+    p.add_argument("--sample-steps", type=int, default=4, help="steps of the 256x256 sample")
     args = p.parse_args(argv)
     if args.references and args.family != "flux2":
         p.error("--references: the flux2 bench trains with references")
@@ -625,7 +635,7 @@ def main(argv=None):
             write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)
     result = run_trainer(write_run_config(args.work, args.family, args.single_file, args.mixed_precision,
-                                          args.references))
+                                          args.references, args.train_steps, args.sample_steps))
     rows = phase_peaks(result)
     print(f"\ntrain_lora.py exit {result['code']} after {result['seconds']:.0f} s")
     print(f"{'phase':18s} {'seconds':>8s} {'VmRSS':>7s} {'RssAnon':>8s} {'RssFile':>8s}  (peak GiB)")
