@@ -29,8 +29,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 60 steps: 0/18 before, 13/18 after, 10 of 10 kept (training seeds 1, 2, 3: 14, 14, 13 after, 9 of 10 kept; 40
 # steps 11/18, 120 steps 12/18); flipped flow target 0/18 (60 and 120 steps). ERNIE-Image (2026-12-01, its base at
 # 166/216), 120 steps: 0/18 before, 10/18 after, 8 of 10 kept (60 steps: 7/18, 9 of 10 kept); flipped 0/18.
+# Nucleus-Image (2026-12-01, its base at 189/216), 120 steps: 0/18 before, 14/18 after, 9 of 11 kept (40 steps: 12/18,
+# 7 of 11 kept; 60 steps: 16/18, 6 of 11 kept); flipped, 60 steps: 2/18.
 FAST = {"flux": (60, 0.6, 0.7), "qwen_image": (120, 0.35, 0.5), "flux2": (120, 0.3, 0.5), "flux3": (60, 0.6, 0.7),
-        "ernie_image": (120, 0.4, 0.5)}
+        "ernie_image": (120, 0.4, 0.5), "nucleus_image": (120, 0.5, 0.5)}
 
 # Every family with a learned base: its files ship in learned/ (a missing one fails, it is not skipped).
 BASES = learned_families()

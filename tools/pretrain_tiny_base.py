@@ -11,7 +11,8 @@ learned, for the tests and the demo that check a LoRA teaches what a person sees
    reconstruction (a shape-weighted MSE) plus a small KL; its shift and scaling factors are then set
    so that the latents have mean 0 and standard deviation 1, as released VAEs' factors aim to.
 3. A tiny transformer of the family's architecture, trained with the trainer's own flow-matching loss
-   (DiffusionFamily.loss_at; the family's default timestep sampling) on the base scenes only: circles,
+   (DiffusionFamily.loss_at; the family's default timestep sampling unless its LearnedBase.dit_sampling
+   names another) on the base scenes only: circles,
    squares and triangles in red, green, blue and yellow. Purple and the star stay unseen: the demo's
    LoRA teaches them.
 4. The score: every base caption rendered (8 Euler steps, guidance 1.0) and read by the detector.
@@ -161,8 +162,8 @@ def train_vae(learned, pixels: torch.Tensor, steps: int, batch: int, seed: int, 
 def train_transformer(family, learned, latents: torch.Tensor, text: dict, caption_of: torch.Tensor, steps: int,
                       batch: int, seed: int, compile: bool = False):
     """The family's tiny transformer (float32) trained on (latents [N, C, 8, 8], caption_of [N] -> text rows)
-    with the trainer's loss: the family's default timestep sampling, guidance 1.0. compile: each block
-    under torch.compile, as the trainer's torch_compile does."""
+    with the trainer's loss: the family's default timestep sampling (or its LearnedBase.dit_sampling), guidance
+    1.0. compile: each block under torch.compile, as the trainer's torch_compile does."""
     from library.models import flow_matching as fm
 
     torch.manual_seed(seed * 1000 + 201)
@@ -170,7 +171,7 @@ def train_transformer(family, learned, latents: torch.Tensor, text: dict, captio
     if compile:
         for block in model.swappable_blocks():
             block.compile()
-    method = sampling_of(family.arch).method
+    method = learned.dit_sampling or sampling_of(family.arch).method
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
     gen = torch.Generator().manual_seed(seed * 1000 + 202)
     tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)  # 2 x 2 latent patches per token
@@ -179,7 +180,7 @@ def train_transformer(family, learned, latents: torch.Tensor, text: dict, captio
             group["lr"] = cosine_lr(step, steps, 1e-3)
         rows = torch.randint(len(latents), (batch,), generator=gen)
         noise = torch.randn(latents[rows].shape, generator=gen)
-        sigmas = fm.sample_sigmas(batch, method, generator=gen, image_seq_len=tokens)
+        sigmas = fm.sample_sigmas(batch, method, generator=gen, shift=learned.dit_shift, image_seq_len=tokens)
         batch_text = {k: v[caption_of[rows]] for k, v in text.items()}
         loss = family.loss_at(model, latents[rows], batch_text, noise, sigmas, 1.0)
         optimizer.zero_grad(set_to_none=True)

@@ -180,6 +180,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.nucleus_image.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.nucleus_image.learned:LEARNED",
     default_config="nucleus_image.toml",
     config_keys=CONFIG_KEYS,
     # NucleusMoEImagePipeline.__call__'s defaults: 50 steps, CFG guidance_scale 4.0 (above 1) with the negative

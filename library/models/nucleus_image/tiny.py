@@ -72,9 +72,17 @@ def write_nucleus_image(out: str, seed: int) -> dict[str, str]:
 
 
 def write_nucleus_image_text_encoder(out: str, seed: int) -> dict[str, str]:
-    """The pipeline folder's text side: text_encoder/ (a Qwen3VLForConditionalGeneration of TEXT_LAYERS layers) and
-    processor/ (the tokenizer, trained on the pipeline's chat text so that its system prompt is a few tokens, with
-    Qwen3-VL's chat template, and the image processor's config)."""
+    """The pipeline folder's text side in out/nucleus_image/: text_encoder/ and processor/ (write_qwen3_vl_encoder)."""
+    root = os.path.join(out, "nucleus_image")
+    folder, processor = os.path.join(root, "text_encoder"), os.path.join(root, "processor")
+    write_qwen3_vl_encoder(folder, processor, seed)
+    return {"nucleus_image_text_encoder": folder, "nucleus_image_processor": processor}
+
+
+def write_qwen3_vl_encoder(folder: str, processor: str, seed: int) -> None:
+    """`folder`: a Qwen3VLForConditionalGeneration of TEXT_LAYERS layers; `processor` (the pipeline's processor/,
+    beside it): the tokenizer, trained on the pipeline's chat text so that its system prompt is a few tokens, with
+    Qwen3-VL's chat template, and the image processor's config. The learned base's encoder too (learned.py)."""
     from transformers import Qwen3VLForConditionalGeneration
 
     from library.models.nucleus_image.text_encoder import NUCLEUS_CHAT_TEXT, NUCLEUS_SYSTEM_PROMPT
@@ -85,9 +93,6 @@ def write_nucleus_image_text_encoder(out: str, seed: int) -> dict[str, str]:
     tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
     seed_component(seed, 81)
     model = Qwen3VLForConditionalGeneration(tiny_qwen3_vl_config(tokenizer, TEXT_LAYERS, images=True))
-    root = os.path.join(out, "nucleus_image")
-    folder, processor = os.path.join(root, "text_encoder"), os.path.join(root, "processor")
     model.save_pretrained(folder, safe_serialization=True)
     save_vl_processor(processor, {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2, "min_pixels": 32 * 32,
                                   "max_pixels": 256 * 256}, "Qwen3VLProcessor", tokenizer)
-    return {"nucleus_image_text_encoder": folder, "nucleus_image_processor": processor}
