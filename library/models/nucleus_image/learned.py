@@ -29,8 +29,8 @@ import torch
 from library.models import spec as S
 from library.models.qwen_image.learned import LEARNED as QWEN_IMAGE_LEARNED
 
-DIT = dict(num_layers=4, attention_head_dim=32, num_attention_heads=4, num_key_value_heads=2, axes_dims_rope=(8, 12, 12),
-           dense_moe_strategy="leave_first_block_dense", num_experts=8, moe_intermediate_dim=128,
+DIT = dict(num_layers=4, attention_head_dim=32, num_attention_heads=4, num_key_value_heads=2,
+           axes_dims_rope=(8, 12, 12), dense_moe_strategy="leave_first_block_dense", num_experts=8, moe_intermediate_dim=128,
            capacity_factors=(0, 4, 2, 2))
 
 
@@ -76,7 +76,8 @@ _HERE, _QWEN_IMAGE = "library.models.nucleus_image.learned:", "library.models.qw
 LEARNED = S.LearnedBase(
     files=(("pretrained_model_name_or_path", "transformer"), ("ae", "vae"), ("text_encoder", "text_encoder")),
     family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders", new_vae=_QWEN_IMAGE + "new_vae", save_vae=_QWEN_IMAGE + "save_vae",
+    write_text_encoders=_HERE + "write_text_encoders",
+    new_vae=_QWEN_IMAGE + "new_vae", save_vae=_QWEN_IMAGE + "save_vae",
     new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_nucleus_image.toml",
     # Qwen-Image's VAE recipe whole: its learning rate, steps and compiled loss (qwen_image/learned.py says why)
