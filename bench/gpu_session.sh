@@ -33,6 +33,11 @@
 #                host time level): one step of swap 0 and 20 (prefetch 2, then 4) as a timeline
 #                (bench_block_swap.py --trace, read by bench/trace_overlap.py: the compute stream's idle time
 #                waiting on copies vs on the host, the longest gaps); traces gzipped under LOGS/traces
+#      families  the families landed since the last GPU call (FLUX.3, ERNIE-Image, Nucleus-Image: fp8 packed experts,
+#                expert-choice routing, grouped-query masked attention) on CUDA: every tiny transformer's CUDA forward
+#                against its CPU one (tests/test_cuda_families.py, fp32 and fp8_scaled), then the Nucleus-Image
+#                quickstart on the learned base in bf16 (caching, training over fp8_scaled experts, samples) and its
+#                concept demo (the CPU's figure: 0/18 -> 15/18)
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -41,7 +46,7 @@
 # Settings as bench/gpu_bench.sh: 1024 px (4096 image + 512 text tokens), full-width blocks (FLUX.1 2 double
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
-plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|checkpoint|attention|candidates|swapprobe|fp8swap [SECONDS]}
+plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|checkpoint|attention|candidates|swapprobe|fp8swap|families [SECONDS]}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -53,7 +58,7 @@ if [ -z "${PYTHON:-}" ] && [ ! -d .whl ]; then
     echo "no .whl here: run bench/gpu_prepare.sh on the dev machine and carry [\".whl\", \".peers\"]" | tee -a "$LOGS/session.log"
     exit 1
 fi
-case $plan in swapprobe | fp8swap) ;; *)  # every other plan runs a peer
+case $plan in swapprobe | fp8swap | families) ;; *)  # every other plan runs a peer
     if [ ! -d .peers/sd-scripts ] || [ ! -d .peers/musubi-tuner ]; then
         echo "no .peers/sd-scripts or .peers/musubi-tuner: run bench/gpu_prepare.sh and carry .peers" | tee -a "$LOGS/session.log"
         exit 1
@@ -189,6 +194,14 @@ case $plan in
         # a full-size trace gzipped may pass the 16 MiB a returned file may have (a 3-block one: 1.2 MB, 60 blocks
         # ~25 MB): trace_overlap's report in swap.log holds the figures either way
         gzip -f "$LOGS"/traces/*/*.json 2>/dev/null
+        ;;
+    families)  # CUDA checks of the newest families; no peer
+        step checks.log 180 $PY -m pytest -x -q -p no:cacheprovider tests/test_cuda_families.py
+        step quickstart.log 60 $PY tools/make_tiny_dataset.py --out tiny_models/concept --concept --overwrite
+        QS="--config_file configs/quickstart_nucleus_image.toml"  # its files out of LOGS: 8 come back at most
+        step quickstart.log 150 $PY train_lora.py $QS --mixed_precision bf16 --output_dir /tmp/qs_nucleus
+        step quickstart.log 120 $PY tools/concept_demo.py $QS --lora /tmp/qs_nucleus/tiny_nucleus_image_lora.safetensors \
+            --grid "$LOGS/nucleus_concept_grid.png"
         ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do
