@@ -281,6 +281,10 @@ class LoRAModule(nn.Module):
                 f"LoRA '{self.name}': the base weight is {weight.dtype}; merging into fp8 loses the delta. "
                 "Merge into a high-precision copy of the checkpoint and quantize afterwards."
             )
+        if not weight.is_floating_point():  # nf4 / int8 / GGUF codes (a Linear's or the experts'): nothing to add to
+            raise ValueError(f"LoRA '{self.name}': the base weight is stored as {weight.dtype} codes (nf4 / int8 / "
+                             f"GGUF); a merge cannot write into them. Merge into a high-precision copy of the "
+                             f"checkpoint and quantize afterwards.")
         merged = self.weights().merged(weight, self.multiplier).to(weight_dtype or weight.dtype)  # float32 math
         self.base.weight = nn.Parameter(merged, requires_grad=weight.requires_grad)
         self.remove_from_base()

@@ -10,7 +10,8 @@ PEFT's and ComfyUI-style dotted layouts are a key rename, and a header entry (lo
 
 Hook: the base's packed_bmm (the one place a packed weight is applied) calls the module after its own bmm on the same
 input: x @ W[e] + multiplier * (alpha / r) * (x @ up_e) @ down_e, two bmm's through the rank on each expert's tokens,
-never a weight-sized delta. The base weight is read as stored, so fp8 experts (fp8_packed) take a LoRA unchanged.
+never a weight-sized delta. The base weight is read as stored, so fp8 / nf4 / int8 experts (fp8_packed) take a LoRA
+unchanged.
 
 Everything else is LoRAModule's (PackedLoRAModule subclasses it): float32 factors (lora_dtype), the branch in the
 LoRA dtype or autocast's and cast back to the base output's, the multiplier, rank / alpha (the scale alpha / r, r per
@@ -27,8 +28,9 @@ from library.precision.fp8_packed import PackedWeights
 
 
 class PackedTarget:
-    """One packed weight of a PackedWeights module as a LoRA's base: `weight` is the stored tensor [E, K, N] (a
-    merge replaces the Parameter), in_features / out_features as PEFT's ParamWrapper counts them (N, K)."""
+    """One packed weight of a PackedWeights module as a LoRA's base: `weight` is the stored tensor ([E, K, N], or
+    the codes of a quantized one; a merge replaces the Parameter), in_features / out_features as PEFT's
+    ParamWrapper counts them (N, K)."""
 
     def __init__(self, module: PackedWeights, name: str):
         self.module, self.name = module, name
@@ -46,18 +48,18 @@ class PackedTarget:
 
     @property
     def experts(self) -> int:
-        return self.weight.shape[0]
+        return self.module.packed_shape(self.name)[0]  # [E, K, N] as the weight reads, however stored (nf4: packed)
 
     @property
     def in_features(self) -> int:
-        return self.weight.shape[2]
+        return self.module.packed_shape(self.name)[2]
 
     @property
     def out_features(self) -> int:
-        return self.weight.shape[1]
+        return self.module.packed_shape(self.name)[1]
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight [E, K, N] in `dtype` (dequantized where it is stored in fp8)."""
+        """The weight [E, K, N] in `dtype` (dequantized where it is stored quantized)."""
         return self.module.packed_weight(self.name, dtype)
 
 

@@ -1,8 +1,8 @@
 """A LoRA of a packed weight (networks/lora_packed.py): W [E, K, N] used as x @ W[e], one rank-r delta per expert in
 PEFT's ParamWrapper layout, added inside PackedWeights.packed_bmm. Its delta is PEFT's own (get_delta_weight on the
-same factors), its forward is the base with every expert's delta merged (fp32, bf16 and fp8-stored bases, one chunk
-of experts or several), gradients reach its two factors only, and the network's controls (multiplier, enabled,
-remove, the max-norm) act on it as on a Linear's LoRA."""
+same factors), its forward is the base with every expert's delta merged (fp32, bf16, fp8- and nf4 / int8-stored
+bases, one chunk of experts or several), gradients reach its two factors only, and the network's controls
+(multiplier, enabled, remove, the max-norm) act on it as on a Linear's LoRA."""
 
 import math
 
@@ -89,10 +89,11 @@ def test_forward_is_the_base_with_each_experts_delta_merged_fp32():
     assert (got - want).abs().max() <= 2e-6 * want.abs().max() and (got - base).abs().max() > 0.1
 
 
-@pytest.mark.parametrize("storage", ["bf16", "fp8", "fp8_scaled", "fp8_tensor_scaled"])
-def test_bf16_and_fp8_stored_experts_take_the_lora_unchanged(storage, monkeypatch):
-    """The base weight as stored (bf16, or fp8 codes and scales run by chunks of experts: a chunk of one expert
-    here), its LoRA on top: the output is the stored weight's plus x @ delta, the delta in float32 (fp32 compute)."""
+@pytest.mark.parametrize("storage", ["bf16", "fp8", "fp8_scaled", "fp8_tensor_scaled", "nf4", "nf4_dq", "int8"])
+def test_bf16_and_quantized_experts_take_the_lora_unchanged(storage, monkeypatch):
+    """The base weight as stored (bf16, or fp8 / nf4 / int8 codes and statistics run by chunks of experts: a chunk of
+    one expert here; nf4's codes are [E, K N / 2], the LoRA reads E, K, N from packed_shape), its LoRA on top: the
+    output is the stored weight's plus x @ delta, the delta in float32 (fp32 compute)."""
     monkeypatch.setattr(fp8_packed, "DEQUANTIZED_CHUNK_BYTES", K * N * 4)  # one expert per chunk
     experts = Experts()
     if storage == "bf16":
@@ -190,6 +191,11 @@ def test_a_merge_writes_the_packed_parameter_and_refuses_fp8_codes():
     quantized.quantize_packed("w", "fp8_scaled")
     with pytest.raises(ValueError, match="merging into fp8 loses the delta"):
         lora_on(quantized).merge_into_base()
+    nf4 = Experts()
+    nf4.quantize_packed("w", "nf4")  # was: "The size of tensor a (1536) must match the size of tensor b (48)"
+    with pytest.raises(ValueError, match=r"'experts.w': the base weight is stored as torch.uint8 codes \(nf4 / int8 / "
+                                         r"GGUF\); a merge cannot write into them"):
+        lora_on(nf4).merge_into_base()
 
 
 def test_weights_of_a_packed_module_read_back_by_the_header_or_the_target():

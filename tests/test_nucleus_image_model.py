@@ -589,6 +589,32 @@ def test_the_released_size_prepared_fp8_scaled_weighs_a_byte_a_weight():
     assert total == 17_500_119_040 and total / 2**30 < 16.5  # bf16: 31.5 GiB
 
 
+# Measured: experts nf4 8,620,867,584 bytes (0.5625 a weight), nf4_dq 7,906,218,496 (0.5159), int8 15,361,146,880
+# (1 + 4 / K); the whole base 8.93 / 8.20 / 15.84 GiB, where with the experts left bf16 it was 29.45 (nf4) / 30.08
+# GiB (int8) in tools/plan_memory.py (fp8_scaled: 16.30).
+PACKED_EXPERT_BYTES = {"nf4": 8_620_867_584, "nf4_dq": 7_906_218_496, "int8": 15_361_146_880}
+BASE_BYTES = {"nf4": 9_591_132_160, "nf4_dq": 8_804_368_864, "int8": 17_010_813_440}
+
+
+@pytest.mark.parametrize("mode", ["nf4", "nf4_dq", "int8"])
+def test_the_released_size_prepared_for_bitsandbytes_stores_its_experts_so(mode):
+    """What the memory planner counts under nf4 / nf4_dq / int8: the experts in the format (bnb_weights.packed_shapes,
+    per expert [2048, 2688] gate_up and [1344, 2048] down, 64 experts in 29 MoE blocks), not bf16."""
+    from library.precision.bnb_weights import prepare_bnb
+
+    with torch.device("meta"):
+        model = NucleusImage(NUCLEUS_IMAGE).to(torch.bfloat16)
+    prepare_bnb(model, mode, FP8_RULES)
+    experts = sum(module_bytes(b.img_mlp.experts) for b in model.transformer_blocks if b.moe_enabled)
+    total = module_bytes(model)
+    print(f"released size, {mode}: experts {experts:,} bytes, the base {total:,} bytes ({total / 2**30:.2f} GiB)")
+    per_expert = {"nf4": (2048 * 2688 + 1344 * 2048) * 0.5625,
+                  "nf4_dq": sum(n // 2 + n // 64 + n // 64 // 256 * 4 + 4 for n in (2048 * 2688, 1344 * 2048)),
+                  "int8": 2048 * 2688 + 4 * 2688 + 1344 * 2048 + 4 * 2048}[mode]
+    assert experts == 29 * 64 * per_expert == PACKED_EXPERT_BYTES[mode]
+    assert total == BASE_BYTES[mode]
+
+
 def test_a_saved_fp8_model_loads_back_as_stored_bit_for_bit(files, tmp_path):
     """Our fp8_scaled model saved as a single file (the Linears' weight_scale, the experts' <name>_scale) loads as
     stored: every tensor bit for bit, the same output; the planner's meta load of it holds the same meta fp8."""

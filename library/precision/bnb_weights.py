@@ -43,7 +43,9 @@ import torch.nn as nn
 from library.io import CheckpointError
 from library.precision.autocast import autocast_off, matmul_input
 from library.precision.dequantized_linear import dequantized_linear
-from library.precision.fp8 import KeepRules, apply_keeping_dtypes, is_high_precision
+from library.precision.fp8 import (
+    KeepRules, apply_keeping_dtypes, is_high_precision, packed_weight_names, quantize_packed_weights,
+)
 
 MODES = ("nf4", "nf4_dq", "int8")
 NF4_BLOCK = 64  # weights per absmax (QLoRA's and bitsandbytes' default)
@@ -166,6 +168,76 @@ def dequantize_int8(shape, dtype: torch.dtype, weight: torch.Tensor, absmax: tor
 
 
 # ----------------------------------------------------------------------------------------------
+# Packed weights (fp8_packed.PackedWeights: a mixture's experts, W [E, K, N] used as x @ W[e], K contracted)
+
+
+def packed_shapes(experts: int, k: int, n: int, mode: str) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The stored tensors of a packed weight [E, K, N] in `mode`: suffix of the weight's name ("": the codes) ->
+    (shape, dtype), every one with the experts on its first axis (chunks and FSDP slice them by expert).
+
+    nf4 / nf4_dq: each expert's W[e] as stored, [K, N] row-major, quantized as quantize_4bit quantizes a Linear
+    weight: blocks of 64 consecutive weights (along N). Codes [E, K N / 2] uint8, absmax [E, K N / 64] float32
+    (nf4_dq: uint8 codes, float32 [E, blocks / 256] scales and one float32 offset per expert): 0.5625 / 0.516
+    bytes a weight, as a Linear's. A block of 64 weights has one absmax along either axis; this one reads W[e]
+    with no transpose, when quantizing and on every dequantization.
+    int8: codes int8 [E, K, N] (W[e]'s layout), absmax [E, N] float32: one absmax per output feature n over the
+    whole contraction K, the axis of Int8Linear holding expert e (its weight W[e]^T [N, K], one absmax a row).
+    That axis so the codes and absmaxes are Int8Linear's of W[e]^T (the same error, tested equal), and because a
+    scale per output factors out of the contraction, x @ (q[:, n] s[n]) = (x @ q[:, n]) s[n], as an int8 GEMM
+    needs (bitsandbytes' int8 matmul takes the weight's stats per output); one per row k scales inputs instead.
+    1 + 4 / K bytes a weight (1.002 for K = 2048)."""
+    _check_mode(mode)
+    if mode == "int8":
+        return {"": ((experts, k, n), torch.int8), "_absmax": ((experts, n), torch.float32)}
+    per_expert = nf4_shapes(k, n, double_quant=mode == "nf4_dq")  # the codes (n/2, 1) flatten to one axis
+    return {name.removeprefix("weight"): ((experts, torch.Size(shape).numel()) if shape else (experts,), dtype)
+            for name, (shape, dtype) in per_expert.items()}
+
+
+def quantize_packed(w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
+    """w [E, K, N] (bf16/fp16/fp32, read as float32) -> its stored tensors by suffix (packed_shapes): expert by
+    expert through quantize_nf4 (W[e]) / quantize_int8 (W[e]^T, Int8Linear's weight). Peak: one expert in float32."""
+    _check_mode(mode)
+    if w.dim() != 3:
+        raise ValueError(f"bitsandbytes quantization: expected a packed weight [E, K, N], got shape {tuple(w.shape)}")
+    stored = {suffix: torch.empty(shape, dtype=dtype, device=w.device)
+              for suffix, (shape, dtype) in packed_shapes(*w.shape, mode).items()}
+    for e in range(w.shape[0]):
+        if mode == "int8":
+            parts = quantize_int8(w[e].T)
+            parts["weight"] = parts["weight"].T  # [N, K] -> W[e]'s layout [K, N]
+        else:
+            parts = quantize_nf4(w[e], double_quant=mode == "nf4_dq")
+        for name, t in parts.items():
+            target = stored[name.removeprefix("weight")][e]
+            target.copy_(t.reshape(target.shape))
+    return stored
+
+
+def dequantize_packed(mode: str, shape: tuple[int, int, int], dtype: torch.dtype, experts: slice | int,
+                      *stored: torch.Tensor) -> torch.Tensor:
+    """The packed weight of `experts` (an index or a slice) in `dtype` from its stored tensors (packed_shapes'
+    order): [e, K, N] ([K, N] for an index), each expert through dequantize_nf4 / dequantize_int8 (bitsandbytes'
+    own dequantization, rounded once to `dtype`). Peak: those experts' weight in `dtype` and one expert's transient."""
+    _, k, n = shape
+    if isinstance(experts, int):
+        return _dequantize_expert(mode, k, n, dtype, [t[experts] for t in stored])
+    indices = range(shape[0])[experts]
+    out = torch.empty((len(indices), k, n), dtype=dtype, device=stored[0].device)
+    for i, e in enumerate(indices):
+        out[i] = _dequantize_expert(mode, k, n, dtype, [t[e] for t in stored])
+    return out
+
+
+def _dequantize_expert(mode: str, k: int, n: int, dtype: torch.dtype, stored: list[torch.Tensor]) -> torch.Tensor:
+    if mode == "int8":  # Int8Linear's weight W[e]^T [N, K], dequantized and read back as [K, N]
+        codes, absmax = stored
+        return dequantize_int8((n, k), dtype, codes.T, absmax).T
+    codes, *statistics = stored
+    return dequantize_nf4((k, n), dtype, codes.reshape(-1, 1), *statistics)
+
+
+# ----------------------------------------------------------------------------------------------
 # The layers
 
 
@@ -284,7 +356,9 @@ def from_linear(linear: nn.Linear, mode: str) -> _BnbLinear:
 
 def prepare_bnb(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
     """Replace every nn.Linear that `rules` (the architecture's fp8 keep rules) does not keep in high
-    precision by an NF4Linear / Int8Linear, in place. On a `meta` model the layers hold meta tensors
+    precision by an NF4Linear / Int8Linear, and store the packed weights the rules do not keep (a mixture's
+    experts, fp8_packed.PackedWeights) in `mode` too (packed_shapes), in place. On a `meta` model the layers
+    hold meta tensors
     for load_streaming(convert=bnb_load_converter(model)) to fill; on a loaded model the weights are
     quantized here. Returns the model."""
     _check_mode(mode)
@@ -294,12 +368,13 @@ def prepare_bnb(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
             # Exact nn.Linear only: subclasses (e.g. nn.MultiheadAttention's out_proj) may read .weight directly.
             if type(child) is nn.Linear and not is_high_precision(name, rules):
                 setattr(parent, child_name, from_linear(child, mode))
-    return model
+    return quantize_packed_weights(model, mode, rules)
 
 
 class BnbLoadConverter:
     """load_streaming(convert=...) hook: `X.weight` of every NF4Linear / Int8Linear X is quantized as
-    it is read into X's stored tensors; all other tensors pass through. keep_dtype(key) is True for
+    it is read into X's stored tensors, and every packed weight P stored in nf4 / int8 into P and its
+    statistics (packed_shapes); all other tensors pass through. keep_dtype(key) is True for
     those weights, so they arrive in the file's dtype (quantized from it, never via a narrower cast).
     Peak memory: the quantized model so far plus one weight in float32."""
 
@@ -307,18 +382,24 @@ class BnbLoadConverter:
         if not isinstance(model, nn.Module):
             raise TypeError("bnb_load_converter(model): pass the model prepared by prepare_bnb")
         self.modes = {f"{name}.weight": m.mode for name, m in model.named_modules() if isinstance(m, _BnbLinear)}
+        self.packed = {name: module.packed_modes[weight]
+                       for name, (module, weight) in packed_weight_names(model).items()
+                       if module.packed_modes.get(weight) in MODES}  # fmt: skip
 
     def keep_dtype(self, key: str) -> bool:
-        return key in self.modes
+        return key in self.modes or key in self.packed
 
     def __call__(self, key: str, tensor: torch.Tensor) -> dict[str, torch.Tensor]:
-        if key not in self.modes:
+        mode = self.modes.get(key) or self.packed.get(key)
+        if mode is None:
             return {key: tensor}
         if not tensor.is_floating_point() or tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
-            raise CheckpointError(f"'{key}' is {tensor.dtype}: {self.modes[key]} quantizes bf16/fp16/fp32 weights "
+            raise CheckpointError(f"'{key}' is {tensor.dtype}: {mode} quantizes bf16/fp16/fp32 weights "
                                   f"(re-quantizing a quantized weight compounds its error); give a bf16/fp16/fp32 checkpoint")
+        if key in self.packed:
+            return {key + suffix: t for suffix, t in quantize_packed(tensor, mode).items()}
         stem = key[: -len("weight")]
-        return {stem + name: t for name, t in quantize(tensor, self.modes[key]).items()}
+        return {stem + name: t for name, t in quantize(tensor, mode).items()}
 
 
 def bnb_load_converter(model: nn.Module) -> BnbLoadConverter:

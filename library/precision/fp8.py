@@ -394,7 +394,9 @@ def keeps_packed(name: str, rules: KeepRules) -> bool:
     return is_high_precision(name, rules) or is_high_precision(name.rpartition(".")[0], rules)
 
 
-def _quantize_packed(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
+def quantize_packed_weights(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
+    """Store every packed weight of `model` that `rules` do not keep (and that is not stored already) in `mode`: an
+    fp8 mode here, bitsandbytes' nf4 / nf4_dq / int8 (bnb_weights.prepare_bnb); PackedWeights.quantize_packed."""
     for name, (module, weight) in packed_weight_names(model).items():
         if weight not in module.packed_modes and not keeps_packed(name, rules):
             module.quantize_packed(weight, mode)
@@ -409,7 +411,7 @@ def prepare_fp8(model: nn.Module, mode: str, rules: KeepRules, packed: bool = Tr
     load_streaming(convert=fp8_load_converter(model, mode)) to fill; on a loaded model the
     weights are quantized. Returns the model."""
     _replace_linears(model, mode, rules)
-    return _quantize_packed(model, mode, rules) if packed else model
+    return quantize_packed_weights(model, mode, rules) if packed else model
 
 
 def quantize_module(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
