@@ -126,7 +126,9 @@ SAMPLING = S.Sampling(method="nucleus_shift", shift=1.0)
 
 # -- memory planner shapes and presets
 # The preset plans 16.9 B parameters, 15.3 B of them the packed experts: bf16 does not fit a 24 GB card without block
-# swap; fp8 / fp8_scaled store the experts in fp8 as the Linears (fp8_packed; nf4 / int8 leave them bf16: 29.5 GiB).
+# swap; fp8 / fp8_scaled store the experts in fp8 as the Linears (fp8_packed), nf4 / nf4_dq / int8 in their format
+# (bnb_weights.packed_shapes): the base 8.93 / 8.20 / 15.84 GiB (29.45 / 30.08 GiB while they stayed bf16); nf4 fits
+# a 16 GB card with checkpointing and no swap (planned peak 10.5 GiB).
 # tools/plan_memory.py --preset nucleus-image at 1024 px, batch 1, rank 16: the base 31.5 GiB in bf16, 16.3 GiB in
 # fp8_scaled (15.8 in fp8); the training step 33.1 / 17.8 GiB with checkpointing; on 24 GB fp8_scaled with
 # checkpointing and no swap (peak 17.8 GiB; samples 17.6 with the VAE decoding in tiles), bf16 with checkpointing and
