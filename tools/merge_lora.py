@@ -35,8 +35,8 @@ them: W + ratio * diff, by rows into or out of a fused module (networks/lora_rea
 are applied in the order given.
 
 A LoRA of a mixture's packed experts ([E, K, N] weights used as x @ W[e]: networks/lora_packed.py) adds each
-expert's delta[e] to its weight (one batched GEMM), into a bf16 / fp16 / fp32 base written in high precision; into an
-fp8 base or an fp8 output it is refused.
+expert's delta[e] to its weight in float32 (one batched GEMM), in any base and output: a high-precision or fp8 base,
+written in high precision or fp8 as a Linear's merged weight is (below).
 
 Precision: a merged weight is W (read in its file dtype, widened to float32) + sum_i ratio_i *
 (alpha_i / rank_i) * up_i @ down_i, accumulated in float32; only then is it cast to --save_precision
@@ -55,7 +55,7 @@ or unbiased stochastic rounding with --stochastic_rounding) in one of three layo
 A mixture's packed experts ([E, K, N] weights, no Linear; the family's model built on meta names them:
 Base.packed_weights) are written in the layout too, unless its fp8 rules keep them: e4m3 codes + `<name>_scale`
 (comfy: one fp32 number, block64: bf16 [E, K/64, N], plain: none; fp8.quantize_packed_weight, each expert as
-FP8Linear's weight), rounded to nearest (no LoRA changes them).
+FP8Linear's weight), from W[e] + the deltas in float32, rounded as the Linear weights are.
 Each loads back as it is through the family's transformer loader (train_lora.py, generate.py); a layout
 and naming that loader does not read as stored (its spec's FP8Rules.stored: a diffusers folder whose
 fused rows are split, a family that quantizes only while loading) is refused before anything is written.
@@ -64,9 +64,10 @@ An fp8 BASE (plain e4m3, our fp8_scaled, ComfyUI's per-tensor scaled fp8 with it
 comfy_quant; library/precision/fp8_checkpoints.py) is merged into as ComfyUI patches one: each merged
 weight is dequantized to float32 (codes * scale), the deltas added there, and a delta is never added to
 fp8 values. Without --save_precision the output keeps the base's layout: only the merged weights are
-re-quantized (fresh scale; rounded stochastically, as ComfyUI's patching rounds, unless
---no-stochastic_rounding: a merged weight starts on the fp8 grid, and round to nearest gives most codes
-back where a delta is under half a step, a LoRA at ratio 0.1 keeping 17-43% of its effect), every other
+re-quantized (fresh scale; a packed weight in the layout its stored scale says, one number, our bf16 blocks
+[E, K/64, N] or none; rounded stochastically, as ComfyUI's patching rounds, unless --no-stochastic_rounding: a
+merged weight starts on the fp8 grid, and round to nearest gives most codes back where a delta is under half a
+step, a LoRA at ratio 0.1 keeping 17-43% of its effect, an experts LoRA at 0.05 53-57%), every other
 tensor is copied byte for byte; with bf16/fp16/fp32 every weight is dequantized (packed experts too, with their
 `<name>_scale`) and the scales and markers left out (comfy_quant's `_quantization_metadata` header too).
 Another fp8 layout is refused (it would re-round every weight). Keys outside the transformer (text
@@ -338,29 +339,53 @@ class Plan:
             instead = "save bf16" if self.base.fp8 is not None else \
                 "use a scaled fp8 layout (--fp8_layout comfy, block64)"
             check_in_range(key, w, fp8.FP8_OVERFLOW, fp8.FP8_MAX, "float8_e4m3fn without a scale", instead)
-        if not self.stochastic:
-            q, scale = fp8.quantize_weight(w, mode)
-        elif mode == "fp8":
-            q, scale = fp8.stochastic_round_to_fp8(w, self.generator), None
-        else:
-            _, scale = fp8.quantize_weight(w, mode)  # the scales (absmax / 448; bf16 blocks rounded up)
-            rows, blocks = scale.shape if scale.dim() == 2 else (1, 1)
-            blocked = w.float().reshape(rows, blocks, -1) / scale.float().reshape(rows, blocks, 1)
-            q = fp8.stochastic_round_to_fp8(blocked, self.generator).reshape(w.shape)
+        q, scale = self.rounded(w, mode)
         out = {key: q}
         if scale is not None:
             out[self.scale_key(key)] = scale
         return out
 
-    def quantized_packed(self, key: str, w: torch.Tensor) -> dict[str, torch.Tensor]:
-        """A packed weight -> {key: float8_e4m3fn codes [, key_scale]} as the loaders store it
-        (fp8.quantize_packed_weight, each expert as FP8Linear's weight). Round to nearest always: no LoRA targets
-        a packed weight, so there is no delta for stochastic rounding to keep, only the weight to hold as closely
-        as e4m3 can."""
-        if self.precision == "fp8":  # unscaled e4m3 clamps to +-448
-            check_in_range(key, w, fp8.FP8_OVERFLOW, fp8.FP8_MAX, "float8_e4m3fn without a scale",
-                           "use a scaled fp8 layout (--fp8_layout comfy, block64)")
-        codes, scale = fp8.quantize_packed_weight(w, self.precision)
+    def rounded(self, w: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """float weight [out, in] -> (float8_e4m3fn codes, scale or None) in fp8.MODES `mode`: fp8.quantize_weight,
+        or with stochastic rounding its scales (absmax / 448; bf16 blocks rounded up) and unbiased codes."""
+        if not self.stochastic:
+            return fp8.quantize_weight(w, mode)
+        if mode == "fp8":
+            return fp8.stochastic_round_to_fp8(w, self.generator), None
+        _, scale = fp8.quantize_weight(w, mode)
+        rows, blocks = scale.shape if scale.dim() == 2 else (1, 1)
+        blocked = w.float().reshape(rows, blocks, -1) / scale.float().reshape(rows, blocks, 1)
+        return fp8.stochastic_round_to_fp8(blocked, self.generator).reshape(w.shape), scale
+
+    def quantized_packed(self, key: str, w: torch.Tensor, mode: str | None = None) -> dict[str, torch.Tensor]:
+        """A packed weight [E, K, N] -> {key: float8_e4m3fn codes [, key_scale]} in fp8.MODES `mode` (the output's by
+        default) as the loaders store it: fp8.quantize_packed_weight, each expert as FP8Linear's weight w[e]^T
+        (comfy: one fp32 scale for the whole tensor). Round to nearest, or stochastically (--stochastic_rounding,
+        an fp8 base's default) as `quantized` rounds a Linear's weight, with round to nearest's scales: rounded to
+        nearest, a merged expert's delta under half an fp8 step is lost, as a Linear's is."""
+        mode = mode or self.precision
+        if mode == "fp8":  # unscaled e4m3 clamps to +-448
+            instead = "save bf16" if self.base.fp8 is not None else \
+                "use a scaled fp8 layout (--fp8_layout comfy, block64)"
+            check_in_range(key, w, fp8.FP8_OVERFLOW, fp8.FP8_MAX, "float8_e4m3fn without a scale", instead)
+        if not self.stochastic:
+            codes, scale = fp8.quantize_packed_weight(w, mode)
+            return {key: codes} if scale is None else {key: codes, key + fp8.PACKED_SCALE_SUFFIX: scale}
+        # Expert by expert: stochastic rounding holds ~8 fp32 copies of what it rounds (1390 MiB above 8 experts' 168
+        # MiB, 88 MiB one at a time), ~11 GiB for a whole full-size gate_up_proj [64, 2048, 2688], ~180 MiB an expert.
+        codes, scale = torch.empty(w.shape, dtype=fp8.FP8_DTYPE), None
+        if mode == "fp8_scaled":  # each expert's [N, K/64] transposed to [K/64, N]
+            scale = torch.empty(fp8.packed_scale_shape(*w.shape), dtype=fp8.SCALE_DTYPE)
+        elif mode == "fp8_tensor_scaled":  # one fp32 scale for every expert, fp8.quantize_packed_weight's
+            scale = (w.detach().abs().amax().float() / fp8.FP8_MAX).clamp_min(torch.finfo(torch.float32).tiny)
+        for e in range(w.shape[0]):
+            if mode == "fp8_tensor_scaled":
+                codes[e] = self.rounded(w[e].float() / scale, "fp8")[0]
+                continue
+            q, s = self.rounded(w[e].T, mode)
+            codes[e] = q.T
+            if s is not None:
+                scale[e] = s.T
         return {key: codes} if scale is None else {key: codes, key + fp8.PACKED_SCALE_SUFFIX: scale}
 
 
@@ -370,7 +395,8 @@ class Fp8BasePlan(Plan):
     scale: ComfyUI's convert_weight on a float32 copy), the deltas are added in float32, then:
       - precision None (or the base's own layout): the output keeps the layout. Only merged weights
         are re-quantized (stochastic rounding unless --no-stochastic_rounding; a fresh absmax / 448 scale per
-        tensor or per block); every other tensor (codes, scales, markers) is copied byte for byte.
+        tensor or per block; a packed weight's as its stored scale says, _requantized_packed); every other
+        tensor (codes, scales, markers) is copied byte for byte.
       - bf16 / fp16 / fp32: every fp8 tensor is dequantized (float32; a packed weight with its scale,
         fp8.dequantize_packed_weight) and cast; scales, markers and activation scales are left out (and
         comfy_quant's `_quantization_metadata` header), so the output is a plain high-precision checkpoint.
@@ -425,8 +451,27 @@ class Fp8BasePlan(Plan):
             return tensor.float() * scale.float().reshape(())
         return fp8.dequantize_weight(tensor, scale.reshape(scale.shape[0], -1).to(fp8.SCALE_DTYPE), torch.float32)
 
+    def _requantized_packed(self, key: str) -> dict[str, torch.Tensor]:
+        """{key: codes [, its scale key: scale]} of a merged packed weight [E, K, N] in the base's layout, which its
+        stored scale says (as the loader reads it): none plain e4m3, one number per tensor (ComfyUI's), bf16 blocks
+        [E, K/64, N] ours; a fresh scale of the merged weight, stored in the base's key, dtype and shape."""
+        merged = self.merged(key, self.dequantized(key))
+        scale_key = self._packed_scale_key(key)
+        if scale_key is None:
+            return self.quantized_packed(key, merged, "fp8")
+        stored, shape = ST_DTYPES[self.base.reader.dtype_name(scale_key)], self.base.reader.shape(scale_key)
+        per_tensor = len(shape) < 3
+        if per_tensor and stored == torch.bfloat16:  # a bf16 number: the codes divide by it as stored (see below)
+            scale = fp8.round_up_to_bf16((merged.abs().amax() / fp8.FP8_MAX).clamp_min(torch.finfo(stored).tiny))
+            return {**self.quantized_packed(key, merged / scale.float(), "fp8"), scale_key: scale.reshape(shape)}
+        out = self.quantized_packed(key, merged, "fp8_tensor_scaled" if per_tensor else "fp8_scaled")
+        out[scale_key] = out.pop(key + fp8.PACKED_SCALE_SUFFIX).to(stored).reshape(shape)
+        return out
+
     def _requantized(self, weight_key: str) -> dict[str, torch.Tensor]:
         """{weight key: codes [, its scale key: scale]} of a merged weight, in the base's layout."""
+        if weight_key in self.base.packed_weights:
+            return self._requantized_packed(weight_key)
         merged = self.merged(weight_key, self.dequantized(weight_key))
         scale_key = self._scale_key(weight_key) if weight_key.endswith(".weight") else None  # an e4m3 bias: no scale
         if scale_key not in self.base.reader:  # plain codes (or a ComfyUI layer without scale: 1.0)
@@ -448,6 +493,7 @@ class Fp8BasePlan(Plan):
     def tensors(self, keys: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
         stash: dict[str, torch.Tensor] = {}  # the other half (codes or scale) of a re-quantized weight
         by_scale = {self._scale_key(k): k for k in self.deltas if self._is_fp8(k) and k.endswith(".weight")}
+        by_scale.update({scale: k for k in self.deltas if self._is_fp8(k) and (scale := self._packed_scale_key(k))})
         for key in keys:
             entries = self.entries(key)
             if not entries:
@@ -703,10 +749,6 @@ def merge_lora(model: str, loras: list[LoRASpec], save_to: str, save_precision: 
     for spec in loras:
         for key, w in lora_deltas(base, spec, allow_unmatched).items():
             deltas.setdefault(key, []).append((spec.ratio, w))
-    packed = next((key for key, ws in deltas.items() if any(getattr(w, "experts", None) for _, w in ws)), None)
-    if packed is not None and (fp8_out or base.fp8 is not None):  # their fp8 layouts are another plan's
-        raise ValueError(f"'{packed}': merging a LoRA of packed experts into an fp8 base or output is not supported; "
-                         f"merge into the bf16 checkpoint with --save_precision bf16 (an fp8 base loads it quantized)")
     plan = (Plan if base.fp8 is None else Fp8BasePlan)(base, precision, deltas, stochastic_rounding, seed)
     # Built beside save_to and renamed into place (an old save_to is replaced), with the umask's mode.
     with (atomic_folder if base.is_folder else atomic_path)(save_to) as tmp:
