@@ -24,11 +24,11 @@ memory (bench_train_step.PeakMemory) are printed.
              attention kernel's outputs and the recompute runs no attention; before: plain checkpointing
   attention_compiled  the same under torch_compile (compile_block's region that keeps attention); before:
              the plain compiled region. One model, both regions compiled (inductor) in the warm-up steps.
-  lora_factor  networks.lora: a LoRA factor of 1 (alpha = rank, multiplier 1) is not multiplied in; before:
+  lora_factor  networks.lora_module: a LoRA factor of 1 (alpha = rank, multiplier 1) is not multiplied in; before:
              lx * 1.0 in the forward, the recompute and the backward (3 ops per module and step)
-  lora_rows  networks.lora: where the up GEMM takes the sum (torch.addmm), down runs on [tokens, in] rows;
+  lora_rows  networks.lora_module: where the up GEMM takes the sum (torch.addmm), down runs on [tokens, in] rows;
              before: on [B, L, in], its output reshaped into rows (2 view ops more per module and pass)
-  lora_addmm networks.lora: the LoRA's up GEMM and the base output's sum in the form ADDMM_SUM_DEVICES gives
+  lora_addmm networks.lora_module: the LoRA's up GEMM and the base output's sum in the form ADDMM_SUM_DEVICES gives
              this device (CPU: torch.addmm, the add in the GEMM's epilogue; CUDA: `out + up(lx)`, two ops);
              before: the other form. On CUDA addmm copies the base output into its result before a GEMM
              with beta = 1 (the H200 profile's device-to-device copies and beta GEMMs).
@@ -94,8 +94,8 @@ from library.models.registry import arch_spec  # noqa: E402
 from library.precision import bnb_weights as bnb, fp8  # noqa: E402
 from library.precision.autocast import autocast_off, matmul_input  # noqa: E402
 from library.precision.dequantized_linear import DequantizedLinearFunction, needs_backward  # noqa: E402
-from networks import lora  # noqa: E402
-from networks.lora import LoRAModule  # noqa: E402
+from networks import lora_module  # noqa: E402
+from networks.lora_module import LoRAModule  # noqa: E402
 from tools.devices import device_or_exit  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
@@ -266,8 +266,8 @@ def before(lever: str, model):
     if lever == "lora_factor":
         return patched(LoRAModule, "_add_up", add_up_multiplying)
     if lever in ("lora_addmm", "lora_addmm_compiled"):  # before: the other form of the sum on this device
-        device, fused = next(model.parameters()).device.type, lora.ADDMM_SUM_DEVICES
-        return patched(lora, "ADDMM_SUM_DEVICES", tuple(d for d in fused if d != device) if device in fused
+        device, fused = next(model.parameters()).device.type, lora_module.ADDMM_SUM_DEVICES
+        return patched(lora_module, "ADDMM_SUM_DEVICES", tuple(d for d in fused if d != device) if device in fused
                        else fused + (device,))
     if lever == "lora_rows":
         return patched(LoRAModule, "_up_takes_rows", lambda *args: False)

@@ -1,5 +1,5 @@
 """Packed weights as LoRA targets: W [E, K, N] of E experts used as x @ W[e] (library/precision/fp8_packed.py
-PackedWeights, a mixture's routed experts), one low-rank delta per expert (networks/lora.py PackedLoRAModule).
+PackedWeights, a mixture's routed experts), one low-rank delta per expert (PackedLoRAModule, below).
 
 Layout: PEFT's ParamWrapper's (peft/tuners/lora/layer.py, its target_parameters), which reads the weight as E
 matrices [out, in] = [K, N] (in_features N, out_features K): lora_down = PEFT's lora_A [r E, N], lora_up = lora_B
@@ -23,8 +23,12 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
+from library.precision.autocast import autocast_dtype
 from library.precision.fp8_packed import PackedWeights
+from networks.lora_files import LoRAWeights
+from networks.lora_module import LoRAModule
 
 
 class PackedTarget:
@@ -69,3 +73,74 @@ def packed_targets(model: nn.Module) -> list[tuple[str, PackedTarget]]:
     return [(f"{path}.{name}" if path else name, PackedTarget(module, name))
             for path, module in model.named_modules() if isinstance(module, PackedWeights)
             for name in module.packed_weights]
+
+
+class PackedLoRAModule(LoRAModule):
+    """A packed weight's LoRA (layout, hook: the module docstring): out = x @ W[e] + multiplier * (alpha / r) *
+    (x @ up_e) @ down_e for the experts a call runs. rank: per expert; the factors hold E times its rows / columns."""
+
+    def __init__(self, name, base: PackedTarget, rank, alpha=None, multiplier=1.0, dropout=None,
+                 rank_dropout=None, module_dropout=None, lora_dtype=torch.float32, dora: bool = False):
+        if dora:
+            raise ValueError(f"LoRA target '{name}' is a packed weight of {base.experts} experts: DoRA is not "
+                             f"supported there (nor in PEFT's ParamWrapper); train it without dora")
+        rank = int(rank)
+        alpha = float(rank if alpha is None or alpha == 0 else alpha)
+        # LoRAModule's factors at E times the rank: down [r E, N] (kaiming, as PEFT's lora_A), up [K, r E] (zeros)
+        super().__init__(name, base, rank * base.experts, alpha, multiplier, dropout, rank_dropout, module_dropout,
+                         lora_dtype)
+        self.rank, self.experts, self.packed_applied = rank, base.experts, False
+        self.set_alpha(alpha)  # the scale alpha / r of one expert's rank
+
+    @property
+    def applied(self) -> bool:
+        return self.packed_applied
+
+    def apply_to_base(self):
+        """Add this module to its weight's adapters (PackedWeights.packed_adapters), the last one applied."""
+        if not self.packed_applied:
+            self.base.module.packed_adapters.setdefault(self.base.name, []).append(self)
+            self.packed_applied = True
+
+    def remove_from_base(self):
+        if self.packed_applied:
+            adapters = self.base.module.packed_adapters[self.base.name]
+            adapters.pop(next(i for i, a in enumerate(adapters) if a is self))
+            self.packed_applied = False
+
+    def expert_factors(self, experts: slice | int = slice(None)) -> tuple[torch.Tensor, torch.Tensor]:
+        """(up [e, K, r], down [e, r, N]) of `experts`: views of the Parameters (gradients flow to them)."""
+        up = self.lora_up.weight.view(-1, self.rank, self.experts).permute(2, 0, 1)
+        return up[experts], self.lora_down.weight.view(self.experts, self.rank, -1)[experts]
+
+    def forward(self, x: torch.Tensor, out: torch.Tensor, experts: slice = slice(None)) -> torch.Tensor:
+        """x [e, n, K] the experts' tokens, out [e, n, N] the base's x @ W[e] for the experts `experts` -> out plus
+        this LoRA's delta, in out's dtype."""
+        if self._dropped() or not self.enabled or self.multiplier == 0:
+            return out
+        autocast = autocast_dtype(x.device.type)
+        if autocast is None:  # the branch in the LoRA dtype (float32) unless autocast picks it
+            x = x.to(self.lora_down.weight.dtype)
+        up, down = self.expert_factors(experts)
+        lx = torch.bmm(x, up)  # [e, n, r]
+        if self.training and self.dropout:
+            lx = F.dropout(lx, p=self.dropout)
+        factor = self.multiplier * self.scale
+        if self.training and self.rank_dropout:  # each token's rank channels, the expected delta unchanged
+            lx = lx * (torch.rand(lx.shape, device=lx.device) > self.rank_dropout).to(lx.dtype)
+            factor = factor / (1.0 - self.rank_dropout)
+        if factor != 1:  # on the rank side: r values a token instead of N
+            lx = lx * factor
+        return out + torch.bmm(lx, down).to(out.dtype)  # back to the base output dtype
+
+    def weights(self) -> LoRAWeights:
+        return LoRAWeights(self.lora_down.weight.detach(), self.lora_up.weight.detach(), float(self.alpha),
+                           experts=self.experts)
+
+    @torch.no_grad()
+    def delta_norm(self) -> float:
+        """||delta|| over every expert (Frobenius, float32) from the factors: ||B_e A_e||^2 = <B_e^T B_e, A_e A_e^T>,
+        no [E, K, N] delta (1.4 GB in float32 for one released gate_up_proj)."""
+        up, down = (f.float() for f in self.expert_factors())
+        squared = ((up.transpose(1, 2) @ up) * (down @ down.transpose(1, 2))).sum().clamp(min=0)
+        return self.scale * float(squared.sqrt())

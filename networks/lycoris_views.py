@@ -1,4 +1,4 @@
-"""The pieces of LyCORIS handling that networks/lora.py needs too (a DoRA stacked on a LyCORIS module reads
+"""The pieces of LyCORIS handling that networks/lora_module.py needs too (a DoRA stacked on a LyCORIS module reads
 its delta), kept apart from networks/lycoris_network.py, which builds on networks/lora.py: the nn.Linear face
 of a quantized Linear, and an applied LoKr / LoHa / LoCon module's wrapped forward and weight delta."""
 
@@ -45,7 +45,7 @@ def is_quantized_linear(module: nn.Module) -> bool:
 
 def dora_at_comfyui_strength(module) -> None:
     """A dora_wd module (`wd`) at a ratio s applies W + s * (DoRA(W + dW) - W), as ComfyUI applies the file
-    (comfy/weight_adapter/base.py weight_decompose) and networks/lora.py's DoRA: ratio 0 is the base. LyCORIS'
+    (comfy/weight_adapter/base.py weight_decompose) and networks/lora_module.py's DoRA: ratio 0 is the base. LyCORIS'
     apply_weight_decompose blends the magnitude alone, (W + dW) * (s * (m / ||W + dW|| - 1) + 1), which keeps
     the whole dW at every ratio: until 2026-11-30 merge_lora and generate at 0.5 were 1.5-2x the update off
     ComfyUI's, and at 0 not the base. Its forward and its merged weight both call this, so both change."""

@@ -14,7 +14,8 @@ from safetensors.torch import load_file
 from library.io import CheckpointError
 from library.precision.fp8 import FP8Linear
 from networks import lora_files as lf
-from networks.lora import LoRAModule, LoRANetwork
+from networks.lora import LoRANetwork
+from networks.lora_module import LoRAModule
 
 flux = importlib.import_module("library.models.flux1.model")
 

@@ -19,8 +19,9 @@ from library.models.registry import arch_spec
 from library.precision import fp8
 from library.precision.dequantized_linear import DequantizedLinearFunction
 from library.precision.fp8 import quantize_module
-from networks import lora as lora_module
-from networks.lora import LoRAModule, LoRANetwork
+from networks import lora_module
+from networks.lora import LoRANetwork
+from networks.lora_module import LoRAModule
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 from bench_core_levers import (  # noqa: E402  (the levers' old paths)

@@ -9,7 +9,8 @@ import torch.nn as nn
 
 from networks import lora_files as lf
 from networks.lora_module_map import bfl_to_diffusers
-from networks.lora import LoRAModule, LoRANetwork
+from networks.lora import LoRANetwork
+from networks.lora_module import LoRAModule
 from library.models.registry import arch_spec
 
 # ----------------------------------------------------------------------------------------------

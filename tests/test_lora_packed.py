@@ -12,9 +12,8 @@ import torch.nn as nn
 
 from library.precision import fp8_packed
 from library.precision.fp8_packed import PackedWeights
-from networks.lora import PackedLoRAModule
 from networks.lora_files import merge_into_weight
-from networks.lora_packed import PackedTarget, packed_targets
+from networks.lora_packed import PackedLoRAModule, PackedTarget, packed_targets
 
 E, K, N, R, ALPHA = 4, 64, 48, 3, 1.5  # K a multiple of 64: fp8_scaled's blocks run along it
 

@@ -14,7 +14,8 @@ from safetensors.torch import load_file, save_file
 
 import train_lora
 from library.models.nucleus_image.family import NucleusImageFamily
-from networks.lora import LoRANetwork, PackedLoRAModule
+from networks.lora import LoRANetwork
+from networks.lora_packed import PackedLoRAModule
 from networks.lora_files import PACKED_EXPERTS_KEY, LoRAWeights
 from tests.test_nucleus_image_family import H, W, inputs, read_losses
 from tests.test_nucleus_image_model import diffusers_forward, ours_from, tiny_config, tiny_diffusers

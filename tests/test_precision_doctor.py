@@ -19,7 +19,8 @@ from library.models import precision_doctor as precision
 from library.models.flux1.model import Flux, FluxConfig
 from library.precision.fp8 import FP8Linear, is_high_precision, quantize_weight
 from library.models.qwen_image.model import QwenImage, QwenImageConfig
-from networks.lora import LoRAModule, LoRANetwork
+from networks.lora import LoRANetwork
+from networks.lora_module import LoRAModule
 from tools import precision_doctor as doctor
 from tests.test_fp8_compute import cpu_rowwise
 from library.models.registry import arch_spec

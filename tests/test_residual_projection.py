@@ -16,7 +16,8 @@ from library.models import core, eager_checkpoint
 from library.models.registry import FAMILIES, arch_specs
 from library.models.spec import load_symbol
 from library.precision.fp8 import quantize_module
-from networks.lora import LoRAModule, LoRANetwork
+from networks.lora import LoRANetwork
+from networks.lora_module import LoRAModule
 
 DIFFUSION_ARCHS = sorted({arch_specs()[a].arch for a in arch_specs()} - {"llm"})
 # Families whose blocks end in `x + gate * proj(h)` with an untrained gate by default; FLUX.1 and Nucleus-Image train

@@ -374,7 +374,7 @@ def test_fp8_block_scale_is_the_smallest_bf16_not_below_absmax_over_448():
 
 
 def count_lora_forwards(monkeypatch) -> dict:
-    from networks.lora import LoRAModule
+    from networks.lora_module import LoRAModule
 
     counts = {"train": 0, "eval": 0}
     real = LoRAModule.forward

@@ -130,8 +130,8 @@ from networks.lora_files import (  # noqa: E402
     split_text_encoders,
     text_encoder_note,
     write_lora_tensors,
-    write_peft_folder,
 )
+from networks.lora_peft_folder import write_peft_folder  # noqa: E402
 from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl  # noqa: E402
 from networks.lora_reader import lora_in_our_names, lycoris_module_paths  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402

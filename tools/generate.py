@@ -328,7 +328,7 @@ def generate(args) -> list[str]:
     # A plain e5m2 file loaded (widened exactly, so bf16 was asked): the images name it as its LoRAs do.
     base_name = family.widened_layout(base_precision) or base_precision
     # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it); a DoRA's norm is of the base
-    # with the LoRAs before it (networks/lora.py forward_weight), as ComfyUI and a base_loras run take it
+    # with the LoRAs before it (networks/lora_module.py forward_weight), as ComfyUI and a base_loras run take it
     # A LoRA's `.diff` / `.diff_b` tensors (ComfyUI's extraction) are added to the weights and biases they name, as
     # ComfyUI patches them (a LyCORIS network applies its own). A file of them alone (full_diff, LyCORIS' full type)
     # is added the same way, from the file's pages: LyCORIS' full modules held the delta and a copy of each weight.

@@ -86,7 +86,7 @@ from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
 from library.precision.stored_layouts import refuse_stored_base  # noqa: E402
 from library.precision.fp8_compute import enable_fp8_compute, fp8_gemm_available  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
-from networks.lora import LoRAModule  # noqa: E402
+from networks.lora_module import LoRAModule  # noqa: E402
 from networks.lora_args import diffusers_module_map  # noqa: E402
 from networks.lora_files import LoRAWeights  # noqa: E402
 from networks.lora_reader import check_lora_arch, leave_out_text_encoders, read_for_model  # noqa: E402
