@@ -158,7 +158,8 @@ def dequantize_nf4(shape, dtype: torch.dtype, weight: torch.Tensor, absmax: torc
     # read other blocks' absmaxes: 0.26 relative error on a [12, 96] weight instead of 0.093. Such a weight is read
     # as one flat row, where both counts agree (tests/test_bnb_weights.py, QLoRA's table).
     flat = tuple(shape) if shape[-1] % NF4_BLOCK == 0 else (1, torch.Size(shape).numel())
-    state = QuantState(absmax=absmax, shape=torch.Size(flat), dtype=dtype, blocksize=NF4_BLOCK, quant_type="nf4", **nested)
+    state = QuantState(absmax=absmax, shape=torch.Size(flat), dtype=dtype, blocksize=NF4_BLOCK, quant_type="nf4",
+                       **nested)
     return _bnb().dequantize_4bit(weight, state).reshape(shape)
 
 

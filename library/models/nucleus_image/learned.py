@@ -30,8 +30,8 @@ from library.models import spec as S
 from library.models.qwen_image.learned import LEARNED as QWEN_IMAGE_LEARNED
 
 DIT = dict(num_layers=4, attention_head_dim=32, num_attention_heads=4, num_key_value_heads=2,
-           axes_dims_rope=(8, 12, 12), dense_moe_strategy="leave_first_block_dense", num_experts=8, moe_intermediate_dim=128,
-           capacity_factors=(0, 4, 2, 2))
+           axes_dims_rope=(8, 12, 12), dense_moe_strategy="leave_first_block_dense", num_experts=8,
+           moe_intermediate_dim=128, capacity_factors=(0, 4, 2, 2))
 
 
 def family(paths: dict[str, str]):
