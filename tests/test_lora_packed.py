@@ -128,6 +128,18 @@ def test_gradients_reach_the_two_factors_only_as_through_the_merged_weight():
         assert (grads[name] - reference).abs().max() <= 1e-6 * reference.abs().max(), name
 
 
+def test_the_factors_reach_bmm_dense_for_every_chunk():
+    """The up factor's view of lora_up [K, r E] is [E, K, r] with strides (1, r E, E): CPU bmm runs that without
+    BLAS, 5.5x slower at the released size (chunks of 12 of 64 experts, 128 tokens, K 2048, r 16: 18 ms against
+    3.3 ms with the copy), which made the LoRA cost more than the experts' bf16 step. Both factors go dense."""
+    lora = lora_on(Experts())
+    for experts in (slice(None), slice(1, 3), 2):
+        up, down = lora.expert_factors(experts)
+        assert up.is_contiguous() and down.is_contiguous(), experts
+        want = lora.lora_up.weight.view(K, R, E)[:, :, experts]  # up_e = up.view(K, r, E)[:, :, e] (PEFT's)
+        assert torch.equal(up, want if isinstance(experts, int) else want.permute(2, 0, 1)), experts
+
+
 def test_multiplier_enabled_and_remove_act_on_the_packed_delta():
     experts = Experts()
     lora = lora_on(experts)
