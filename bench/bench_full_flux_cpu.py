@@ -30,7 +30,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_train_step import GiB, machine_summary, pin_malloc_threshold, status_bytes  # noqa: E402
+from bench_train_step import GiB, machine_summary, pin_malloc_threshold, reset_peak, status_bytes  # noqa: E402
 
 from library.models.core import checkpointing  # noqa: E402
 from library.models.flux1.family import FluxFamily  # noqa: E402
@@ -44,16 +44,6 @@ START = time.perf_counter()
 
 def log(msg: str):
     print(f"[{time.perf_counter() - START:7.1f} s | RSS {status_bytes('VmRSS') / GiB:5.2f} GiB] {msg}", flush=True)
-
-
-def reset_peak() -> bool:
-    """Reset VmHWM to the current RSS (Linux >= 4.0), so the next reading is the next phase's peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 def peak() -> float:

@@ -35,7 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_train_step import MiB, machine_summary, pin_malloc_threshold, status_bytes  # noqa: E402
+from bench_train_step import MiB, machine_summary, pin_malloc_threshold, reset_peak, status_bytes  # noqa: E402
 from library.models.nucleus_image.model import NUCLEUS_IMAGE, SwiGLUExperts, expert_capacity  # noqa: E402
 from library.precision.fp8_packed import DEQUANTIZED_CHUNK_BYTES  # noqa: E402
 from library.training.memory_plan import module_bytes  # noqa: E402
@@ -44,16 +44,6 @@ from networks.lora_packed import PackedLoRAModule, PackedTarget  # noqa: E402
 FORMATS = ("bf16", "fp8_scaled", "fp8", "nf4", "nf4_dq", "int8")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 MB = 1e6
-
-
-def reset_peak() -> bool:
-    """VmHWM back to the current RSS (Linux >= 4.0), so the next reading is what follows's own peak."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class PeakRss:

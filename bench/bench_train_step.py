@@ -85,6 +85,16 @@ def status_bytes(field: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(field + ":"))
 
 
+def reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0), so the next reading is the next phase's peak."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
 class PeakMemory:
     """Peak memory growth inside a `with` block: CUDA allocator stats, or sampled RSS on CPU."""
 
