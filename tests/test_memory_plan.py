@@ -111,7 +111,7 @@ def test_plan_memory_on_the_tiny_config_prints_every_phase_and_what_fits(tiny_se
     only = capsys.readouterr().out
     rows = [line for line in out.splitlines() if "gradient_checkpointing=" in line]
     assert len(rows) >= 8 and {line.split()[0] for line in rows} == {"bf16", "fp8_scaled", "nf4", "int8"}
-    for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):  # low-bit under 16 GiB, each base
+    for key in ("checkpoint_saves_projections", "checkpoint_saves_attention"):  # low-bit up to 16 GiB, each base
         assert [line.split()[0] for line in rows if f"{key} = true (+" in line] == ["bf16", "fp8_scaled", "nf4", "int8"]
     # a keeping key the config sets false gets no row (old: offered as if unset)
     off = write_config(tmp_path / "off.toml", **{**toml.load(config), "checkpoint_saves_projections": False})

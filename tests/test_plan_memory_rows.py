@@ -97,3 +97,17 @@ def test_a_config_s_own_base_precision_is_planned_on_every_card(tiny_set, tmp_pa
     out = capsys.readouterr().out
     rows = [line.split()[0] for line in out.splitlines() if "gradient_checkpointing=" in line and " = true (+" not in line]
     assert rows == ["bf16", "bf16", "fp8_scaled", "fp8_scaled", "nf4", "nf4"], out
+
+
+def test_a_16_gib_card_is_planned_in_nf4_and_int8_too():
+    """Cards of 16 GiB and less get the 4- and 8-bit rows: at 16 GiB Nucleus-Image's fp8_scaled base needs
+    blocks_to_swap 8 where its nf4 base (the experts too) fits without swap; `--vram 16` showed no nf4 row before."""
+    import types
+
+    from tools.plan_memory import card_bases
+
+    no_config = types.SimpleNamespace(config_file=None)
+    assert card_bases(None, no_config, 16.0) == ("bf16", "fp8_scaled", "nf4", "int8")
+    assert card_bases(None, no_config, 12.0) == ("bf16", "fp8_scaled", "nf4", "int8")
+    assert card_bases(None, no_config, 24.0) == ("bf16", "fp8_scaled")
+    assert card_bases(None, no_config, 16.0, only="fp8_scaled") == ("fp8_scaled",)
