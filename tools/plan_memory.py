@@ -41,8 +41,8 @@ from tools.cli import Parser, check_command_line, exit_without_collecting  # noq
 # The base precisions a card is planned with (the stored layout alone for a pre-quantized file); the
 # 4- and 8-bit integer ones only on cards of LOWBIT_UP_TO_GIB and less, where fp8 often needs block swap
 # (each is one more full-size simulation; a larger card's user can still plan one via base_precision).
-# 16 GiB cards included: there Nucleus-Image's fp8_scaled base needs blocks_to_swap 8 where nf4 (its experts too)
-# fits without swap (14.5 against 10.5 GiB planned); `--vram 16` showed no nf4 row before.
+# 16 GiB cards included: there a 17 B mixture of experts' fp8_scaled base needs blocks_to_swap 8 where its nf4 one
+# (the packed experts too) fits without swap (14.5 against 10.5 GiB planned); `--vram 16` showed no nf4 row before.
 PLANNED_PRECISIONS = ("bf16", "fp8_scaled")
 LOWBIT_PRECISIONS = ("nf4", "int8")
 LOWBIT_UP_TO_GIB = 16
