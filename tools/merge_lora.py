@@ -333,12 +333,15 @@ class Plan:
         marker = key[: len(key) - len(self.base.to_model(key))] + "scaled_fp8"
         return [(Entry(marker, fp8.FP8_DTYPE, tuple(COMFY_MARKER_VALUE.shape)), COMFY_MARKER_VALUE)]
 
+    def check_unscaled(self, key: str, w: torch.Tensor) -> None:
+        """Unscaled e4m3 clamps to +-448, which would change such a weight silently: one line naming the key."""
+        instead = "save bf16" if self.base.fp8 is not None else "use a scaled fp8 layout (--fp8_layout comfy, block64)"
+        check_in_range(key, w, fp8.FP8_OVERFLOW, fp8.FP8_MAX, "float8_e4m3fn without a scale", instead)
+
     def quantized(self, key: str, w: torch.Tensor, mode: str) -> dict[str, torch.Tensor]:
         """float weight -> {key: float8_e4m3fn [, key_scale]} from its float32 values, in fp8.MODES `mode`."""
-        if mode == "fp8":  # unscaled e4m3 clamps to +-448, which would change such a weight silently
-            instead = "save bf16" if self.base.fp8 is not None else \
-                "use a scaled fp8 layout (--fp8_layout comfy, block64)"
-            check_in_range(key, w, fp8.FP8_OVERFLOW, fp8.FP8_MAX, "float8_e4m3fn without a scale", instead)
+        if mode == "fp8":
+            self.check_unscaled(key, w)
         q, scale = self.rounded(w, mode)
         out = {key: q}
         if scale is not None:
@@ -364,10 +367,8 @@ class Plan:
         an fp8 base's default) as `quantized` rounds a Linear's weight, with round to nearest's scales: rounded to
         nearest, a merged expert's delta under half an fp8 step is lost, as a Linear's is."""
         mode = mode or self.precision
-        if mode == "fp8":  # unscaled e4m3 clamps to +-448
-            instead = "save bf16" if self.base.fp8 is not None else \
-                "use a scaled fp8 layout (--fp8_layout comfy, block64)"
-            check_in_range(key, w, fp8.FP8_OVERFLOW, fp8.FP8_MAX, "float8_e4m3fn without a scale", instead)
+        if mode == "fp8":
+            self.check_unscaled(key, w)
         if not self.stochastic:
             codes, scale = fp8.quantize_packed_weight(w, mode)
             return {key: codes} if scale is None else {key: codes, key + fp8.PACKED_SCALE_SUFFIX: scale}
@@ -387,6 +388,12 @@ class Plan:
             if s is not None:
                 scale[e] = s.T
         return {key: codes} if scale is None else {key: codes, key + fp8.PACKED_SCALE_SUFFIX: scale}
+
+
+def bf16_tensor_scale(merged: torch.Tensor) -> torch.Tensor:
+    """A merged weight's per-tensor scale stored as one bf16 number (musubi-tuner's): absmax / 448 rounded up to
+    bf16, so that no code of merged / scale passes 448."""
+    return fp8.round_up_to_bf16((merged.float().abs().amax() / fp8.FP8_MAX).clamp_min(torch.finfo(torch.bfloat16).tiny))
 
 
 class Fp8BasePlan(Plan):
@@ -461,8 +468,8 @@ class Fp8BasePlan(Plan):
             return self.quantized_packed(key, merged, "fp8")
         stored, shape = ST_DTYPES[self.base.reader.dtype_name(scale_key)], self.base.reader.shape(scale_key)
         per_tensor = len(shape) < 3
-        if per_tensor and stored == torch.bfloat16:  # a bf16 number: the codes divide by it as stored (see below)
-            scale = fp8.round_up_to_bf16((merged.abs().amax() / fp8.FP8_MAX).clamp_min(torch.finfo(stored).tiny))
+        if per_tensor and stored == torch.bfloat16:  # a bf16 number: the codes divide by it as stored
+            scale = bf16_tensor_scale(merged)
             return {**self.quantized_packed(key, merged / scale.float(), "fp8"), scale_key: scale.reshape(shape)}
         out = self.quantized_packed(key, merged, "fp8_tensor_scaled" if per_tensor else "fp8_scaled")
         out[scale_key] = out.pop(key + fp8.PACKED_SCALE_SUFFIX).to(stored).reshape(shape)
@@ -481,7 +488,7 @@ class Fp8BasePlan(Plan):
         if per_tensor and stored == torch.bfloat16:
             # musubi-tuner's bf16 per-tensor scale: the codes divide by the scale as stored (rounded up, so no code
             # passes 448); codes of an fp32 scale times its bf16 rounding scaled every merged weight by up to 0.4%
-            scale = fp8.round_up_to_bf16((merged.float().abs().amax() / fp8.FP8_MAX).clamp_min(torch.finfo(stored).tiny))
+            scale = bf16_tensor_scale(merged)
             out = self.quantized(weight_key, merged.float() / scale.float(), "fp8")
             out[scale_key] = scale.reshape(shape)
             return out
