@@ -106,10 +106,6 @@ def planned_bytes(reference: SwiGLUExperts, fmt: str) -> int:
     return module_bytes(module)
 
 
-def stored_bytes(module: SwiGLUExperts) -> int:
-    return sum(t.numel() * t.element_size() for t in [*module.parameters(), *module.buffers()])
-
-
 def attach_lora(module: SwiGLUExperts, rank: int, seed: int) -> list[PackedLoRAModule]:
     """An experts LoRA on both weights, the same factors for every format (down kaiming, as PEFT's lora_A; up
     N(0, 0.01) instead of zeros, so that both factors get gradients and the branch adds a delta)."""
@@ -179,7 +175,7 @@ def main():
     for fmt in formats:
         module, seconds, quantize_peak = stored_in(reference, fmt)
         rows[fmt] = {"module": module, "loras": attach_lora(module, args.rank, args.seed + 2), "quantize_s": seconds,
-                     "quantize_peak": quantize_peak, "stored": stored_bytes(module),
+                     "quantize_peak": quantize_peak, "stored": module_bytes(module),
                      "planned": planned_bytes(reference, fmt), "times": [], "peaks": []}
         if fmt != "bf16":
             print(f"quantized {fmt} in {seconds:.1f} s, peak RSS +{quantize_peak / MiB:.0f} MiB; "

@@ -359,9 +359,8 @@ def prepare_bnb(model: nn.Module, mode: str, rules: KeepRules) -> nn.Module:
     """Replace every nn.Linear that `rules` (the architecture's fp8 keep rules) does not keep in high
     precision by an NF4Linear / Int8Linear, and store the packed weights the rules do not keep (a mixture's
     experts, fp8_packed.PackedWeights) in `mode` too (packed_shapes), in place. On a `meta` model the layers
-    hold meta tensors
-    for load_streaming(convert=bnb_load_converter(model)) to fill; on a loaded model the weights are
-    quantized here. Returns the model."""
+    hold meta tensors for load_streaming(convert=bnb_load_converter(model)) to fill; on a loaded model the
+    weights are quantized here. Returns the model."""
     _check_mode(mode)
     for parent_name, parent in list(model.named_modules()):
         for child_name, child in list(parent.named_children()):
