@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from library.models.tiny_files import save_tokenizer  # noqa: E402
-from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
+from tools.merge_lora import Entry, safetensors_header, write_safetensors_streaming  # noqa: E402
 
 GiB = 1024**3
 
@@ -52,18 +52,11 @@ def write_holes(path: str, shapes: dict[str, tuple[int, ...]]):
     """A bf16 safetensors file whose header lists `shapes` and whose data is never written: the file is extended
     to its full size by truncate, a sparse hole that reads as zeros and takes no disk. For tensors no loader of the
     run reads (a text encoder's layers past the hidden state it keeps, its head, its vision tower)."""
-    header, offset = {}, 0
-    for key, shape in shapes.items():
-        nbytes = Entry(key, torch.bfloat16, tuple(shape)).nbytes
-        header[key] = {"dtype": "BF16", "shape": list(shape), "data_offsets": [offset, offset + nbytes]}
-        offset += nbytes
-    header["__metadata__"] = {"format": "pt"}
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    entries = [Entry(key, torch.bfloat16, tuple(shape)) for key, shape in shapes.items()]
+    head, offset = safetensors_header(entries, {"format": "pt"}), sum(e.nbytes for e in entries)
     with open(path + ".tmp", "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
-        f.truncate(8 + len(blob) + offset)
+        f.write(head)
+        f.truncate(len(head) + offset)
     os.replace(path + ".tmp", path)
     print(f"wrote {path}: {offset / GiB:.2f} GiB as a hole (never read)", flush=True)
 

@@ -208,11 +208,9 @@ class Entry:
         return count * self.dtype.itemsize
 
 
-def write_safetensors_streaming(path: str, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict[str, str]):
-    """Write a safetensors file whose header is known before its tensors: 8-byte little-endian
-    header length, the JSON header (dtype, shape, data_offsets; `__metadata__`) padded with spaces
-    to a multiple of 8, then each tensor's raw bytes in `entries` order. `tensors` must yield
-    exactly `entries` (key, dtype, shape), one at a time; each is written and dropped."""
+def safetensors_header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
+    """A safetensors file's first bytes for `entries` stored in order: 8-byte little-endian header length, the JSON
+    header (dtype, shape, data_offsets; `__metadata__`) padded with spaces to a multiple of 8."""
     header, offset = {}, 0
     for e in entries:
         header[e.key] = {"dtype": ST_NAMES[e.dtype], "shape": list(e.shape), "data_offsets": [offset, offset + e.nbytes]}
@@ -221,9 +219,15 @@ def write_safetensors_streaming(path: str, entries: list[Entry], tensors: Iterat
         header["__metadata__"] = metadata
     blob = json.dumps(header, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
+    return len(blob).to_bytes(8, "little") + blob
+
+
+def write_safetensors_streaming(path: str, entries: list[Entry], tensors: Iterator[tuple[str, torch.Tensor]], metadata: dict[str, str]):
+    """Write a safetensors file whose header is known before its tensors (safetensors_header), then each tensor's
+    raw bytes in `entries` order. `tensors` must yield exactly `entries` (key, dtype, shape), one at a time; each
+    is written and dropped."""
     with open(path, "wb") as f:
-        f.write(len(blob).to_bytes(8, "little"))
-        f.write(blob)
+        f.write(safetensors_header(entries, metadata))
         for e in entries:
             key, tensor = next(tensors)
             if key != e.key or tensor.dtype != e.dtype or tuple(tensor.shape) != e.shape:
