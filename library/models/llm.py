@@ -546,16 +546,21 @@ def count_parameters(model: nn.Module) -> int:
 # Qwen2.5-VL's vision tower; Mistral3's Pixtral tower and projector, top-level or under `model.`
 VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_tower.", "multi_modal_projector.",
                    "model.multi_modal_projector.")
+# A transformers base model's own save (Qwen3Model, LlamaModel: what save_pretrained writes for a pipeline whose
+# text_encoder component is the base class, not the causal LM): the decoder's modules at the top, no `model.`
+BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
 
 
 def checkpoint_key_to_llm(key: str, tie_word_embeddings: bool = False) -> str | None:
     """Checkpoint key -> LLM key, or None to skip. Accepts plain HF causal-LM keys and the
     Qwen2.5-VL / Qwen3-VL / Mistral3 layouts (`model.language_model.*` of transformers >= 4.52,
     `language_model.*` of a saved Qwen3VLModel, `language_model.model.*` / `language_model.lm_head.*`
-    of LLaVA-style exports and the released Mistral Small 3.1 files);
+    of LLaVA-style exports and the released Mistral Small 3.1 files) and a saved base model's (`layers.*`);
     vision tower and multimodal projector keys are skipped (never read)."""
     if key.startswith(VISION_PREFIXES):
         return None
+    if key.startswith(BASE_MODEL_PREFIXES):
+        return "model." + key
     for old, new in (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."),
                      ("language_model.", "model.")):  # the last: Qwen3VLModel's own files (no `model.`, no head)
         if key.startswith(old):

@@ -184,10 +184,11 @@ def load_chat_tokenizer(folder: str):
     return loaded
 
 
-def qwen3_vl_config_from_shapes(path: str, like: LLMConfig) -> LLMConfig:
-    """Qwen3-VL's language model as a checkpoint's tensors shape it (vocabulary, width, depth, heads, head_dim, MLP;
-    tied when the file has no lm_head), with `like`'s RoPE, norm epsilon and context, which shapes do not tell and
-    Qwen3-VL's dense models share (theta 5e6, interleaved M-RoPE 24 / 20 / 20, eps 1e-6, 262144 positions)."""
+def qwen3_config_from_shapes(path: str, like: LLMConfig, model: str = "Qwen3-VL language model") -> LLMConfig:
+    """A Qwen3 (or Qwen3-VL language) model as a checkpoint's tensors shape it (vocabulary, width, depth, heads,
+    head_dim, MLP; tied when the file has no lm_head), with `like`'s RoPE, norm epsilon and context, which shapes do
+    not tell and the models of one line share (Qwen3-VL's dense ones: theta 5e6, interleaved M-RoPE 24 / 20 / 20,
+    eps 1e-6, 262144 positions; Qwen3's: theta 1e6, eps 1e-6). `model`: what the file should be, for the error."""
     from library.models.llm import checkpoint_key_to_llm
 
     reader = CheckpointReader(path)
@@ -196,7 +197,7 @@ def qwen3_vl_config_from_shapes(path: str, like: LLMConfig) -> LLMConfig:
     def shape(name: str) -> tuple[int, ...]:
         if name not in keys:
             raise CheckpointError(f"{path}: no tensor for {name} (keys like {next(iter(reader.keys()), None)!r}); "
-                                  f"not a Qwen3-VL language model, or put its config.json beside it")
+                                  f"not a {model}, or put its config.json beside it")
         return reader.shape(keys[name])
 
     vocab, width = shape("model.embed_tokens.weight")
@@ -212,7 +213,7 @@ def qwen3_vl_config_from_shapes(path: str, like: LLMConfig) -> LLMConfig:
 
 def _qwen3_vl_single_file(path: str, single_file: str) -> LLMConfig:
     """The language model of a file without config.json: told by its embedding width to be the `single_file`
-    model (QWEN3_VL_SINGLE_FILES), then shaped by its tensors (qwen3_vl_config_from_shapes)."""
+    model (QWEN3_VL_SINGLE_FILES), then shaped by its tensors (qwen3_config_from_shapes)."""
     expected = QWEN3_VL_SINGLE_FILES[single_file]
     reader = CheckpointReader(path)
     key = next((k for k in reader.keys() if k.endswith("embed_tokens.weight")), None)
@@ -220,7 +221,7 @@ def _qwen3_vl_single_file(path: str, single_file: str) -> LLMConfig:
     if width != expected.hidden_size:
         raise CheckpointError(f"{path}: embedding width {width} is not {single_file}'s ({expected.hidden_size}); "
                               f"put its config.json beside it")
-    return qwen3_vl_config_from_shapes(path, expected)
+    return qwen3_config_from_shapes(path, expected)
 
 
 def qwen3_vl_language_config(path: str, single_file: str = "Qwen3-VL-4B") -> LLMConfig:
