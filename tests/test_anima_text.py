@@ -164,3 +164,20 @@ def test_qwen3_0_6b_text_weights_on_meta():
     from library.models.spec import TextWeights
 
     assert anima_text_weights() == TextWeights(596_049_920, fp8_weights=440_401_920, fp8_scales=6_881_280)
+
+
+def test_a_full_size_single_file_is_shaped_as_qwen3_0_6b(tmp_path):
+    """ComfyUI's qwen_3_06b_base.safetensors (Qwen3ForCausalLM's `model.*` keys, tied: no head), written as a sparse
+    hole (1.1 GiB, no disk): shaped by its header into Qwen3-0.6B's config; the planner counts what it reads."""
+    from bench.full_size_files import write_holes
+    from library.io import CheckpointReader
+    from library.models.anima.text_encoder import QWEN3_0_6B, anima_llm_config, anima_text_weights
+    from library.models.llm import LLM, llm_text_weights
+
+    with torch.device("meta"):
+        shapes = {k: tuple(v.shape) for k, v in LLM(QWEN3_0_6B).state_dict().items()}
+    path = str(tmp_path / "qwen_3_06b_base.safetensors")
+    write_holes(path, shapes)
+    assert anima_llm_config(path) == QWEN3_0_6B
+    reader = CheckpointReader(path)
+    assert llm_text_weights(reader, list(reader.keys())) == anima_text_weights()
