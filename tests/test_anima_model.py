@@ -237,3 +237,21 @@ def test_wrong_files_are_one_error_naming_the_key(files, tmp_path):
     save_file({**sd, "net.blocks.0.extra.weight": torch.ones(1)}, tmp_path / "b.safetensors")
     with pytest.raises(CheckpointError, match=r"b.safetensors: unexpected key 'blocks.0.extra.weight'"):
         load_anima(str(tmp_path / "b.safetensors"))
+
+
+def test_checkpointing_gives_the_same_gradients():
+    """Gradient checkpointing through core.run_block (the DiT's and the adapter's blocks): the same gradients for
+    every parameter (measured 1.2e-7: the recompute's rounding order) as the plain backward."""
+    config = AnimaConfig(**TINY)
+    model = random_model(config).train()
+    x = inputs(config, 3, 4)
+
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        model.gradient_checkpointing = checkpointing
+        model(**x).square().mean().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    plain, checkpointed = grads(False), grads(True)
+    assert plain.keys() == checkpointed.keys() and all(g.abs().max() > 0 for g in plain.values())
+    assert max((plain[k] - checkpointed[k]).abs().max().item() for k in plain) <= 1e-6
