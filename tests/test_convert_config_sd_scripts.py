@@ -231,6 +231,9 @@ def test_command_with_config_file_takes_the_command_lines_keys_over_the_files(ti
     ("flux_train_network.py --model_type sd3", "command line: model_type 'sd3': expected one of sd-scripts' flux, chroma"),
     ("sdxl_train_network.py --network_dim 4", "sdxl_train_network.py: sd-scripts' sdxl_train_network.py trains sdxl, "
                                               "which we do not train here"),
+    ("anima_train_network.py --network_dim 4", "anima_train_network.py: sd-scripts' anima_train_network.py trains "
+                                               "Anima, whose sd-scripts configs do not translate yet: start from "
+                                               "configs/anima.toml"),
     ("train_network.py --network_dim 4", "train_network.py: sd-scripts' train_network.py trains Stable Diffusion 1.x"),
     ("flux_train_network.py --network_args rank_dropout", "command line: network_args entry 'rank_dropout': expected key=value"),
     ("flux_train_network.py --train_data_dir /nonexistent/img", "command line: train_data_dir '/nonexistent/img': no such folder"),

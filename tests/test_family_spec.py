@@ -71,6 +71,7 @@ def _releases() -> dict[str, dict[str, str]]:
         "ideogram4": {"ideogram4": "Ideogram-4/lora"},  # musubi-tuner
         "ernie_image": {"ernie-image": "ERNIE-Image/lora"},  # ours (ai-toolkit, which trains it, writes no modelspec)
         "nucleus_image": {"nucleus-image": "nucleus-image/lora"},  # ours (ai-toolkit, which trains it, writes none)
+        "anima": {"anima": "anima-preview/lora"},  # sd-scripts' (ARCH_ANIMA_PREVIEW; ai-toolkit writes none)
     }
 
 

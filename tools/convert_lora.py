@@ -286,6 +286,8 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     if not known:
         warn_unknown_peft_alpha(src, "converting")
     dtype = next(iter(weights.values())).down.dtype
+    if to == "diffusers" and files.diffusers_refuses and (why := load_symbol(files.diffusers_refuses)(list(weights))):
+        raise ValueError(f"--to diffusers: {src}: {why}")
     if files.module_map:
         module_map = load_symbol(files.module_map)(weights, counts)
         bfl_named = all(p in module_map for p in weights)

@@ -17,10 +17,11 @@ LORA = S.LoRATargets(
 # -- LoRA files: converters' and inspectors' key tables (tools/)
 # kohya files (`lora_te_model_layers_0_self_attn_q_proj...`) <-> PEFT adapter folders, the layout
 # PeftModel.from_pretrained, vLLM and llama.cpp's convert_lora_to_gguf.py read.
-# Markers: the attention and down_proj; `layers.N.mlp.gate_proj / up_proj` are a diffusion family's block names too
-# (an LLM LoRA on the MLP holds its down_proj).
+# Markers: the attention of a decoder layer and down_proj; `layers.N.mlp.gate_proj / up_proj` are a diffusion family's
+# block names too (an LLM LoRA on the MLP holds its down_proj), and so is `blocks.N.self_attn.q_proj` (a Cosmos DiT's):
+# the attention's marker names the layer (`layers_N_self_attn_`, N below 128: deeper LLMs show by their first layers).
 LORA_FILES = S.LoRAFiles(
-    markers=("_self_attn_q_proj", "_self_attn_k_proj", "_self_attn_v_proj", "_self_attn_o_proj", "_mlp_down_proj"),
+    markers=(*(f"layers_{n}_self_attn_" for n in range(128)), "_mlp_down_proj"),
     block_pattern=r"(layers)[._](\d+)[._]",
     module_paths="library.models.llm_lora_files:module_paths",
     module_map="library.models.llm_lora_files:module_map_of_lora",  # a vision-language base's PEFT names

@@ -40,6 +40,7 @@ FAMILIES = {
     "krea2_edit": "library.models.krea2.edit_family:Krea2EditFamily",
     "ideogram4": "library.models.ideogram4.family:Ideogram4Family",
     "qwen_image21": "library.models.qwen_image21.family:QwenImage21Family",
+    "anima": "library.models.anima.family:AnimaFamily",
 }
 
 # How the frozen base is stored (config base_precision): the compute dtype, fp8 (library/precision/fp8.py),

@@ -104,6 +104,9 @@ class LoRAFiles:
     # ComfyUI's names reads as ours, a fused module split by rows (its module_paths lists those names too)
     comfy_map: str | None = None
     diffusers_lokr: str | None = None  # the name diffusers' LoKr loader knows the model by, when it loads LoKr for it
+    # "module:function" (module paths) -> why a LoRA naming them cannot be written in the diffusers layout (a module
+    # the pipeline holds in another component than the transformer), or None: convert_lora refuses --to diffusers so
+    diffusers_refuses: str | None = None
     # lora_info
     info_markers: tuple[tuple[str, str], ...] = ()  # (naming, regex): a module name matching it is this arch's
     info_blocks: tuple[tuple[str, str], ...] = ()  # (block kind, regex with the index as a group); a kind may repeat
@@ -474,6 +477,9 @@ class ArchSpec:
     peer_bucket_steps: dict[str, int] = field(default_factory=dict)
     # its text encoder's padding is masked in attention (its pipeline's rule: a peer's mask switch is read by it)
     masks_text_padding: bool = False
+    # peer -> its training scripts for this folder's models whose configs tools/convert_config.py does not
+    # translate (yet): the peer is told by them, and the refusal names the model and our config to start from
+    untranslated_scripts: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         _check_type(self, ArchSpec, "SPEC")

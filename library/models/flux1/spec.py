@@ -43,9 +43,12 @@ LORA = S.LoRATargets(
 
 
 # -- LoRA files: converters' and inspectors' key tables (tools/)
-# FLUX.2 keeps these BFL block names (its spec: names_of="flux").
+# FLUX.2 keeps these BFL block names (its spec: names_of="flux"). diffusers' double blocks are told by their text
+# stream's ff_context / norm1_context and their image stream's norm1.linear (Qwen-Image's blocks have attn.add_*_proj
+# too, and a Cosmos DiT's transformer_blocks.N.ff.net.0.proj and norm1.linear_1: no marker of FLUX.1's).
 LORA_FILES = S.LoRAFiles(
-    markers=("double_blocks_", "single_blocks_", "single_transformer_blocks_", "_ff_net_", "_ff_context_", "_norm1_linear"),
+    markers=("double_blocks_", "single_blocks_", "single_transformer_blocks_", "_ff_context_", "_norm1_context_",
+             "_norm1_linear_lora", "_norm1_linear_alpha", "_norm1_linear_dora"),
     layouts=("kohya", "diffusers", "comfy"),  # ComfyUI's FLUX.1 has the BFL names our kohya files have
     # single_transformer_blocks first: findall takes the first alternative that matches at a position.
     block_pattern=r"(single_transformer_blocks|double_blocks|single_blocks|transformer_blocks)[._](\d+)[._]",

@@ -80,7 +80,7 @@ def title(t: Translation) -> str:
 # sd-scripts' LoRA training scripts (tools/convert_config.py tells the peer of a --command by them); the others
 # than the specs' train models we do not, and model_of refuses them in one line.
 SCRIPTS = (models.script(), "train_network.py", "sdxl_train_network.py", "sd3_train_network.py", "lumina_train_network.py",
-           "hunyuan_image_train_network.py", "anima_train_network.py")
+           "hunyuan_image_train_network.py", *models.untranslated_scripts())
 
 
 def model_of(flat: dict, asked: str | None, script: str | None, source: str) -> str:
@@ -89,6 +89,11 @@ def model_of(flat: dict, asked: str | None, script: str | None, source: str) -> 
     expected, known = models.script(), models.model_types()
     if script is not None and os.path.basename(script) != expected:
         name = os.path.basename(script)
+        if name in models.untranslated_scripts():
+            spec = spec_of(models.untranslated_scripts()[name])
+            raise ValueError(f"{script}: sd-scripts' {name} trains {spec.title}, whose sd-scripts configs do not "
+                             f"translate yet: start from configs/{spec.default_config} ({expected}'s configs "
+                             f"translate)")
         model = name[:-len("_train_network.py")] if name.endswith("_train_network.py") else "Stable Diffusion 1.x / 2.x"
         raise ValueError(f"{script}: sd-scripts' {name} trains {model}, which we do not train here ({expected}'s "
                          f"configs translate)" if name.endswith("train_network.py") else

@@ -30,6 +30,11 @@ def script() -> str:
     return _one("script")
 
 
+def untranslated_scripts() -> dict[str, str]:
+    """Its scripts that train models of ours whose configs do not translate (yet) -> the spec's arch."""
+    return {name: s.arch for s in arch_specs().values() for name in s.untranslated_scripts.get(PEER, ())}
+
+
 def lora_module() -> str:
     """Its LoRA module of their blocks."""
     return _one("lora_module")
