@@ -202,3 +202,20 @@ def test_cached_text_is_each_captions_own_tokens(tiny_set):
         assert set(c) == {"qwen", "qwen_mask", "t5_ids", "t5_mask"} and c["t5_ids"].shape == (nt,)
         assert torch.equal(c["qwen"], qwen[i, :nq]) and torch.equal(c["t5_ids"], t5_ids[i, :nt])
     assert cached[1]["qwen_mask"].tolist() == [False] and cached[1]["t5_ids"].tolist() == [1]
+
+
+def test_generate_renders_with_cfg_and_the_lora(tiny_set, trained, tmp_path):
+    """The pipeline's CFG (the empty negative prompt at its default 4.0), the T5 tokenizer beside the encoder, the
+    trained LoRA."""
+    from PIL import Image
+
+    from tools import generate
+
+    out = tmp_path / "gen"
+    assert generate.main(["--model_type", "anima", "--model", tiny_set["anima"], "--ae", tiny_set["qwen_image_vae"],
+                          "--text_encoder", tiny_set["anima_text_encoder"], "--prompt", "a red square --s 2",
+                          "--width", "48", "--height", "32", "--dtype", "fp32", "--seed", "0", "--out", str(out),
+                          "--lora", f"{trained / 'anima.safetensors'}:0.8"]) == 0
+    (png,) = out.glob("*.png")
+    with Image.open(png) as image:
+        assert image.size == (48, 32) and image.text["steps"] == "2" and float(image.text["guidance"]) == 4.0

@@ -387,7 +387,7 @@ def test_lora_tools_tell_a_chroma_lora_from_flux(trained):
 
     path = str(trained / "chroma.safetensors")
     info = lora_info.read_info(path)
-    assert info["arch"] == "chroma" and info["fits"].startswith("a chroma model of width 64")
+    assert info["arch"] == "chroma" and info["fits"].startswith("a Chroma model of width 64")
     tensors = dict(load_file(path))
     assert detect_arch(tensors, {"ss_base_model_version": "chroma"}) == "chroma"
     assert detect_arch(tensors, {}) == "flux"  # FLUX.1's names and shapes alone: FLUX.1's (--model_type settles it)

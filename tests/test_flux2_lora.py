@@ -128,4 +128,4 @@ def test_lora_info_names_flux2_in_both_namings(pair, files, tmp_path):
         folder = tmp_path if name == "plain" else root
         info = lora_info.read_info(str(folder / f"{name}.safetensors"))
         assert (info["arch"], info["naming"], info["width"]) == ("flux2", naming, 64), info
-        assert info["blocks"] == {"double": 2, "single": 2} and "flux2 model of width 64" in info["fits"]
+        assert info["blocks"] == {"double": 2, "single": 2} and "a FLUX.2 model of width 64" in info["fits"]

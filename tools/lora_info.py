@@ -129,9 +129,11 @@ def fits(arch: str, width: int | None, counts: dict[str, int]) -> str:
     for release in files[arch].releases:
         if width == release.width and all(counts.get(k, 0) <= n for k, n in release.blocks.items()):
             return release.name
-    shown = ", ".join(f"{n} {k}" for k, n in counts.items())
+    shown = ", ".join(str(n) if k == "block" else f"{n} {k}" for k, n in counts.items())  # not "2 block blocks"
     names = " / ".join(release.name for release in files[arch].releases)
-    return f"a {arch} model of width {width} with at least {shown} blocks (not a released size of {names})"
+    title = arch_specs()[arch].title
+    article = "an" if title[0].lower() in "aeiou" else "a"
+    return f"{article} {title} model of width {width} with at least {shown} blocks (not a released size of {names})"
 
 
 def _modules(keys: list[str]) -> list[str]:
