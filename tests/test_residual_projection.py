@@ -22,7 +22,7 @@ from networks.lora_module import LoRAModule
 DIFFUSION_ARCHS = sorted({arch_specs()[a].arch for a in arch_specs()} - {"llm"})
 # Families whose blocks end in `x + gate * proj(h)` with an untrained gate by default; FLUX.1 and Nucleus-Image train
 # their modulation by default (sd-scripts' / ai-toolkit's targets), Z-Image and Ideogram-4 norm the projection's output.
-SKIPPING = {"chroma", "ernie_image", "flux2", "flux3", "krea2", "qwen_image", "qwen_image21"}
+SKIPPING = {"anima", "chroma", "ernie_image", "flux2", "flux3", "krea2", "qwen_image", "qwen_image21"}
 # (a family added later: the bits alone, until it joins a set)
 NOT_SKIPPING = {"flux", "zimage", "ideogram4", "nucleus_image"}
 
