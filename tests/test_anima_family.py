@@ -143,6 +143,41 @@ def test_converted_loras_load_in_diffusers_anima_loader_with_our_output(tiny_set
 
 
 @torch.no_grad()
+def test_sampling_equals_the_modular_pipelines_loop_with_cfg(tiny_set, monkeypatch):
+    """The modular pipeline's loop on diffusers' classes with the same weights: AnimaSetTimestepsStep's sigmas
+    linspace(1, 1/N, N) through FlowMatchEulerDiscreteScheduler at the release's shift 3, the noise [1, 16, 1, lh, lw]
+    from the seed, AnimaLoopBeforeDenoiser's timestep t / 1000, ClassifierFreeGuidance 4.0 with a negative prompt of
+    other lengths, a zero padding mask: our latents. A shift of 1 (the scheduler's default) would differ."""
+    import numpy as np
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    no_torchvision(monkeypatch)
+    family = AnimaFamily(tiny_set["anima"])
+    model = family.load_transformer(torch.float32)
+    (_, text), (_, negative) = inputs(2), inputs(3, (2, 1))
+    steps, size, guidance = 3, 48, 4.0  # a 6 x 6 latent, 3 x 3 patches
+    ours = family.sample_latents(model, text, size, size, steps, seed=7, guidance=guidance, negative_text=negative)
+
+    transformer, conditioner = diffusers_pair(model)
+    contexts = [conditioner(source_hidden_states=t["qwen"], target_input_ids=t["t5_ids"],
+                            target_attention_mask=t["t5_mask"], source_attention_mask=t["qwen_mask"])
+                for t in (text, negative)]
+    latents = torch.randn(1, 16, 1, 6, 6, generator=torch.Generator().manual_seed(7))
+    for shift in (3.0, 1.0):
+        scheduler = FlowMatchEulerDiscreteScheduler(shift=shift)
+        scheduler.set_timesteps(sigmas=np.linspace(1.0, 1 / steps, steps))
+        x = latents
+        for t in scheduler.timesteps:
+            cond, uncond = (transformer(hidden_states=x, timestep=t.expand(1) / 1000, encoder_hidden_states=c,
+                                        padding_mask=torch.zeros(1, 1, size, size), return_dict=False)[0]
+                            for c in contexts)
+            x = scheduler.step(uncond + guidance * (cond - uncond), t, x, return_dict=False)[0]
+        diff = (ours - x[:, :, 0]).abs().max().item()
+        print(f"shift {shift}: max abs diff {diff:.1e}")
+        assert diff <= 1e-5 if shift == 3.0 else diff > 1e-2, (shift, diff)
+
+
+@torch.no_grad()
 def test_a_batch_of_captions_of_other_lengths_predicts_each_as_alone(tiny_set):
     """Captions of other Qwen3 and T5 lengths in one batch (collate zero-pads them, the masks say where), the empty
     caption's one masked token among them: each row's prediction is the one it gets alone; without the masks the
