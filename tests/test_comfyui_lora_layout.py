@@ -131,6 +131,25 @@ def test_bfl_named_lora_kohya_and_comfy_load_every_key_as_our_merge(tiny_set, tm
         assert max_diff(comfy.patched(comfy_sd, patches), ours) <= 1e-6
 
 
+def test_anima_lora_kohya_and_comfy_load_every_key_as_our_merge(tiny_set, tmp_path):
+    """ComfyUI's Anima model has the released single file's names less its `net.` prefix, ours: sd-scripts' kohya
+    names and --to comfy load whole (the blocks, their adaLN-LoRA modulation and the LLM adapter), as our merge."""
+    from library.models.anima.checkpoint import load_anima
+
+    model = load_anima(tiny_set["anima"]).float()
+    net = lora(model, "anima", rank=4, alpha=2.0, seed=5, adapter_dim=4, train_modulation="true")
+    kohya, comfy_file = str(tmp_path / "kohya.safetensors"), str(tmp_path / "comfy.safetensors")
+    net.save(kohya)
+    assert convert_lora.main([kohya, comfy_file, "--to", "comfy"]) == 0
+    comfy_sd = {k: v.float() for k, v in model.state_dict().items()}
+    ours = merged(model, net.lora_weights())
+    assert any(p.startswith("llm_adapter.") for p in net.lora_weights())
+    for path in (kohya, comfy_file):
+        patches, not_loaded = comfy.load_lora(load_file(path), comfy.key_map(comfy_sd))
+        assert not not_loaded and len(patches) == len(net.lora_weights())
+        assert max_diff(comfy.patched(comfy_sd, patches), ours) <= 1e-6
+
+
 @pytest.mark.parametrize("strength", [1.0, 0.5])
 def test_comfyui_applies_our_dora_as_ours_but_normalised_by_the_base_weight(tiny_set, tmp_path, strength):
     """ComfyUI's DoRA math on our kohya DoRA file reads our magnitude on the output axis, our alpha and

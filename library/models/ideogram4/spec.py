@@ -34,7 +34,9 @@ LORA = S.LoRATargets(
 # `.o` is theirs only (Z-Image's original name is attention.out): its marker ends at the module name, as
 # markers meet tensor keys (`..._attention_o_lora_down_weight`), so Z-Image's `_attention_out_` is no match.
 LORA_FILES = S.LoRAFiles(
-    markers=("llm_cond_proj", "adaln_proj", "t_embedding_mlp_", "_adaln_modulation", "_attention_o_"),
+    # the blocks' adaLN by their layer (Anima's blocks.N.adaln_modulation_self_attn holds the rest)
+    markers=("llm_cond_proj", "adaln_proj", "t_embedding_mlp_", *(f"layers_{n}_adaln_modulation" for n in range(64)),
+             "_attention_o_"),
     names_of="zimage",
     model_versions=("ideogram4", "ideogram-4"),  # ours and ai-toolkit's ideogram4; musubi-tuner's modelspec Ideogram-4/lora
     block_pattern=r"(layers)[._](\d+)[._]",
