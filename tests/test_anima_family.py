@@ -254,3 +254,22 @@ def test_generate_renders_with_cfg_and_the_lora(tiny_set, trained, tmp_path):
     (png,) = out.glob("*.png")
     with Image.open(png) as image:
         assert image.size == (48, 32) and image.text["steps"] == "2" and float(image.text["guidance"]) == 4.0
+
+
+def test_the_text_cache_key_follows_the_t5_tokenizer(tiny_set, tmp_path):
+    """The T5 ids are cached with the Qwen3 states: another T5 tokenizer (t5_tokenizer/ beside the encoder, or the
+    t5_tokenizer key) is another key, so stale ids are never reused."""
+    import shutil
+
+    root = tmp_path / "repo"
+    shutil.copytree(os.path.dirname(tiny_set["anima_text_encoder"]), root)
+    encoder = str(root / os.path.basename(tiny_set["anima_text_encoder"]))
+    key = AnimaFamily(tiny_set["anima"], text_encoder=encoder).text_cache_key({}, "bf16")
+    other = tmp_path / "other_t5"
+    shutil.copytree(root / "t5_tokenizer", other)
+    with open(other / "tokenizer_config.json", "a") as f:
+        f.write("\n")
+    assert AnimaFamily(tiny_set["anima"], None, str(other), text_encoder=encoder).text_cache_key({}, "bf16") != key
+    with open(root / "t5_tokenizer" / "tokenizer_config.json", "a") as f:
+        f.write("\n")
+    assert AnimaFamily(tiny_set["anima"], text_encoder=encoder).text_cache_key({}, "bf16") != key

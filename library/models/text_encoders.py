@@ -111,7 +111,7 @@ def _read_config(path: str, config: dict | str | None, default: dict) -> dict:
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
                    "spiece.model", "tokenizer.model", "vocab.json", "merges.txt", "vocab.txt", "chat_template.json",
                    "chat_template.jinja", "preprocessor_config.json")
-TOKENIZER_FOLDERS = ("tokenizer", "tokenizer_2", "processor")  # a diffusers repo's, beside text_encoder/
+TOKENIZER_FOLDERS = ("tokenizer", "tokenizer_2", "t5_tokenizer", "processor")  # a diffusers repo's, beside text_encoder/
 VOCABULARY_FILES = ("tokenizer.json", "spiece.model", "tokenizer.model", "vocab.json", "vocab.txt")  # one at least
 
 

@@ -36,7 +36,8 @@ class AnimaFamily(DiffusionFamily):
     true_cfg = True  # CFG above 1 (ClassifierFreeGuidance's test)
 
     def __init__(self, model_path: str, vae_path: str | None = None, t5_tokenizer: str | None = None, **text_paths):
-        super().__init__(model_path, vae_path, **text_paths)
+        # a T5 tokenizer given apart is one of the text files (the text cache's key fingerprints its files)
+        super().__init__(model_path, vae_path, **text_paths, **({"t5_tokenizer": t5_tokenizer} if t5_tokenizer else {}))
         self.t5_tokenizer = t5_tokenizer
 
     @classmethod
@@ -100,18 +101,6 @@ class AnimaFamily(DiffusionFamily):
         return None
 
     # -- text ----------------------------------------------------------------------------------
-    @property
-    def text_paths_with_tokenizer(self) -> dict:
-        return {**self.text_paths, **({"t5_tokenizer": self.t5_tokenizer} if self.t5_tokenizer else {})}
-
-    def text_cache_key(self, options: dict, precision: str) -> str:
-        """The generic key over the text encoder's files, and the T5 tokenizer's where it is given apart."""
-        saved, self.text_paths = self.text_paths, self.text_paths_with_tokenizer
-        try:
-            return super().text_cache_key(options, precision)
-        finally:
-            self.text_paths = saved
-
     def text_encoding_constants(self) -> dict:
         from library.models.anima.text_encoder import ANIMA_MAX_LENGTH
 
