@@ -1,7 +1,8 @@
-"""tools/convert_config.py on sd-scripts' flux_train_network.py configs (library/training/peers/sd_scripts.py):
-its documented command line on the tiny FLUX.1 set becomes a config train_lora.py reads (and trains 2 steps
-from), a TOML config with its dataset TOML, its DreamBooth folders, a Chroma config; each key's verdict is
-the one its code gives it (kept, renamed, dropped, not carried, unknown); bad input is one line, exit 2."""
+"""tools/convert_config.py on sd-scripts' flux_train_network.py and anima_train_network.py configs
+(library/training/peers/sd_scripts.py, sd_scripts_script.py): its documented command lines on the tiny FLUX.1 and
+Anima sets become configs train_lora.py reads (and trains 2 steps from), TOML configs with their dataset TOML, its
+DreamBooth folders, a Chroma config; each key's verdict is the one its code gives it (kept, renamed, dropped, not
+carried, unknown); bad input is one line, exit 2."""
 
 import ast
 import os
@@ -214,6 +215,95 @@ def test_chroma_config(tiny_set, tmp_path, capsys):
     assert "check: train_lora.py reads it as written" in text
 
 
+def anima_command(tiny_set, dataset: str, out: str, *extra: str) -> str:
+    """sd-scripts' docs/anima_train_network.md command line (section 4), its paths on the tiny set."""
+    return " ".join([
+        "accelerate launch --num_cpu_threads_per_process 1 anima_train_network.py",
+        f'--pretrained_model_name_or_path="{tiny_set["anima"]}"', f'--qwen3="{tiny_set["anima_text_encoder"]}"',
+        f'--vae="{tiny_set["qwen_image_vae"]}"', f'--dataset_config="{dataset}"', f'--output_dir="{out}"',
+        '--output_name="my_anima_lora"', "--save_model_as=safetensors", "--network_module=networks.lora_anima",
+        "--network_dim=8", "--learning_rate=1e-4", '--optimizer_type="AdamW8bit"', '--lr_scheduler="constant"',
+        '--timestep_sampling="sigmoid"', "--discrete_flow_shift=1.0", "--max_train_epochs=10",
+        "--save_every_n_epochs=1",
+        '--mixed_precision="bf16"', "--gradient_checkpointing", "--cache_latents", "--cache_text_encoder_outputs",
+        "--vae_chunk_size=64", "--vae_disable_cache", *extra,
+    ])
+
+
+def test_anima_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path, capsys):
+    """anima_train_network.py: its model files as ours (qwen3 -> text_encoder, vae -> ae), its sigmoid draw kept (ours'
+    Anima default is anima_shift k = 3), its LLM-adapter switch as adapter_dim at network_dim, its memory switches
+    dropped, a separate adapter file and another Qwen3 length not carried; the FLUX.1 script's keys are unknown."""
+    dataset = their_dataset(tmp_path, tiny_set["image_dir"])
+    command = anima_command(tiny_set, dataset, str(tmp_path / "run"), "--blocks_to_swap=10", "--fp8_base",
+                            "--llm_adapter_path=adapter.safetensors", "--qwen3_max_token_length=256",
+                            "--t5_max_token_length=512", "--llm_adapter_lr=5e-5", "--guidance_scale=1.0",
+                            "--network_args train_llm_adapter=True \"exclude_patterns=['.*mlp.*']\" "
+                            "\"include_patterns=['.*final_layer.*']\" verbose=True rank_dropout=0.1 split_qkv=True")
+    out = tmp_path / "ours.toml"
+    code, rows, text = convert(["--command", command, "--out", str(out)], capsys)
+    assert code == 0, text
+    assert (rows["qwen3"], rows["vae"]) == (("renamed", "text_encoder"), ("renamed", "ae"))
+    assert rows["blocks_to_swap"] == ("kept", "")  # its 10 of 28 blocks of one kind, as ours
+    for dropped in ("fp8_base", "vae_chunk_size", "vae_disable_cache", "t5_max_token_length", "llm_adapter_lr",
+                    "discrete_flow_shift", "network_args verbose", "network_args split_qkv", "cache_latents"):
+        assert rows[dropped][0] == "dropped", (dropped, rows[dropped])
+    assert rows["llm_adapter_lr"][1].startswith("its full fine-tuning's rates")
+    for refused in ("llm_adapter_path", "qwen3_max_token_length", "network_args include_patterns"):
+        assert rows[refused][0] == "not carried", refused
+    assert rows["guidance_scale"][0] == "unknown"  # the FLUX.1 script's argument: not anima_train_network.py's
+    assert "network_train_unet_only (default)" not in rows  # sd-scripts stops when caching without it; ours: the DiT's
+    assert "check: train_lora.py reads it as written" in text
+    ours = toml_loads(out.read_text())
+    assert (ours["model_type"], ours["text_encoder"], ours["ae"]) == (
+        "anima", tiny_set["anima_text_encoder"], tiny_set["qwen_image_vae"])
+    assert (ours["timestep_sampling"], ours["blocks_to_swap"]) == ("sigmoid", 10)
+    assert ours["network_module"] == "networks.lora"
+    assert ours["network_args"] == ["adapter_dim=8", "exclude_patterns=['.*mlp.*']", "rank_dropout=0.1"]
+    assert not {"base_precision", "discrete_flow_shift", "guidance_scale"} & set(ours)
+    args = load_config(["--config_file", str(out)])
+    assert (args.model_type, args.network_dim, args.optimizer_type) == ("anima", 8, "AdamW8bit")
+
+
+def test_anima_toml_reads_its_scripts_defaults(tiny_set, tmp_path, capsys):
+    """An anima_train_network.py TOML (no script named: its LoRA module, else its qwen3 key says it; keys of both
+    scripts are one line): a timestep draw left out is its
+    parser's sigmoid (not ours' anima_shift), `shift` at its discrete_flow_shift 1.0; weighting_scheme weighs its raw
+    loss (no model_prediction_type there); a Qwen3 LoRA it would train is not carried."""
+    dataset = their_dataset(tmp_path, tiny_set["image_dir"])
+    config = tmp_path / "anima_lora.toml"
+    config.write_text("\n".join([
+        "[model]", f'pretrained_model_name_or_path = "{tiny_set["anima"]}"',
+        f'qwen3 = "{tiny_set["anima_text_encoder"]}"', f'vae = "{tiny_set["qwen_image_vae"]}"', 'llm_adapter_path = ""',
+        "", "[training]", f'dataset_config = "{dataset}"', f'output_dir = "{tmp_path / "run"}"',
+        'weighting_scheme = "sigma_sqrt"', "network_train_unet_only = true", 'network_module = "networks.lora_anima"',
+        't5xxl = "t5.safetensors"', ""]))  # its LoRA module names the script: t5xxl is then not its parser's
+    code, rows, text = convert([str(config)], capsys)
+    assert code == 0, text
+    assert rows["timestep_sampling (default)"] == ("kept", "") and rows["weighting_scheme"] == ("kept", "")
+    assert rows["llm_adapter_path"] == ("dropped", "empty") and rows["t5xxl"][0] == "unknown"
+    ours = toml_loads((tmp_path / "anima_lora_converted.toml").read_text())
+    assert (ours["model_type"], ours["timestep_sampling"]) == ("anima", "sigmoid")
+    assert ours["weighting_scheme"] == "sigma_sqrt"
+    assert (ours["network_dim"], ours["learning_rate"]) == (4, 2e-6)  # its parser's defaults, as FLUX.1's
+    assert "check: train_lora.py reads it as written" in text
+    shift = sd_scripts.translate({"qwen3": "q", "timestep_sampling": "shift", "network_train_unet_only": False},
+                                 "x.toml")
+    verdicts = {line.key: line.verdict for line in shift.lines}
+    assert (shift.config["timestep_sampling"], shift.config["discrete_flow_shift"]) == ("shift", 1.0)
+    assert verdicts["discrete_flow_shift (default)"] == "kept" and verdicts["network_train_unet_only"] == "not carried"
+    cached = sd_scripts.translate({"network_module": "networks.lora_anima", "cache_text_encoder_outputs_to_disk": True,
+                                   "network_args": ["train_llm_adapter=false", "loraplus_text_encoder_lr_ratio=2"]},
+                                  "x.toml")
+    assert cached.config["model_type"] == "anima" and "network_args" not in cached.config
+    assert {line.key: line.verdict for line in cached.lines}["network_args loraplus_text_encoder_lr_ratio"] == "dropped"
+    with pytest.raises(ValueError, match=r"^x\.toml: clip_l \(flux_train_network\.py's\), qwen3 \(anima_train_"):
+        sd_scripts.translate({"qwen3": "q", "clip_l": "c"}, "x.toml")
+    with pytest.raises(ValueError, match="^x.toml: sd-scripts' anima_train_network.py trains model_type 'anima', but "
+                                         "--model_type flux"):
+        sd_scripts.translate({"qwen3": "q"}, "x.toml", model_type="flux")
+
+
 def test_command_with_config_file_takes_the_command_lines_keys_over_the_files(tiny_set, tmp_path, capsys):
     dataset = their_dataset(tmp_path, tiny_set["image_dir"])
     (tmp_path / "base.toml").write_text(f'[model]\npretrained_model_name_or_path = "{tiny_set["flux_bfl"]}"\n'
@@ -231,9 +321,6 @@ def test_command_with_config_file_takes_the_command_lines_keys_over_the_files(ti
     ("flux_train_network.py --model_type sd3", "command line: model_type 'sd3': expected one of sd-scripts' flux, chroma"),
     ("sdxl_train_network.py --network_dim 4", "sdxl_train_network.py: sd-scripts' sdxl_train_network.py trains sdxl, "
                                               "which we do not train here"),
-    ("anima_train_network.py --network_dim 4", "anima_train_network.py: sd-scripts' anima_train_network.py trains "
-                                               "Anima, whose sd-scripts configs do not translate yet: start from "
-                                               "configs/anima.toml"),
     ("train_network.py --network_dim 4", "train_network.py: sd-scripts' train_network.py trains Stable Diffusion 1.x"),
     ("flux_train_network.py --network_args rank_dropout", "command line: network_args entry 'rank_dropout': expected key=value"),
     ("flux_train_network.py --train_data_dir /nonexistent/img", "command line: train_data_dir '/nonexistent/img': no such folder"),
@@ -259,17 +346,22 @@ def test_two_steps_train_from_a_converted_config(tiny_set, tmp_path, capsys):
     assert os.path.isfile(tmp_path / "run" / "my_flux_lora.safetensors")
 
 
-def parser_arguments(checkout: str) -> set[str]:
-    """The --names flux_train_network.py's parser takes: the add_argument calls of setup_parser (its and
+# each script's own part of its parser (beside train_network's): the file and its add_* function
+OWN_PARSERS = {"flux_train_network.py": ("library/flux_train_utils.py", "add_flux_train_arguments"),
+               "anima_train_network.py": ("library/anima_train_utils.py", "add_anima_training_arguments")}
+
+
+def parser_arguments(checkout: str, script: str = "flux_train_network.py") -> set[str]:
+    """The --names the script's parser takes: the add_argument calls of setup_parser (its and
     train_network's) and of the add_* functions they call, read from the source (nothing of theirs imported)."""
+    own_file, own_function = OWN_PARSERS[script]
     functions = {
         "library/train_util.py": ("add_sd_models_arguments", "add_dataset_arguments", "add_training_arguments",
                                   "add_masked_loss_arguments", "add_optimizer_arguments", "add_dit_training_arguments"),
         "library/utils.py": ("add_logging_arguments",), "library/sai_model_spec.py": ("add_model_spec_arguments",),
         "library/deepspeed_utils.py": ("add_deepspeed_arguments",), "library/config_util.py": ("add_config_arguments",),
         "library/custom_train_functions.py": ("add_custom_train_arguments",),
-        "library/flux_train_utils.py": ("add_flux_train_arguments",), "train_network.py": ("setup_parser",),
-        "flux_train_network.py": ("setup_parser",),
+        own_file: (own_function,), "train_network.py": ("setup_parser",), script: ("setup_parser",),
     }
     found = set()
     for path, names in functions.items():
@@ -289,6 +381,9 @@ def test_every_argument_of_the_parser_has_a_rule():
     arguments = parser_arguments(CHECKOUT)
     assert len(arguments) > 200
     assert sorted(arguments - set(sd_scripts.RULES)) == [] and sorted(set(sd_scripts.RULES) - arguments) == []
+    for script, rules in sd_scripts.SCRIPT_RULES.items():  # each script's own (48d368f: 215 and 220 arguments)
+        arguments = parser_arguments(CHECKOUT, script)
+        assert sorted(arguments - set(rules)) == [] and sorted(set(rules) - arguments) == [], script
 
 
 def test_every_rule_says_why():

@@ -420,15 +420,29 @@ class MusubiModels:
 
 @dataclass(frozen=True)
 class SdScriptsModels:
-    """How sd-scripts names this folder's models (library/training/peers/sd_scripts.py): the one script that trains
-    them, its LoRA module, and its --model_type values."""
-    script: str  # its training script ("<name>_train_network.py"); the specs that list sd-scripts name one
+    """How sd-scripts names this folder's models (library/training/peers/sd_scripts.py): the script that trains
+    them, its LoRA module, and its --model_type values (or, for a script of its own, that script's arguments)."""
+    script: str  # its training script ("<name>_train_network.py"); specs may share one (with --model_type values)
     lora_module: str  # its LoRA module of the model's blocks (ours: networks.lora)
     models: dict[str, dict[str, str]]  # its --model_type values -> our keys (model_type)
     default: str = ""  # its --model_type default where it is one of these (every spec that lists sd-scripts: one)
     draws: tuple[str, ...] = ()  # its timestep_sampling values named after this model: our draws of the same name
     # its LoRA-merge script's flags named after this model -> ours (tools/merge_lora.py names them for the user)
     merge_flags: dict[str, str] = field(default_factory=dict)
+    # A script of its own (one that takes no --model_type): what its parser has beside train_network's, which
+    # library/training/peers/sd_scripts_script.py reads. The first script the registry lists is sd_scripts.RULES'.
+    model_type: str = ""  # our model_type its script trains where `models` is empty (the script says the model)
+    lacks: tuple[str, ...] = ()  # sd_scripts.RULES' arguments its parser does not take (unknown in its configs)
+    files: dict[str, str] = field(default_factory=dict)  # its model-file arguments -> our config keys
+    defaults: dict[str, object] = field(default_factory=dict)  # its parser's defaults that differ from THEIR_DEFAULTS
+    token_lengths: dict[str, int] = field(default_factory=dict)  # its tokenizer-length arguments -> the count ours runs
+    ignored_args: dict[str, str] = field(default_factory=dict)  # its own arguments ours reads nothing of -> why
+    refused_args: dict[str, str] = field(default_factory=dict)  # its own arguments not carried unless empty -> why
+    lora_module_args: tuple[str, ...] = ()  # the network_args its LoRA module reads (empty: sd_scripts.LORA_ARGS)
+    # its LoRA module's switches (network_args "name=true") -> ours' item, "{network_dim}" standing for the rank
+    lora_switches: dict[str, str] = field(default_factory=dict)
+    fp8_base_off: str = ""  # why its script turns fp8_base off for this model ("": it casts the transformer)
+    one_block_kind: bool = False  # blocks_to_swap N swaps N blocks (else N // 2 double and 2 (N - N // 2) single)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -477,9 +491,6 @@ class ArchSpec:
     peer_bucket_steps: dict[str, int] = field(default_factory=dict)
     # its text encoder's padding is masked in attention (its pipeline's rule: a peer's mask switch is read by it)
     masks_text_padding: bool = False
-    # peer -> its training scripts for this folder's models whose configs tools/convert_config.py does not
-    # translate (yet): the peer is told by them, and the refusal names the model and our config to start from
-    untranslated_scripts: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
     def __post_init__(self):
         _check_type(self, ArchSpec, "SPEC")

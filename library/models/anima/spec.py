@@ -118,6 +118,45 @@ CONFIG_KEYS = (
 MODELSPEC = {"anima": S.ModelSpecNames("anima-preview", "https://huggingface.co/circlestone-labs/Anima")}
 
 
+# -- sd-scripts' names (library/training/peers/sd_scripts.py, sd_scripts_script.py): anima_train_network.py (its
+# setup_parser: train_network's, add_dit_training_arguments, anima_train_utils.add_anima_training_arguments and
+# --unsloth_offload_checkpointing; sd-scripts 48d368f) with networks.lora_anima. Its parser lacks the FLUX.1 script's
+# model arguments (add_flux_train_arguments) and its weighting_scheme weighs the raw loss
+# (compute_loss_weighting_for_anima: no model_prediction_type); it draws timesteps by `sigmoid` at scale 1.0, and
+# discrete_flow_shift 1.0 where `shift` / `sigma` reads it.
+_MEMORY = "memory and speed only: ours runs PyTorch's SDPA on whole batches and encodes latents once, before training"
+SD_SCRIPTS = S.SdScriptsModels(
+    script="anima_train_network.py", lora_module="networks.lora_anima", models={}, model_type="anima",
+    lacks=("model_type", "clip_l", "t5xxl", "ae", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
+           "controlnet_model_name_or_path", "model_prediction_type", "split_mode"),
+    files={"qwen3": "text_encoder", "vae": "ae", "t5_tokenizer_path": "t5_tokenizer"},
+    defaults={"timestep_sampling": "sigmoid", "discrete_flow_shift": 1.0},  # (sigmoid_scale 1.0, as THEIR_DEFAULTS)
+    # AnimaTokenizeStrategy's max lengths (default 512 each); ours: Qwen3 up to 512 tokens and 512 T5 ids, as the
+    # pipeline (the adapter's 512 cross-attention tokens)
+    token_lengths={"qwen3_max_token_length": 512, "t5_max_token_length": 512},
+    ignored_args={
+        **dict.fromkeys(("attn_mode", "split_attn", "vae_chunk_size", "vae_disable_cache",
+                         "unsloth_offload_checkpointing"), _MEMORY),
+        # get_anima_param_groups: anima_train.py's (full fine-tuning); the LoRA script reads none of them (its docs:
+        # network_reg_lrs instead)
+        **dict.fromkeys(("self_attn_lr", "cross_attn_lr", "mlp_lr", "mod_lr", "llm_adapter_lr"),
+                        "its full fine-tuning's rates (anima_train.py): its LoRA training does not read it either"),
+    },
+    # documented as a separate adapter file; its load_anima_model (48d368f) reads the adapter from the DiT file
+    # whatever it says, as ours does
+    refused_args={"llm_adapter_path": "ours reads the LLM adapter from the DiT file (pretrained_model_name_or_path), "
+                                      "as sd-scripts' loader does too; merge a separate adapter into that file"},
+    lora_module_args=("train_llm_adapter", "exclude_patterns", "include_patterns", "rank_dropout", "module_dropout",
+                      "verbose", "network_reg_lrs", "network_reg_dims", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
+                      "loraplus_text_encoder_lr_ratio"),
+    # LLMAdapterTransformerBlock's Linears at network_dim: ours' adapter type at that rank
+    lora_switches={"train_llm_adapter": "adapter_dim={network_dim}"},
+    fp8_base_off="sd-scripts turns fp8_base off for Anima (a warning; its docs: not supported) and trains in "
+                 "mixed_precision",
+    one_block_kind=True,  # 28 blocks of one kind: its N swaps N of them, as ours
+)
+
+
 SPEC = S.ArchSpec(
     arch="anima",
     title="Anima",
@@ -139,7 +178,5 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch; its get_bucket_divisibility 16 * 2 (the VAE's 8 x the 2 x 2 patch, times 2)
     peer_bucket_steps={"ai-toolkit": 32},
-    peer_models={"ai-toolkit": {"anima": {"model_type": "anima"}}},
-    # sd-scripts trains it with its own script; tools/convert_config.py translates flux_train_network.py's only
-    untranslated_scripts={"sd-scripts": ("anima_train_network.py",)},
+    peer_models={"ai-toolkit": {"anima": {"model_type": "anima"}}, "sd-scripts": SD_SCRIPTS},
 )

@@ -36,11 +36,11 @@ def peers_of(key: str, peers=TOML_PEERS) -> list[str]:
 
 
 def peer_lora_modules() -> dict[str, str]:
-    """{a peer's LoRA network_module: the peers naming it ("sd-scripts / musubi-tuner")}: sd-scripts' one and
+    """{a peer's LoRA network_module: the peers naming it ("sd-scripts / musubi-tuner")}: sd-scripts' one per script and
     musubi-tuner's, one per model. A config naming one is a peer's even where every key of it is ours too."""
     from library.training.peers import musubi_models, sd_scripts_models
 
-    peers: dict[str, list[str]] = {sd_scripts_models.lora_module(): ["sd-scripts"]}
+    peers: dict[str, list[str]] = {module: ["sd-scripts"] for module in sd_scripts_models.lora_modules()}
     for module in musubi_models.lora_modules():
         peers.setdefault(module, []).append("musubi-tuner")
     return {module: " / ".join(names) for module, names in peers.items()}

@@ -33,8 +33,9 @@ from typing import Any
 from library.models.registry import spec_of
 from library.training.config_schema import SCHEMA
 from library.training.peers import kohya_ss, sd_scripts_dataset as dataset_rules, sd_scripts_models as models
-from library.training.peers import sd_scripts_samples, sd_scripts_training as training_rules
-from library.training.peers.sd_scripts_defaults import note, their, their_default
+from library.training.peers import sd_scripts_samples, sd_scripts_script as script_rules
+from library.training.peers import sd_scripts_training as training_rules
+from library.training.peers.sd_scripts_defaults import note, script_of, text_encoder_lr_zero, their, their_default
 from library.training.peers.rules import (
     DROPPED, KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, custom, flatten_tables, ignored, implied,
     is_off, is_true, same, unless_off, unsupported,
@@ -58,9 +59,7 @@ def reads(t: Translation, key: str) -> bool:
 def clip_l_lr_zero(t: Translation) -> bool:
     """text_encoder_lr (its first: CLIP-L's) 0: its LoRA module skips a parameter group at lr 0, the CLIP-L LoRA's
     too."""
-    rates = their(t, "text_encoder_lr")
-    first = rates[0] if isinstance(rates, list) and rates else rates
-    return isinstance(first, (int, float, str)) and str(first).strip() in ("0", "0.0")
+    return text_encoder_lr_zero(t)
 
 
 def trains_clip_l(t: Translation) -> bool:
@@ -79,30 +78,48 @@ def title(t: Translation) -> str:
 
 # sd-scripts' LoRA training scripts (tools/convert_config.py tells the peer of a --command by them); the others
 # than the specs' train models we do not, and model_of refuses them in one line.
-SCRIPTS = (models.script(), "train_network.py", "sdxl_train_network.py", "sd3_train_network.py", "lumina_train_network.py",
-           "hunyuan_image_train_network.py", *models.untranslated_scripts())
+SCRIPTS = (*models.scripts(), "train_network.py", "sdxl_train_network.py", "sd3_train_network.py",
+           "lumina_train_network.py", "hunyuan_image_train_network.py")
+
+
+def script_of_config(flat: dict, script: str | None, source: str) -> str:
+    """The specs' script the config is for: a command line's (one of the specs'), else the script of the LoRA module
+    its network_module names, else the one script whose parser alone takes a key it gives, else the first."""
+    if script is not None:
+        name = os.path.basename(script)
+        if name in models.scripts():
+            return name
+        expected = " / ".join(f"{s}'s" for s in models.scripts())
+        model = name[:-len("_train_network.py")] if name.endswith("_train_network.py") else "Stable Diffusion 1.x / 2.x"
+        raise ValueError(f"{script}: sd-scripts' {name} trains {model}, which we do not train here ({expected} "
+                         f"configs translate)" if name.endswith("train_network.py") else
+                         f"{script}: not sd-scripts' LoRA training script ({expected} configs translate)")
+    module = flat.get("network_module")
+    if isinstance(module, str) and module in models.lora_modules():
+        return models.lora_modules()[module]
+    own = {s: set(flat) & (set(SCRIPT_RULES[s]) - {k for o in models.scripts() if o != s for k in SCRIPT_RULES[o]})
+           for s in models.scripts()}
+    told = [s for s, keys in own.items() if keys]
+    if len(told) > 1:
+        raise ValueError(f"{source}: " + ", ".join(f"{', '.join(sorted(own[s]))} ({s}'s)" for s in told)
+                         + ": keys of more than one sd-scripts script; give the command line with its script")
+    return told[0] if told else models.first_script()
 
 
 def model_of(flat: dict, asked: str | None, script: str | None, source: str) -> str:
-    """Our model_type: the config's model_type (one of the specs' sd-scripts names; else its default, ours too); a
-    command line's script must be the specs' script, and --model_type must agree."""
-    expected, known = models.script(), models.model_types()
-    if script is not None and os.path.basename(script) != expected:
-        name = os.path.basename(script)
-        if name in models.untranslated_scripts():
-            spec = spec_of(models.untranslated_scripts()[name])
-            raise ValueError(f"{script}: sd-scripts' {name} trains {spec.title}, whose sd-scripts configs do not "
-                             f"translate yet: start from configs/{spec.default_config} ({expected}'s configs "
-                             f"translate)")
-        model = name[:-len("_train_network.py")] if name.endswith("_train_network.py") else "Stable Diffusion 1.x / 2.x"
-        raise ValueError(f"{script}: sd-scripts' {name} trains {model}, which we do not train here ({expected}'s "
-                         f"configs translate)" if name.endswith("train_network.py") else
-                         f"{script}: not sd-scripts' LoRA training script ({expected}'s configs translate)")
-    found = flat.get("model_type", models.default_model_type())
+    """Our model_type: the script's (script_of_config); of a script with --model_type values, the config's
+    model_type (one of them; else its default, ours too). --model_type must agree."""
+    name = script_of_config(flat, script, source)
+    known, default = models.model_types(name), models.default_model_type(name)
+    if not known:  # a script of its own says the model (a model_type key is not its parser's: unknown)
+        if asked is not None and asked != default:
+            raise ValueError(f"{source}: sd-scripts' {name} trains model_type {default!r}, but --model_type {asked}")
+        return default
+    found = flat.get("model_type", default)
     if found not in list(known):  # (a list value is no name either)
         raise ValueError(f"{source}: model_type {found!r}: expected one of sd-scripts' {', '.join(known)}")
     if asked is not None and asked != known[found]:
-        raise ValueError(f"{source}: model_type {found!r} (sd-scripts' default {models.default_model_type()}), but "
+        raise ValueError(f"{source}: model_type {found!r} (sd-scripts' default {default}), but "
                          f"--model_type {asked}")
     return known[found]
 
@@ -174,8 +191,8 @@ def _split_mode(t: Translation, key: str, value: Any) -> None:
 # The network
 
 
-LORA_MODULE = models.lora_module()  # sd-scripts' LoRA of the models' blocks (the specs'): ours networks.lora
-# The network_args its create_network reads (others are ignored there).
+LORA_MODULE = models.lora_module(models.first_script())  # the first script's LoRA of its models' blocks (the specs')
+# The network_args its create_network reads (others are ignored there; a script of its own: its spec's).
 LORA_ARGS = {
     "conv_dim", "conv_alpha", "img_attn_dim", "txt_attn_dim", "img_mlp_dim", "txt_mlp_dim", "img_mod_dim", "txt_mod_dim",
     "single_dim", "single_mod_dim", "in_dims", "train_double_block_indices", "train_single_block_indices",
@@ -192,22 +209,31 @@ LORA_ARGS_REFUSED = {
 }
 
 
+def lora_module_of(t: Translation) -> str:
+    """sd-scripts' LoRA module of the translation's script (the specs'): ours networks.lora."""
+    return models.lora_module(script_of(t))
+
+
 def _network_module(t: Translation, key: str, value: Any) -> None:
-    if value == LORA_MODULE:
+    if value == lora_module_of(t):
         t.set(key, "networks.lora", key, value, RENAMED)
         note(t, 'network_module = "networks.lora" (the same LoRA of the same Linears)')
     elif value == "lycoris.kohya":
         t.set(key, value, key, value)
     else:
-        t.refuse(key, value, f"ours trains {LORA_MODULE}'s LoRA (networks.lora) or lycoris.kohya")
+        t.refuse(key, value, f"ours trains {lora_module_of(t)}'s LoRA (networks.lora) or lycoris.kohya")
 
 
 def network_arg_verdict(t: Translation, name: str, text: str) -> tuple[str, str]:
     """(verdict, why) of one argument `name=text` of its LoRA module: KEPT, or DROPPED / NOT_CARRIED with why."""
     from networks.lora_args import check_lora_args
 
-    if name not in LORA_ARGS:
-        return DROPPED, f"{LORA_MODULE} does not read it"
+    module_args = models.entry(script_of(t)).lora_module_args or LORA_ARGS
+    if name not in module_args:
+        return DROPPED, f"{lora_module_of(t)} does not read it"
+    own = script_rules.lora_arg_verdict(t, name, text) if module_args is not LORA_ARGS else None
+    if own is not None:
+        return own
     if name in ("verbose", "conv_dim", "conv_alpha"):
         return DROPPED, "a log switch" if name == "verbose" else "the model has no convolutions"
     if name in ("split_qkv", "train_t5xxl") and text != "True":  # sd-scripts' test: the string "True" only
@@ -250,14 +276,14 @@ def _network_args(t: Translation, key: str, value: Any) -> None:
     if module == "lycoris.kohya":  # LyCORIS' own arguments: ours passes them on (docs/configuration.md)
         t.set(key, [str(v) for v in (value if isinstance(value, list) else [value])], key, value)
         return
-    if module not in (None, LORA_MODULE):
+    if module not in (None, lora_module_of(t)):
         t.drop(key, value, f"goes with network_module {module!r}, not carried")
         return
     kept = []
     for name, text in network_args_of(value, t.source).items():
         verdict, why = network_arg_verdict(t, name, text)
         if verdict in (KEPT, RENAMED):
-            kept.append(f"{why or name}={text}")
+            kept.append(why if "=" in why else f"{why or name}={text}")  # a switch's: ours' whole item
         else:
             t.lines.append(Line(f"{key} {name}", text, verdict, why))
     if kept:
@@ -372,7 +398,7 @@ def _dataset_config(t: Translation, key: str, value: Any) -> None:
 # The rules: every argument of its script's parser
 
 
-IGNORED = models.ignored_text()  # a key of sd-scripts' parser its training of these models does not read
+IGNORED = models.ignored_text(models.first_script())  # a key of its parser its training of these models does not read
 HEADER_TEXT = "text for the LoRA's header: ours writes none (the training is the same)"
 UPLOAD = "a Hugging Face upload: ours uploads nothing (upload the LoRA yourself)"
 DEEPSPEED = "DeepSpeed: ours runs DDP or FSDP through accelerate launch (configs/accelerate/)"
@@ -497,31 +523,39 @@ RULES: dict[str, Rule] = {
 # The translation
 
 
+# Each of the specs' scripts' rules: the first's RULES, a script of its own's from them (sd_scripts_script.py).
+SCRIPT_RULES = {script: RULES if script == models.first_script() else script_rules.rules_of(script, RULES)
+                for script in models.scripts()}
+
+
 def translate(config: dict, source: str, *, model_type=None, dataset=None, dataset_source=None, script=None) -> Translation:
     """sd-scripts' config (its TOML, or a command line's keys) and its dataset TOML as ours."""
     flat = flatten_tables(config)
     t = Translation("sd-scripts", source, given=flat)
     t.config["model_type"] = model_of(flat, model_type, script, source)
+    rules = SCRIPT_RULES[script_of(t)]
     t.dataset = dataset_rules.dataset_of(t, flat, dataset, dataset_source)
     for key, value in flat.items():
         try:
-            apply_rule(t, key, value, kohya_ss.KEYS.get(key, RULES.get(key)))
+            apply_rule(t, key, value, kohya_ss.KEYS.get(key, rules.get(key)))
         except (TypeError, ValueError) as e:  # a value of another type (float("")): one line naming the key
             raise ValueError(str(e) if str(e).startswith(source) else f"{source}: {key} = {value!r}: {e}") from None
-    carry_defaults(t, flat)
+    carry_defaults(t, flat, rules)
     dataset_rules.finish(t)
     fit_schema(t)
     return t
 
 
-def carry_defaults(t: Translation, flat: dict) -> None:
-    """The keys the config leaves out whose sd-scripts default trains otherwise than ours: translated at that
-    default, each line marked `(default)` (a default that asks for what we do is left out)."""
-    for key in DEFAULTS_CARRIED:
-        if key in flat or (key == "learning_rate" and "unet_lr" in flat):
+def carry_defaults(t: Translation, flat: dict, rules: dict[str, Rule]) -> None:
+    """The keys the config leaves out whose sd-scripts default trains otherwise than ours (and those its script's
+    parser defaults otherwise: its spec's defaults): translated at that default, each line marked `(default)` (a
+    default that asks for what we do is left out). A key its script's parser lacks has none."""
+    script = script_of(t)
+    for key in dict.fromkeys((*DEFAULTS_CARRIED, *models.entry(script).defaults)):
+        if key in flat or key not in rules or (key == "learning_rate" and "unet_lr" in flat):
             continue
         first = len(t.lines)
-        apply_rule(t, key, their_default(key), RULES[key])
+        apply_rule(t, key, their_default(key, script), rules[key])
         for line in t.lines[first:]:
             line.key = f"{line.key} (default)"
         t.lines[first:] = [line for line in t.lines[first:] if line.verdict != DROPPED]

@@ -8,7 +8,8 @@ from typing import Any
 from library.training.peers import sd_scripts_models as models
 from library.training.peers.rules import Translation
 
-# sd-scripts' parser defaults that the rules read where the config leaves a key out.
+# sd-scripts' parser defaults that the rules read where the config leaves a key out (the first script's: a script of
+# its own gives those that differ in its spec's SdScriptsModels.defaults).
 THEIR_DEFAULTS = {
     "timestep_sampling": "sigma", "weighting_scheme": "uniform",
     "model_prediction_type": "sigma_scaled", "discrete_flow_shift": 3.0, "sigmoid_scale": 1.0, "logit_mean": 0.0,
@@ -21,13 +22,28 @@ THEIR_DEFAULTS = {
 
 
 def their(t: Translation, key: str) -> Any:
-    """The value sd-scripts runs with: the config's, else its parser's default."""
-    return t.given.get(key, their_default(key))
+    """The value sd-scripts runs with: the config's, else its script's parser's default."""
+    return t.given.get(key, their_default(key, script_of(t)))
 
 
-def their_default(key: str) -> Any:
-    """Its parser's default of `key` (its --model_type default: the specs')."""
-    return models.default_model_type() if key == "model_type" else THEIR_DEFAULTS.get(key)
+def script_of(t: Translation) -> str:
+    """The script the translation's model trains with (the first script's before the model is known)."""
+    return models.script_of(t.config["model_type"]) if "model_type" in t.config else models.first_script()
+
+
+def their_default(key: str, script: str) -> Any:
+    """`script`'s parser's default of `key` (its --model_type default, or its own model: the specs')."""
+    if key == "model_type":
+        return models.default_model_type(script)
+    return {**THEIR_DEFAULTS, **models.entry(script).defaults}.get(key)
+
+
+def text_encoder_lr_zero(t: Translation) -> bool:
+    """text_encoder_lr (its first: the first text encoder's) 0: its LoRA modules skip a parameter group at lr 0, the
+    text encoder LoRA's too."""
+    rates = their(t, "text_encoder_lr")
+    first = rates[0] if isinstance(rates, list) and rates else rates
+    return isinstance(first, (int, float, str)) and str(first).strip() in ("0", "0.0")
 
 
 def note(t: Translation, text: str) -> None:

@@ -1,7 +1,8 @@
 """sd-scripts' names for our models, as the family specs give them (each spec's peer_models["sd-scripts"], an
-SdScriptsModels: library/models/spec.py): the one script that trains them, its LoRA module, its --model_type
-values and their default, its timestep draws named after a model. sd_scripts.py reads them here, so a model
-that script comes to train is a line in the family's spec.py, not in the peer module. No torch."""
+SdScriptsModels: library/models/spec.py): the scripts that train them (one per spec; specs may share one and tell
+their models apart by its --model_type), each script's LoRA module, --model_type values and their default, its
+timestep draws named after a model. sd_scripts.py reads them here, so a model a script comes to train, or a script
+of its own, is a line in the family's spec.py, not in the peer module. No torch."""
 
 from __future__ import annotations
 
@@ -16,41 +17,65 @@ def every_model() -> tuple[SdScriptsModels, ...]:
     return tuple(s.peer_models[PEER] for s in arch_specs().values() if PEER in s.peer_models)
 
 
-def _one(what: str) -> str:
-    """The one value every spec that lists sd-scripts gives for `what` (its script, its LoRA module)."""
-    values = {getattr(m, what) for m in every_model()}
+def scripts() -> tuple[str, ...]:
+    """Its training scripts for our models, in the registry's order (the first: sd_scripts.RULES')."""
+    return tuple(dict.fromkeys(m.script for m in every_model()))
+
+
+def first_script() -> str:
+    """The script whose parser sd_scripts.RULES follows, and a config's that names no script's model."""
+    return scripts()[0]
+
+
+def models_of(script: str) -> tuple[SdScriptsModels, ...]:
+    """The SdScriptsModels of the specs `script` trains."""
+    return tuple(m for m in every_model() if m.script == script)
+
+
+def entry(script: str) -> SdScriptsModels:
+    """The first of `script`'s SdScriptsModels: its own arguments (those of a script of its own)."""
+    return models_of(script)[0]
+
+
+def _one(script: str, what: str) -> str:
+    """The one value the specs `script` trains give for `what` (its LoRA module)."""
+    values = {getattr(m, what) for m in models_of(script)}
     if len(values) != 1:
-        raise ValueError(f"the specs' peer_models[{PEER!r}] name {len(values)} {what}s ({', '.join(sorted(values))}): "
-                         f"library/training/peers/sd_scripts.py translates one script's configs")
+        raise ValueError(f"the specs' peer_models[{PEER!r}] of {script} name {len(values)} {what}s "
+                         f"({', '.join(sorted(values))}): one script has one")
     return values.pop()
 
 
-def script() -> str:
-    """Its training script for our models."""
-    return _one("script")
+def lora_module(script: str) -> str:
+    """Its LoRA module of `script`'s models' blocks."""
+    return _one(script, "lora_module")
 
 
-def untranslated_scripts() -> dict[str, str]:
-    """Its scripts that train models of ours whose configs do not translate (yet) -> the spec's arch."""
-    return {name: s.arch for s in arch_specs().values() for name in s.untranslated_scripts.get(PEER, ())}
+def lora_modules() -> dict[str, str]:
+    """Its LoRA modules -> the script each goes with."""
+    return {lora_module(s): s for s in scripts()}
 
 
-def lora_module() -> str:
-    """Its LoRA module of their blocks."""
-    return _one("lora_module")
+def model_types(script: str) -> dict[str, str]:
+    """`script`'s --model_type values -> our model_type ({} for a script that takes none)."""
+    return {name: keys["model_type"] for m in models_of(script) for name, keys in m.models.items()}
 
 
-def model_types() -> dict[str, str]:
-    """Its --model_type values -> our model_type."""
-    return {name: keys["model_type"] for m in every_model() for name, keys in m.models.items()}
-
-
-def default_model_type() -> str:
-    """Its --model_type default (the one spec's `default`)."""
-    defaults = [m.default for m in every_model() if m.default]
+def default_model_type(script: str) -> str:
+    """`script`'s --model_type default (one spec's `default`), or the model a script of its own trains."""
+    defaults = [m.default for m in models_of(script) if m.default] or [m.model_type for m in models_of(script)
+                                                                       if m.model_type and not m.models]
     if len(defaults) != 1:
-        raise ValueError(f"the specs' peer_models[{PEER!r}] give {len(defaults)} defaults: expected one")
+        raise ValueError(f"the specs' peer_models[{PEER!r}] of {script} give {len(defaults)} defaults: expected one")
     return defaults[0]
+
+
+def script_of(model_type: str) -> str:
+    """The script that trains our `model_type` (one of some script's model_types, or a script's own model)."""
+    for script in scripts():
+        if model_type in model_types(script).values() or model_type == entry(script).model_type:
+            return script
+    raise ValueError(f"model_type {model_type!r}: no sd-scripts script of the specs trains it")
 
 
 def shift_draws() -> tuple[str, ...]:
@@ -58,7 +83,8 @@ def shift_draws() -> tuple[str, ...]:
     return tuple(d for m in every_model() for d in m.draws)
 
 
-def ignored_text() -> str:
-    """The line of a key of its parser its training of these models does not read."""
-    titles = " / ".join(dict.fromkeys(s.title for s in arch_specs().values() if PEER in s.peer_models))
-    return f"sd-scripts' {titles} training does not read it either ({script().removesuffix('.py')})"
+def ignored_text(script: str) -> str:
+    """The line of a key of `script`'s parser its training of these models does not read."""
+    titles = " / ".join(dict.fromkeys(s.title for s in arch_specs().values()
+                                      if PEER in s.peer_models and s.peer_models[PEER].script == script))
+    return f"sd-scripts' {titles} training does not read it either ({script.removesuffix('.py')})"

@@ -15,9 +15,9 @@ from library.training.peers.rules import (
     KEPT, RENAMED, Rule, Translation, carry_schedule, custom, ignored, implied, is_off, is_true, same, schedule_key,
     unless_off, unless_schedule_free, unsupported, warmup_steps,
 )
-from library.training.peers.sd_scripts_defaults import note, their
+from library.training.peers.sd_scripts_defaults import note, script_of, their
 
-IGNORED = models.ignored_text()  # a key of sd-scripts' parser its training of these models does not read
+IGNORED = models.ignored_text(models.first_script())  # a key of its parser its training of these models does not read
 
 
 # ----------------------------------------------------------------------------------------------
@@ -170,8 +170,16 @@ def _logit_key(t: Translation, key: str, value: Any) -> None:
         t.drop(key, value, "goes with timestep_sampling sigma, not carried")
 
 
+def predicts_raw_only(t: Translation) -> bool:
+    """Its script takes no model_prediction_type: it predicts the raw velocity and weighs that loss by
+    weighting_scheme (sigma_sqrt / cosmap), as ours."""
+    return "model_prediction_type" in models.entry(script_of(t)).lacks
+
+
 def _weighting_scheme(t: Translation, key: str, value: Any) -> None:
-    if value in ("sigma_sqrt", "cosmap"):
+    if value in ("sigma_sqrt", "cosmap") and predicts_raw_only(t):
+        t.set(key, value, key, value)
+    elif value in ("sigma_sqrt", "cosmap"):
         if their(t, "model_prediction_type") == "sigma_scaled":
             t.refuse(key, value, "it weighs sd-scripts' sigma_scaled loss (model_prediction_type, not carried); "
                                  "ours' weighting_scheme weighs the raw velocity loss")

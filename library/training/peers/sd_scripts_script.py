@@ -1,0 +1,133 @@
+"""The rules of an sd-scripts script of its own (one that takes no --model_type: its spec's SdScriptsModels lists
+no `models` and says the model it trains): sd_scripts.RULES, the first script's, less the arguments its parser
+lacks, with its own arguments' rules from the spec's fields (model files, parser defaults, tokenizer lengths,
+arguments ours reads nothing of or does not carry, fp8, block swap). sd_scripts.py builds each such script's rules
+here; the keys of train_network's parser keep RULES' rules (their "does not read it either" lines name this script's
+models). No torch."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from library.models.registry import spec_of
+from library.models.spec import SdScriptsModels
+from library.training.peers import sd_scripts_models as models
+from library.training.peers.rules import (
+    DROPPED, NOT_CARRIED, RENAMED, Rule, Translation, custom, ignored, is_off, is_true,
+)
+from library.training.peers.sd_scripts_defaults import note, text_encoder_lr_zero, their
+
+
+def rules_of(script: str, first_rules: dict[str, Rule]) -> dict[str, Rule]:
+    """`script`'s rules: the first script's (`first_rules`) less what its parser lacks, plus its own arguments'."""
+    entry = models.entry(script)
+    first_ignored, own_ignored = models.ignored_text(models.first_script()), models.ignored_text(script)
+    rules = {key: replace(rule, why=rule.why.replace(first_ignored, own_ignored))
+             for key, rule in first_rules.items() if key not in entry.lacks}
+    rules.update({key: Rule("renamed", ours=ours) for key, ours in entry.files.items()})
+    rules.update({key: custom(_token_length) for key in entry.token_lengths})
+    rules.update({key: ignored(why) for key, why in entry.ignored_args.items()})
+    rules.update({key: custom(_refused) for key in entry.refused_args})
+    rules.update({"fp8_base": custom(_fp8_base), "fp8_base_unet": custom(_fp8_base),
+                  "blocks_to_swap": custom(_blocks_to_swap), "network_train_unet_only": custom(_unet_only),
+                  "text_encoder_lr": custom(_text_encoder_lr)})
+    return rules
+
+
+def entry_of(t: Translation) -> SdScriptsModels:
+    return models.entry(models.script_of(t.config["model_type"]))
+
+
+def title(t: Translation) -> str:
+    return spec_of(t.config["model_type"]).title
+
+
+def _token_length(t: Translation, key: str, value: Any) -> None:
+    """A tokenizer's max length: ours encodes at its pipeline's count always."""
+    count = entry_of(t).token_lengths[key]
+    if int(value) == count:
+        t.drop(key, value, f"ours encodes at most {count} tokens too, as the pipeline")
+    else:
+        cut = "sd-scripts cuts them, ours does not" if int(value) < count else "ours cuts them, sd-scripts does not"
+        t.refuse(key, value, f"ours encodes at most {count} tokens, as the pipeline: of a caption's tokens past "
+                             f"{min(int(value), count)}, {cut}")
+
+
+def _refused(t: Translation, key: str, value: Any) -> None:
+    if is_off(value):
+        t.drop(key, value, "empty")
+    else:
+        t.refuse(key, value, entry_of(t).refused_args[key])
+
+
+def _fp8_base(t: Translation, key: str, value: Any) -> None:
+    why = entry_of(t).fp8_base_off
+    if not is_true(value) or why:
+        t.drop(key, value, why if is_true(value) and why else "off")
+        return
+    t.set("base_precision", "fp8", key, value, RENAMED)
+    note(t, 'base_precision = "fp8" (the plain cast, as sd-scripts; "fp8_scaled" is ours with per-block scales)')
+
+
+def _blocks_to_swap(t: Translation, key: str, value: Any) -> None:
+    """A model of one block kind: sd-scripts' N swaps N blocks, as ours."""
+    count = 0 if is_off(value) else int(value)  # "": sd-scripts' `if args.blocks_to_swap` too
+    if count <= 0:
+        t.drop(key, value, "off")
+    elif not entry_of(t).one_block_kind:
+        t.refuse(key, value, f"the spec of {title(t)} does not say how sd-scripts counts its blocks")
+    else:
+        t.set(key, count, key, value)
+        note(t, f"blocks_to_swap = {count} (blocks of one kind: its {count}, as ours); tools/plan_memory.py says what "
+                f"fits")
+
+
+def caches_text(t: Translation) -> bool:
+    """It caches the text encoder's outputs (cache_text_encoder_outputs_to_disk turns the cache on there)."""
+    return is_true(their(t, "cache_text_encoder_outputs")) or is_true(their(t, "cache_text_encoder_outputs_to_disk"))
+
+
+def _unet_only(t: Translation, key: str, value: Any) -> None:
+    """Off, its LoRA module trains a LoRA of the text encoder beside the transformer's, unless its rate is 0; with
+    the text encoder's outputs cached its script stops (assert_extra_args)."""
+    if is_true(value):
+        t.drop(key, value, "ours trains the transformer's LoRA only")
+    elif caches_text(t):
+        t.drop(key, value, "sd-scripts stops without it when caching the text encoder's outputs (its "
+                           "assert_extra_args); ours trains the transformer's LoRA only")
+    elif text_encoder_lr_zero(t):
+        t.drop(key, value, "text_encoder_lr 0: sd-scripts trains the transformer's LoRA only too")
+    else:
+        t.refuse(key, value, f"sd-scripts then trains a LoRA of {title(t)}'s text encoder too; ours trains the "
+                             f"transformer's only")
+
+
+def trains_text_encoder(t: Translation) -> bool:
+    return not (is_true(their(t, "network_train_unet_only")) or caches_text(t) or text_encoder_lr_zero(t))
+
+
+def _text_encoder_lr(t: Translation, key: str, value: Any) -> None:
+    if trains_text_encoder(t):
+        t.refuse(key, value, "the text encoder LoRA's rate: ours trains no text encoder LoRA")
+    else:
+        t.drop(key, value, "no text encoder LoRA is trained")
+
+
+def lora_arg_verdict(t: Translation, name: str, text: str) -> tuple[str, str] | None:
+    """(verdict, why) of a network_arg only this script's LoRA module reads (None: sd_scripts' rules read it): a
+    switch as ours' item (why: the whole item), include_patterns not carried."""
+    entry = entry_of(t)
+    if name in entry.lora_switches:
+        if text.strip().lower() != "true":  # its create_network: .lower() == "true"
+            return DROPPED, "off"
+        rank = their(t, "network_dim")
+        return RENAMED, entry.lora_switches[name].format(network_dim=4 if rank is None else int(rank))
+    if name == "include_patterns":
+        return (NOT_CARRIED, "it trains an excluded module at network_dim; ours trains a type of its default "
+                               "exclusions by that type's rank key (train_modulation, in_dims, <type>_dim)")
+    if name == "loraplus_text_encoder_lr_ratio":
+        return ((NOT_CARRIED, "the text encoder LoRA's: not trained here") if trains_text_encoder(t) else
+                (DROPPED, "no text encoder LoRA is trained"))
+    return None
+
