@@ -17,8 +17,10 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --family ernie_image --work /tmp/fullernie # ERNIE-Image, ~23 GB
     python bench/bench_full_pipeline_cpu.py --family nucleus_image --work /tmp/fullnucleus  # Nucleus-Image, 46.5 GB
         # measured with --train-steps 1 --sample-steps 2: 2 steps and a 4-step sample take ~80 min on 2 busy cores
+    python bench/bench_full_pipeline_cpu.py --family anima --work /tmp/fullanima         # Anima, ~5.3 GB
 
-The writers of the generic files and of FLUX.3's, ERNIE-Image's and Nucleus-Image's are in bench/full_size_files.py.
+The writers of the generic files and of FLUX.3's, ERNIE-Image's, Nucleus-Image's and Anima's are in
+bench/full_size_files.py.
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -70,9 +72,9 @@ from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer, 
 from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 
 from bench.full_size_files import (  # noqa: E402, F401 (meta_shapes, write_random: bench_planner_cpu.py's)
-    ERNIE_IMAGE_FILE, FLUX3_FILE, GiB, QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, meta_shapes, qwen3_vl_4b, random_tensor,
-    write_ernie_image_files, write_flux2_vae, write_flux3_files, write_nucleus_image_files, write_qwen3_vl_folder,
-    write_qwen_image_vae, write_random, write_random_sharded)
+    ANIMA_FILE, ANIMA_TEXT_FILE, ERNIE_IMAGE_FILE, FLUX3_FILE, GiB, QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, meta_shapes,
+    qwen3_vl_4b, random_tensor, write_anima_files, write_ernie_image_files, write_flux2_vae, write_flux3_files,
+    write_nucleus_image_files, write_qwen3_vl_folder, write_qwen_image_vae, write_random, write_random_sharded)
 PHASES = (("vae caching", "latents:"), ("text caching", "captions:"), ("transformer load", "training:"),
           ("training", "_lr.png"), ("sample + save", "saved "))
 
@@ -390,7 +392,7 @@ def write_references(work: str, images: str, count: int) -> None:
 
 
 def write_run_config(work: str, family: str = "flux", single_file: bool = False, mixed_precision: str = "bf16",
-                     references: int = 0, train_steps: int = 2, sample_steps: int = 4) -> str:
+                     references: int = 0, train_steps: int = 2, sample_steps: int = 4, bf16_base: bool = False) -> str:
     from PIL import Image
 
     images = os.path.join(work, "images")
@@ -477,6 +479,13 @@ ae = "{work}/vae"
 text_encoder = "{work}"
 output_name = "full_nucleus_image"
 ''',
+        "anima": f'''model_type = "anima"
+pretrained_model_name_or_path = "{work}/{ANIMA_FILE}"
+ae = "{work}/vae"
+text_encoder = "{work}/{ANIMA_TEXT_FILE}"
+t5_tokenizer = "{work}/t5_tokenizer"
+output_name = "full_anima"
+''',
         "qwen_image21": f'''model_type = "qwen_image21"
 pretrained_model_name_or_path = "{work}"
 ae = "{work}/vae"
@@ -497,7 +506,7 @@ output_name = "full_flux"
         prompts = f.read()
     with open(os.path.join(work, "prompts.txt"), "w") as f:
         f.write(prompts.replace(" --s 4 ", f" --s {sample_steps} "))
-    if family == "ideogram4":  # its released files are pre-quantized (BFL fp8r): used as stored, no fp8_base
+    if family == "ideogram4" or bf16_base:  # ideogram4's released files are pre-quantized (BFL fp8r): as stored
         settings = settings.replace("fp8_base = true\nfp8_scaled = true\n", "fp8_base = false\n")
     config = os.path.join(work, "train.toml")
     with open(config, "w") as f:
@@ -587,13 +596,14 @@ def main(argv=None):
     p.add_argument("--work", default="/tmp/fullsize")
     p.add_argument("--skip-write", action="store_true")
     p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2",
-                                        "ideogram4", "qwen_image_layered", "flux3", "ernie_image", "nucleus_image"],
+                                        "ideogram4", "qwen_image_layered", "flux3", "ernie_image", "nucleus_image",
+                                        "anima"],
                    default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
                         "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, "
                         "whole; krea2: Krea 2 Raw, whole; ideogram4: Ideogram 4 (fp8r), whole; qwen_image_layered: "
                         "--qwen-blocks of 60, RGBA VAE, 2 layers; flux3: FLUX.3 [klein] base, whole; ernie_image: "
-                        "ERNIE-Image, whole; nucleus_image: Nucleus-Image, whole")
+                        "ERNIE-Image, whole; nucleus_image: Nucleus-Image, whole; anima: Anima, whole")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
@@ -606,6 +616,8 @@ def main(argv=None):
                    help="training steps; 1 where the CPU is too slow for 2 (the optimizer's state is made at its "
                         "end, so the phase holds what a second step would: 17.33 vs 17.36 GiB on Nucleus-Image)")
     p.add_argument("--sample-steps", type=int, default=4, help="steps of the 256x256 sample")
+    p.add_argument("--bf16-base", action="store_true",
+                   help="the base in bf16 (fp8_base = false) instead of fp8_scaled quantized while loading")
     args = p.parse_args(argv)
     if args.references and args.family != "flux2":
         p.error("--references: the flux2 bench trains with references")
@@ -631,11 +643,13 @@ def main(argv=None):
             write_ernie_image_files(args.work)
         elif args.family == "nucleus_image":
             write_nucleus_image_files(args.work)
+        elif args.family == "anima":
+            write_anima_files(args.work)
         else:
             write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)
     result = run_trainer(write_run_config(args.work, args.family, args.single_file, args.mixed_precision,
-                                          args.references, args.train_steps, args.sample_steps))
+                                          args.references, args.train_steps, args.sample_steps, args.bf16_base))
     rows = phase_peaks(result)
     print(f"\ntrain_lora.py exit {result['code']} after {result['seconds']:.0f} s")
     print(f"{'phase':18s} {'seconds':>8s} {'VmRSS':>7s} {'RssAnon':>8s} {'RssFile':>8s}  (peak GiB)")

@@ -1,6 +1,6 @@
 """Random-weight files at the released sizes, tensor by tensor, for bench/bench_full_pipeline_cpu.py (which
 imports them; bench/bench_planner_cpu.py too): the generic writers (one file, sharded, a Qwen3-VL folder, FLUX.2's
-and Qwen-Image's VAEs) and the per-family writers of FLUX.3 [klein], ERNIE-Image and Nucleus-Image.
+and Qwen-Image's VAEs) and the per-family writers of FLUX.3 [klein], ERNIE-Image, Nucleus-Image and Anima.
 
 Weights are N(0, 0.02), norm scales 1 (random_tensor); writing never holds a model (each tensor drawn and written
 one at a time by tools/merge_lora.write_safetensors_streaming). Tensors a run never reads can be written as holes
@@ -278,3 +278,39 @@ def write_nucleus_image_files(work: str, config=None, text: dict = QWEN3_VL_8B_T
     tokenizer.chat_template = QWEN3_VL_CHAT_TEMPLATE
     save_vl_processor(os.path.join(work, "processor"), {"patch_size": 16, "temporal_patch_size": 2, "merge_size": 2,
                       "min_pixels": 32 * 32, "max_pixels": 1024 * 1024}, "Qwen3VLProcessor", tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------
+# Anima
+
+ANIMA_FILE = "diffusion_models/anima-preview2.safetensors"  # ComfyUI's split_files layout, as configs/anima.toml
+ANIMA_TEXT_FILE = "text_encoders/qwen_3_06b_base.safetensors"
+
+
+def write_anima_files(work: str):
+    """Anima at its released size, in the single files people download (ComfyUI's split_files): the DiT and its
+    LLM adapter as diffusion_models/anima-preview2.safetensors ("net." prefix, the original names, bf16, no metadata:
+    the loader reads the config from the shapes; ANIMA, 2,091,068,928 parameters, 3.89 GiB), Qwen3-0.6B as
+    text_encoders/qwen_3_06b_base.safetensors (Qwen3ForCausalLM's `model.*` keys, tied: no head; 596,049,920
+    parameters) with the small Qwen3 tokenizer beside it (valid ids), t5_tokenizer/ (the small T5 tokenizer: its ids
+    stay below the adapter's 32128 rows) and the Qwen-Image VAE as vae/ (the diffusers folder: ComfyUI's Wan-layout
+    qwen_image_vae.safetensors holds the same tensors, converted on load by diffusers' convert_wan_vae_to_diffusers)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from library.models.anima.model import ANIMA, Anima
+    from library.models.anima.text_encoder import QWEN3_0_6B
+    from library.models.tiny_files import build_qwen3_tokenizer, build_t5_tokenizer
+
+    for folder in ("diffusion_models", "text_encoders"):
+        os.makedirs(os.path.join(work, folder), exist_ok=True)
+    dit = {"net." + k: v for k, v in meta_shapes(lambda: Anima(ANIMA)).items()}
+    write_random(os.path.join(work, ANIMA_FILE), dit, 1, metadata={})
+    tokenizer = build_qwen3_tokenizer()
+    hf = {**QWEN3_0_6B.to_hf(), "bos_token_id": None, "eos_token_id": tokenizer.eos_token_id,
+          "pad_token_id": tokenizer.pad_token_id}
+    llm = meta_shapes(lambda: Qwen3ForCausalLM(Qwen3Config(**{k: v for k, v in hf.items() if k != "architectures"})))
+    write_random(os.path.join(work, ANIMA_TEXT_FILE), {k: v for k, v in llm.items() if k != "lm_head.weight"}, 3,
+                 metadata={})
+    save_tokenizer(tokenizer, os.path.join(work, "text_encoders"))
+    save_tokenizer(build_t5_tokenizer(), os.path.join(work, "t5_tokenizer"))
+    write_qwen_image_vae(work)
