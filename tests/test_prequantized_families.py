@@ -1,4 +1,4 @@
-"""Pre-quantized Z-Image, Chroma, FLUX.3, ERNIE-Image and Nucleus-Image transformer files, loaded as stored
+"""Pre-quantized Z-Image, Chroma, FLUX.3, ERNIE-Image, Nucleus-Image and Anima transformer files, loaded as stored
 (precision/stored_layouts.py): ComfyUI's scaled fp8 (`scaled_fp8` marker + per-tensor `scale_weight`) and
 comfy_quant (`weight_scale` + per-layer JSON), musubi-tuner's per-tensor and per-64-block `scale_weight`s, our
 fp8_scaled block scales, plain e4m3 (everything, norms included) and city96's ComfyUI-GGUF blocks. Nucleus-Image's
@@ -25,6 +25,8 @@ from safetensors.torch import load_file, save_file
 
 import train_lora
 from library.io import CheckpointError, CheckpointReader
+from library.models.anima.checkpoint import load_anima
+from library.models.anima.model import Anima
 from library.models.chroma.checkpoint import load_chroma
 from library.models.chroma.model import Chroma
 from library.models.ernie_image.checkpoint import load_ernie_image
@@ -55,6 +57,7 @@ FAMILIES = {
     "flux3": ("flux3_tiny", "flux3_config", Flux3Transformer, load_flux3),
     "ernie_image": ("ernie_image", "ernie_image_config", ErnieImage, load_ernie_image),
     "nucleus_image": ("nucleus_image", "nucleus_image_config", NucleusImage, load_nucleus_image),
+    "anima": ("anima", "anima_config", Anima, load_anima),
 }
 # layout -> (what the loader reports, the ComfyUI prefix the file carries)
 LAYOUTS = {
@@ -152,9 +155,13 @@ def output(model: nn.Module, family: str) -> torch.Tensor:
 
 
 def source(tiny_set, family: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
-    """The tiny single file's float32 tensors (no prefix) and its config metadata."""
+    """The tiny single file's float32 tensors (no prefix) and its config metadata (Anima's, as released: none, its
+    `net.` prefix and RoPE buffers dropped)."""
     key, config_key, _, _ = FAMILIES[family]
-    return load_file(tiny_set[key]), {config_key: CheckpointReader(tiny_set[key]).metadata[config_key]}
+    sd, metadata = load_file(tiny_set[key]), CheckpointReader(tiny_set[key]).metadata
+    if family == "anima":
+        sd = {k.removeprefix("net."): v for k, v in sd.items() if ".pos_embedder." not in f".{k}"}
+    return sd, {k: v for k, v in metadata.items() if k == config_key}
 
 
 def write_fp8(tiny_set, family: str, layout: str, path) -> tuple[str, dict[str, torch.Tensor]]:

@@ -32,7 +32,8 @@ from library.io import (
 )
 from library.models.anima.model import Anima, AnimaConfig
 from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, marked_prefix
-from library.precision.stored_layouts import read_stored_layout
+from library.models.anima.spec import FP8
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 
 # The released single file's "net.", ComfyUI's full / UNet-only state dicts, plain (and our diffusers view)
 PREFIXES = ("net.", "model.diffusion_model.", "diffusion_model.", "")
@@ -263,10 +264,13 @@ def load_anima(
     dtype casts floating weights on read and becomes compute_dtype. config overrides our metadata, the config.json
     files and the shapes. convert / prepare: the per-tensor and meta-model hooks (fp8 while loading).
     read_weights=False: the meta model as it would load, from the headers alone (the memory planner). Every key and
-    shape is checked before any weight is read; a wrong file is one CheckpointError naming the file and the key."""
+    shape is checked before any weight is read; a wrong file is one CheckpointError naming the file and the key.
+    A pre-quantized single file (ComfyUI's scaled fp8 / comfy_quant, musubi-tuner's and our fp8 layouts, plain
+    e4m3, city96's GGUF) is used as it is stored, whatever `prepare` asks (its fp8 layers keep the spec's FP8 Linears,
+    the adapter among them, in high precision)."""
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise ValueError(f"load_anima dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
-    root = _pipeline_root(path)
+    root, stored = _pipeline_root(path), None
     if root is not None:
         view, found = _open_pipeline(root)
         reader, rename = view, (lambda key: key)
@@ -274,9 +278,7 @@ def load_anima(
         reader = CheckpointReader(path)
         # a Cosmos-Predict2 DiT file (no LLM adapter) fails here: it is not Anima
         prefix = marked_prefix(path, reader.keys(), PREFIXES, MARKER, "an Anima checkpoint")
-        if read_stored_layout(reader, path):
-            raise CheckpointError(f"{path}: a pre-quantized (fp8 / GGUF) Anima file is not read yet: give the bf16 "
-                                  f"file (fp8 is made while loading: base_precision)")
+        stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
         view = PrefixedReader(reader, prefix)
         if config is None and CONFIG_KEY in reader.metadata:
             config = metadata_config(reader, CONFIG_KEY, config_from_json)
@@ -286,8 +288,9 @@ def load_anima(
     config = config or found
     with torch.device("meta"):
         model = Anima(config)
-    check_keys_and_shapes(view, model.state_dict(), config, extra=lambda key: bool(IGNORED.search(key)))
-    return fill_meta_model(model, reader, rename, path, dtype, stored=None, keep_rules=None, prepare=prepare,
+    scales = stored_extras(stored)
+    check_keys_and_shapes(view, model.state_dict(), config, extra=lambda key: bool(IGNORED.search(key)) or scales(key))
+    return fill_meta_model(model, reader, rename, path, dtype, stored=stored, keep_rules=FP8, prepare=prepare,
                            convert=convert, read_weights=read_weights, loader="load_anima")
 
 

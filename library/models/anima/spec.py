@@ -70,6 +70,8 @@ LORA_FILES = S.LoRAFiles(
 FP8 = S.FP8Rules(
     keep=(r"x_embedder\..*", r"t_embedder\..*", r"final_layer\..*", r"llm_adapter\..*"),
     modulation=(r"blocks\.\d+\.adaln_modulation_(self_attn|cross_attn|mlp)\.(1|2)",),
+    # one naming (the single file's), nothing fused: a stored scale stays its Linear's (checkpoint.load_anima)
+    stored={"anima": S.STORED_FP8},
 )
 
 
