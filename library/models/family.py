@@ -39,7 +39,7 @@ from library.data.images import verified_image_size
 from library.data.masks import on_latent_grid
 from library.models import flow_matching as fm
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec, spec_of  # noqa: F401  (their importers find them here too)
-from library.models.spec import TextWeights
+from library.models.spec import TextWeights, load_symbol
 from library.models.latents import pack_latents, unpack_latents
 
 
@@ -149,6 +149,7 @@ class DiffusionFamily:
     sample_steps: int = 20  # default --s of sample prompts: each family's own, from its spec's sample_steps
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
     cfg_above = 1.0  # a true-CFG family runs the negative prompt only where guidance > this (its pipeline's test)
+    vae: str  # "module:Class" of its VAE wrapper (library/models/vae.py's kind: Class(path, dtype), built on meta too)
     vae_downsample = 8
     patch = 2
     latent_channels = 16  # VAE latent channels: the latents are [B, latent_channels, H/8, W/8]
@@ -282,7 +283,8 @@ class DiffusionFamily:
         raise NotImplementedError
 
     def load_vae(self, dtype: torch.dtype = torch.float32):
-        raise NotImplementedError
+        """The family's VAE wrapper (`vae`) from vae_path, in `dtype`."""
+        return load_symbol(self.vae)(self.vae_path, dtype)
 
     def load_text_encoder(self, precision: str = "bf16", device=None, **options):
         """-> callable(captions: list[str]) -> list of per-caption dicts of float32 tensors (cacheable).
@@ -381,7 +383,9 @@ class DiffusionFamily:
     def vae_on_meta(self):
         """load_vae's wrapper around the diffusers VAE built on meta from the config at vae_path (the
         released VAE's without one): no weight is read (the memory planner)."""
-        raise NotImplementedError
+        from library.models.vae import vae_on_meta
+
+        return vae_on_meta(load_symbol(self.vae), self.vae_path)
 
     @classmethod
     def checkpoint_names(cls, keys: list[str], shape) -> CheckpointNames | None:

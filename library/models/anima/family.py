@@ -29,6 +29,7 @@ class AnimaFamily(DiffusionFamily):
     """Anima: Cosmos names, the Qwen-Image VAE, Qwen3-0.6B states and T5 ids through the DiT's LLM adapter, CFG."""
 
     name = "anima"
+    vae = "library.models.qwen_image.vae:QwenImageVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
     optional_path_keys = ("t5_tokenizer",)  # t5_tokenizer/ beside the text encoder where unset
     sample_guidance = SPEC.sample_guidance[RELEASE]  # the guider's scale, run with the (empty) negative prompt
@@ -68,17 +69,6 @@ class AnimaFamily(DiffusionFamily):
 
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.adapter_source_dim}
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.qwen_image.vae import load_qwen_image_vae
-
-        return load_qwen_image_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.qwen_image.vae import QwenImageVAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(QwenImageVAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
         # No masks: every planned caption is `tokens` long in both tokenizations (the forward reads nothing on the host)

@@ -14,6 +14,7 @@ class ChromaFamily(DiffusionFamily):
     """Chroma: FLUX.1-schnell's blocks, one approximator for the modulation, T5-XXL with a text mask."""
 
     name = "chroma"
+    vae = "library.models.flux1.vae:FluxVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("t5xxl",)
     sample_guidance = SPEC.sample_guidance["chroma"]  # ChromaPipeline's default guidance_scale: a true CFG scale, not an embedded guidance
     sample_steps = SPEC.sample_steps["chroma"]  # ChromaPipeline's num_inference_steps default
@@ -43,17 +44,6 @@ class ChromaFamily(DiffusionFamily):
         return "chroma"
 
     # -- the VAE: FLUX.1's ---------------------------------------------------------------------
-    def load_vae(self, dtype=torch.float32):
-        from library.models.flux1.vae import load_flux_vae
-
-        return load_flux_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.flux1.vae import FluxVAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(FluxVAE, self.vae_path)
-
     # -- text ----------------------------------------------------------------------------------
     def text_options(self, args) -> dict:
         return {"t5_max_length": getattr(args, "t5xxl_max_token_length", None) or self.default_t5_length()}

@@ -26,6 +26,7 @@ class ErnieImageFamily(DiffusionFamily):
     """ERNIE-Image: diffusers module names, 32 latent channels, Ministral 3 text with a mask, true CFG."""
 
     name = "ernie_image"
+    vae = "library.models.ernie_image.vae:ErnieImageVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
     sample_guidance = SPEC.sample_guidance[RELEASE]  # the pipeline's CFG scale, run with the (empty) negative prompt
     sample_steps = SPEC.sample_steps[RELEASE]
@@ -55,17 +56,6 @@ class ErnieImageFamily(DiffusionFamily):
 
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.text_in_dim}
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.ernie_image.vae import load_ernie_image_vae
-
-        return load_ernie_image_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.ernie_image.vae import ErnieImageVAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(ErnieImageVAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
         return {"embeds": torch.empty(batch, tokens, model.config.text_in_dim, device="meta"),

@@ -15,6 +15,7 @@ class FluxFamily(DiffusionFamily):
     """FLUX.1 dev/schnell: BFL module names, CLIP-L pooled + T5-XXL text, guidance embedding (dev)."""
 
     name = "flux"
+    vae = "library.models.flux1.vae:FluxVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("clip_l", "t5xxl")
     sample_guidance = SPEC.sample_guidance["dev"]  # FluxPipeline's guidance_scale
 
@@ -38,17 +39,6 @@ class FluxFamily(DiffusionFamily):
 
     def text_widths(self, config) -> dict[str, int]:
         return {"t5xxl": config.context_in_dim, "clip_l": config.vec_in_dim}  # T5's states, CLIP's pooled output
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.flux1.vae import load_flux_vae
-
-        return load_flux_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.flux1.vae import FluxVAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(FluxVAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
         cfg = model.config

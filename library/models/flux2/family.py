@@ -35,6 +35,7 @@ class Flux2Family(DiffusionFamily):
     """FLUX.2 [klein] / [dev]: BFL module names, 32 latent channels, Qwen3 (klein) / Mistral (dev) text."""
 
     name = "flux2"
+    vae = "library.models.flux2.vae:Flux2VAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
     sample_guidance = SPEC.sample_guidance["klein base"]  # the pipelines' default guidance_scale ([dev]'s is the same)
     true_cfg = True  # klein base: negative prompt encoded for samples (guided_velocity decides)
@@ -65,17 +66,6 @@ class Flux2Family(DiffusionFamily):
     def text_widths(self, config) -> dict[str, int]:
         """txt_in takes three of the encoder's layers side by side (text_encoding_constants' hidden_layers)."""
         return {"text_encoder": config.context_in_dim // len(self.text_encoding_constants()["hidden_layers"])}
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.flux2.vae import load_flux2_vae
-
-        return load_flux2_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.flux2.vae import Flux2VAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(Flux2VAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
         # every token the encoder pads to, pads included: the transformer sees them all (no mask)

@@ -43,6 +43,7 @@ class Flux3Family(DiffusionFamily):
     CFG for the base, a flow map (target sigma) for the distilled model."""
 
     name = "flux3"
+    vae = "library.models.flux2.vae:Flux2VAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
     sample_guidance = SPEC.sample_guidance["base"]  # the base pipeline's guidance_scale (the distilled reads none)
     true_cfg = True  # the base: the negative prompt ("" unless --n) encoded for samples (guided_velocity decides)
@@ -96,17 +97,6 @@ class Flux3Family(DiffusionFamily):
         from library.models.flux3.text_encoder import FLUX3_TAPS
 
         return {"text_encoder": config.context_in_dim // len(FLUX3_TAPS)}
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.flux2.vae import load_flux2_vae
-
-        return load_flux2_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.flux2.vae import Flux2VAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(Flux2VAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
         # every caption's window `tokens` long, pads included (one window: no grouping, no mask read on the host)

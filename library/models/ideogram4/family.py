@@ -25,6 +25,7 @@ from library.models.latents import unpack_latents
 
 class Ideogram4Family(DiffusionFamily):
     name = "ideogram4"
+    vae = "library.models.ideogram4.vae:Ideogram4VAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
     sample_guidance, sample_steps = SPEC.sample_guidance["ideogram4"], SPEC.sample_steps["ideogram4"]  # Ideogram4Pipeline: 48 steps, guidance 7 (3 for the last 3)
     true_cfg = False  # the unconditional branch takes no text: no negative prompt is encoded
@@ -65,17 +66,6 @@ class Ideogram4Family(DiffusionFamily):
                       {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None},
                       (None, "tokenizer", "Qwen2")),  # as its loader looks for the tokenizer
         ]
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.ideogram4.vae import load_ideogram4_vae
-
-        return load_ideogram4_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.ideogram4.vae import Ideogram4VAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(Ideogram4VAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
         return {"embeds": torch.empty(batch, tokens, model.config.llm_features_dim, device="meta")}

@@ -35,6 +35,7 @@ class Krea2Family(DiffusionFamily):
     mask, CFG for Raw only."""
 
     name = "krea2"
+    vae = "library.models.qwen_image.vae:QwenImageVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
     # Raw's pipeline call (what LoRAs train on); an instance of Turbo takes Turbo's (8 steps, no CFG).
     sample_guidance, sample_steps = SAMPLE_DEFAULTS[RAW]
@@ -113,17 +114,6 @@ class Krea2Family(DiffusionFamily):
 
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.text_hidden_dim}  # per tapped layer (num_text_layers of them)
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.qwen_image.vae import load_qwen_image_vae
-
-        return load_qwen_image_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.qwen_image.vae import QwenImageVAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(QwenImageVAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
         # No mask: every planned caption is `tokens` long (the forward then reads nothing on the host).

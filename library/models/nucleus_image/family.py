@@ -32,6 +32,7 @@ class NucleusImageFamily(DiffusionFamily):
     """Nucleus-Image: diffusers module names, the Qwen-Image VAE, Qwen3-VL text with a mask, norm-rescaled true CFG."""
 
     name = "nucleus_image"
+    vae = "library.models.qwen_image.vae:QwenImageVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
     sample_guidance = SPEC.sample_guidance[RELEASE]  # the pipeline's CFG scale, run with the (empty) negative prompt
     sample_steps = SPEC.sample_steps[RELEASE]
@@ -68,17 +69,6 @@ class NucleusImageFamily(DiffusionFamily):
 
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.joint_attention_dim}
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.qwen_image.vae import load_qwen_image_vae
-
-        return load_qwen_image_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.qwen_image.vae import QwenImageVAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(QwenImageVAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
         # No mask: every planned caption is `tokens` long (a run's all-real mask is dropped before attention, and

@@ -27,6 +27,7 @@ class QwenImageFamily(DiffusionFamily):
     true classifier-free guidance with a negative prompt at inference."""
 
     name = "qwen_image"
+    vae = "library.models.qwen_image.vae:QwenImageVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
     sample_guidance = SPEC.sample_guidance["qwen-image"]  # a true-CFG scale, run with the (empty) negative prompt
     sample_steps = SPEC.sample_steps["qwen-image"]  # QwenImagePipeline's 50
@@ -106,17 +107,6 @@ class QwenImageFamily(DiffusionFamily):
 
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.joint_attention_dim}
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.qwen_image.vae import load_qwen_image_vae
-
-        return load_qwen_image_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.qwen_image.vae import QwenImageVAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(QwenImageVAE, self.vae_path)
 
     def text_encoder_weights(self):
         """Qwen2.5-VL's language model, lm_head included, as load_llm keeps it; its vision tower (a

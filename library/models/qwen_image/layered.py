@@ -97,6 +97,7 @@ class QwenImageLayeredFamily(QwenImageFamily):
     """Qwen-Image-Layered: targets of 1 + layers frames, the composite as the condition image."""
 
     name = "qwen_image_layered"
+    vae = "library.models.qwen_image.layered:LayeredVAE"  # the RGBA VAE (DiffusionFamily.load_vae / vae_on_meta)
     arch = "qwen_image"  # Qwen-Image's transformer: its LoRA targets, fp8 rules and flow-matching constants
     min_controls = max_controls = plan_controls = 1  # the image to decompose (training: the composite itself)
     takes_layers = True
@@ -144,14 +145,6 @@ class QwenImageLayeredFamily(QwenImageFamily):
             return width, height
         w, h = area_size(*references[0], width * height)
         return max(w, SIZE_MULTIPLE), max(h, SIZE_MULTIPLE)
-
-    def load_vae(self, dtype=torch.float32):
-        return LayeredVAE(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(LayeredVAE, self.vae_path)
 
     def inference_sampling(self):
         return SAMPLING

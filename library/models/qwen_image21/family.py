@@ -71,6 +71,7 @@ class QwenImage21Family(DiffusionFamily):
     latents take the prompt's image slots in the transformer."""
 
     name = "qwen_image21"
+    vae = "library.models.qwen_image21.vae:QwenImage21VAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
     sample_guidance, sample_steps = SAMPLE_GUIDANCE, SAMPLE_STEPS  # an instance's steps: a shipped grid's length
     true_cfg = True
@@ -197,17 +198,6 @@ class QwenImage21Family(DiffusionFamily):
 
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.context_in_dim}
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.qwen_image21.vae import load_qwen_image21_vae
-
-        return load_qwen_image21_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.qwen_image21.vae import QwenImage21VAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(QwenImage21VAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
         # No mask: every planned caption is `tokens` long (the forward then reads nothing on the host).

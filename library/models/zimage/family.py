@@ -33,6 +33,7 @@ class ZImageFamily(DiffusionFamily):
     """Z-Image: diffusers module names, FLUX.1's VAE, Qwen3-4B text with a mask, CFG for Base only."""
 
     name = "zimage"
+    vae = "library.models.flux1.vae:FluxVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
     true_cfg = True  # a negative prompt is encoded for samples; guided_velocity runs it when guidance > 0
     cfg_above = 0.0  # ZImagePipeline: do_classifier_free_guidance is guidance_scale > 0
@@ -116,17 +117,6 @@ class ZImageFamily(DiffusionFamily):
 
     def text_widths(self, config) -> dict[str, int]:
         return {"text_encoder": config.cap_feat_dim}
-
-    def load_vae(self, dtype=torch.float32):
-        from library.models.flux1.vae import load_flux_vae
-
-        return load_flux_vae(self.vae_path, dtype)
-
-    def vae_on_meta(self):
-        from library.models.flux1.vae import FluxVAE
-        from library.models.vae import vae_on_meta
-
-        return vae_on_meta(FluxVAE, self.vae_path)
 
     def text_on_meta(self, model, batch, tokens):
         # No mask: every planned caption is `tokens` long, and the forward reads a mask's lengths on the
