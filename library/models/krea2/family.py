@@ -102,11 +102,10 @@ class Krea2Family(DiffusionFamily):
                           read_weights=read_weights)
 
     def model_files(self) -> list[ModelFile]:
-        from library.models.vae import vae_markers
+        from library.models.qwen_image.vae import qwen_image_vae_file
 
         return [
-            ModelFile("ae", self.vae_path, "a Qwen-Image VAE (16 latent channels, 3-D convolutions)", "vae",
-                      vae_markers(self.latent_channels, video=True)),
+            qwen_image_vae_file(self.vae_path),
             ModelFile("text_encoder", self.text_paths["text_encoder"], "a Qwen3-VL language model", "text_encoder",
                       {"embed_tokens.weight": None, "layers.0.self_attn.q_norm.weight": None},
                       (None, "tokenizer", "Qwen2")),  # as its loader looks for the tokenizer

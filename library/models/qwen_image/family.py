@@ -96,12 +96,11 @@ class QwenImageFamily(DiffusionFamily):
                                read_weights=read_weights)
 
     def model_files(self) -> list[ModelFile]:
-        from library.models.vae import vae_markers
+        from library.models.qwen_image.vae import qwen_image_vae_file
 
         what, markers = self.text_encoder_kind
         return [
-            ModelFile("ae", self.vae_path, "a Qwen-Image VAE (16 latent channels, 3-D convolutions)", "vae",
-                      vae_markers(self.latent_channels, video=True)),
+            qwen_image_vae_file(self.vae_path),
             ModelFile("text_encoder", self.text_paths["text_encoder"], what, "text_encoder", markers, self.text_tokenizer),
         ]
 

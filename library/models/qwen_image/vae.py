@@ -63,6 +63,15 @@ class QwenImageVAE:
         return images[:, :, 0].float().clamp(-1, 1)  # (diffusers' tiled decode does not clamp: vae_tiling)
 
 
+def qwen_image_vae_file(path: str | None):
+    """What the `ae` file of a family that encodes with this VAE must be (DiffusionFamily.model_files)."""
+    from library.models.family import ModelFile
+    from library.models.vae import vae_markers
+
+    return ModelFile("ae", path, "a Qwen-Image VAE (16 latent channels, 3-D convolutions)", "vae",
+                     vae_markers(16, video=True))
+
+
 def load_qwen_image_vae(path: str, dtype: torch.dtype = torch.float32, config: dict | None = None) -> QwenImageVAE:
     """QwenImageVAE from a diffusers folder (`vae/` or itself), its diffusion_pytorch_model.safetensors or
     ComfyUI's qwen_image_vae.safetensors."""
