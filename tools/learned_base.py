@@ -56,11 +56,12 @@ def encode_prompts(family, prompts: list[str]) -> dict[str, torch.Tensor]:
     """{embedding name: [B, ...]} float32, the family's frozen tiny encoders in float32 at the learned
     base's sequence lengths. Families that cache each caption at its own length (embeds
     [T, D] and a mask [T]) are padded at the end to the longest with zeros (mask False), as the
-    trainer's collate does."""
+    trainer's collate does. Integer token ids (an embedding's indices, cached beside the states) keep their dtype."""
     kwargs = dict(learned_spec(family.name).encode_kwargs)
     encode = family.load_text_encoder("fp32", torch.device("cpu"), **kwargs)
     per_prompt = encode(prompts)
-    return {key: padded_stack([p[key] for p in per_prompt]).float() for key in per_prompt[0]}
+    stacked = {key: padded_stack([p[key] for p in per_prompt]) for key in per_prompt[0]}
+    return {key: t.float() if t.is_floating_point() or t.dtype == torch.bool else t for key, t in stacked.items()}
 
 
 def padded_stack(tensors: list[torch.Tensor]) -> torch.Tensor:

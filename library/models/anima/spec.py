@@ -171,6 +171,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.anima.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.anima.learned:LEARNED",
     default_config="anima.toml",
     config_keys=CONFIG_KEYS,
     # the modular pipeline's defaults: 50 steps (num_inference_steps), ClassifierFreeGuidance 4.0 with the
