@@ -4,7 +4,6 @@ to ComfyUI's `diffusion_model.*` (the adapter's modules too) or diffusers' layou
 AnimaLoraLoaderMixin with our runtime output, and ours reads them back; a batch of captions of other lengths predicts
 as each alone; merge_lora merges into the released single file; the cached text is what the encoder gives."""
 
-import csv
 import os
 
 import pytest
@@ -17,15 +16,10 @@ from library.models.anima.family import AnimaFamily
 from library.models.family import stack_text
 from networks.lora import LoRANetwork
 from tests.test_anima_model import diffusers_forward, diffusers_pair, no_torchvision
-from tests.test_train_lora import sample_png
+from tests.test_train_lora import read_losses, sample_png
 
 H, W = 3, 4  # patch grid of the target
 WIDTH = 64  # the tiny Qwen3 text encoder's (the adapter's source dim)
-
-
-def read_losses(out, name):
-    with open(os.path.join(out, f"{name}_log.csv")) as f:
-        return [float(r["loss"]) for r in csv.DictReader(f)]
 
 
 @pytest.fixture(scope="module")
