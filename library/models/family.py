@@ -279,8 +279,11 @@ class DiffusionFamily:
 
     # -- loading -------------------------------------------------------------------------------
     def load_transformer(self, dtype: torch.dtype, base_precision: str = "bf16", read_weights: bool = True) -> nn.Module:
-        """The frozen transformer on the CPU; read_weights=False: on meta from the file's header."""
-        raise NotImplementedError
+        """The frozen transformer on the CPU through its spec's load hook (transformer.load), the base quantized while
+        loading (fp8_prepare: fp8 / nf4 / int8); read_weights=False: on meta from the file's header."""
+        load = load_symbol(arch_spec(self.arch).transformer.load)
+        return load(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
+                    read_weights=read_weights)
 
     def load_vae(self, dtype: torch.dtype = torch.float32):
         """The family's VAE wrapper (`vae`) from vae_path, in `dtype`."""

@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from library.models.anima.spec import SPEC
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
 
 RELEASE = "anima"  # model_version (ai-toolkit's get_base_model_version: anima)
 TEXT_KEYS = ("qwen", "qwen_mask", "t5_ids", "t5_mask")  # a cached caption's tensors (each caption's own tokens)
@@ -50,12 +50,6 @@ class AnimaFamily(DiffusionFamily):
         return RELEASE
 
     # -- loading -------------------------------------------------------------------------------
-    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
-        from library.models.anima.checkpoint import load_anima
-
-        return load_anima(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                          read_weights=read_weights)
-
     def model_files(self) -> list[ModelFile]:
         from library.models.qwen_image.vae import qwen_image_vae_file
 

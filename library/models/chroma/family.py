@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from library.models.chroma.spec import SPEC
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
 
 
 class ChromaFamily(DiffusionFamily):
@@ -19,12 +19,6 @@ class ChromaFamily(DiffusionFamily):
     sample_guidance = SPEC.sample_guidance["chroma"]  # ChromaPipeline's default guidance_scale: a true CFG scale, not an embedded guidance
     sample_steps = SPEC.sample_steps["chroma"]  # ChromaPipeline's num_inference_steps default
     true_cfg = True
-
-    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
-        from library.models.chroma.checkpoint import load_chroma
-
-        return load_chroma(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                           read_weights=read_weights)
 
     def model_files(self) -> list[ModelFile]:
         from library.models.chroma.text_encoder import t5_paths

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from library.models.ernie_image.spec import SPEC
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
 
 RELEASE = "ernie-image"  # model_version (ai-toolkit's get_base_model_version: ernie_image)
 
@@ -37,12 +37,6 @@ class ErnieImageFamily(DiffusionFamily):
         return RELEASE
 
     # -- loading -------------------------------------------------------------------------------
-    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
-        from library.models.ernie_image.checkpoint import load_ernie_image
-
-        return load_ernie_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                                read_weights=read_weights)
-
     def model_files(self) -> list[ModelFile]:
         from library.models.vae import vae_markers
 

@@ -7,7 +7,7 @@ import functools
 
 import torch
 
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, file_fingerprint, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, file_fingerprint
 from library.models.flux1.spec import SPEC
 
 
@@ -18,12 +18,6 @@ class FluxFamily(DiffusionFamily):
     vae = "library.models.flux1.vae:FluxVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("clip_l", "t5xxl")
     sample_guidance = SPEC.sample_guidance["dev"]  # FluxPipeline's guidance_scale
-
-    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
-        from library.models.flux1.checkpoint import load_flux
-
-        return load_flux(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                         read_weights=read_weights)
 
     def model_files(self) -> list[ModelFile]:
         from library.models.vae import vae_markers

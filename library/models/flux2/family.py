@@ -27,7 +27,7 @@ from functools import cached_property
 
 import torch
 
-from library.models.family import DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import DiffusionFamily, ModelFile
 from library.models.flux2.spec import SPEC
 
 
@@ -42,12 +42,6 @@ class Flux2Family(DiffusionFamily):
     latent_channels = 32
     max_controls = 4  # the pipelines take any number, each a further frame on the t axis; four as the other edit models
     plan_controls = 0  # a text-to-image model first: presets plan none, a dataset's references are counted
-
-    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
-        from library.models.flux2.checkpoint import load_flux2
-
-        return load_flux2(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                          read_weights=read_weights)
 
     def model_files(self) -> list[ModelFile]:
         from library.models.vae import vae_markers

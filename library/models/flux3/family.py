@@ -32,7 +32,7 @@ import functools
 
 import torch
 
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, file_fingerprint, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, file_fingerprint
 from library.models.flux3.spec import SPEC
 
 BASE, DISTILLED = "flux3", "flux3-distilled"  # model_version, as diffusers' single-file types flux-3-image(-distilled)
@@ -75,12 +75,6 @@ class Flux3Family(DiffusionFamily):
         return {}
 
     # -- loading -------------------------------------------------------------------------------
-    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
-        from library.models.flux3.checkpoint import load_flux3
-
-        return load_flux3(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                          read_weights=read_weights)
-
     def model_files(self) -> list[ModelFile]:
         from library.models.vae import vae_markers
 

@@ -22,7 +22,7 @@ from functools import cached_property
 
 import torch
 
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs
 from library.models.krea2.spec import SPEC
 
 RAW, TURBO = "krea2-raw", "krea2-turbo"
@@ -95,12 +95,6 @@ class Krea2Family(DiffusionFamily):
         return dataclasses.replace(sampling_of(self.arch), mu=None, shift=math.exp(TURBO_MU))
 
     # -- loading -------------------------------------------------------------------------------
-    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
-        from library.models.krea2.checkpoint import load_krea2
-
-        return load_krea2(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                          read_weights=read_weights)
-
     def model_files(self) -> list[ModelFile]:
         from library.models.qwen_image.vae import qwen_image_vae_file
 

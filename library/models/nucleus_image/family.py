@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
 from library.models.nucleus_image.spec import SPEC
 
 RELEASE = "nucleus-image"  # model_version (ai-toolkit's get_base_model_version: nucleus_image)
@@ -42,12 +42,6 @@ class NucleusImageFamily(DiffusionFamily):
         return RELEASE
 
     # -- loading -------------------------------------------------------------------------------
-    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
-        from library.models.nucleus_image.checkpoint import load_nucleus_image
-
-        return load_nucleus_image(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                                  read_weights=read_weights)
-
     def model_files(self) -> list[ModelFile]:
         from library.models.qwen_image.vae import qwen_image_vae_file
 

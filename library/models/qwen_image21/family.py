@@ -21,7 +21,7 @@ from functools import cached_property
 import torch
 
 from library.models import flow_matching as fm
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs
 from library.models.latents import pack_latents, unpack_latents
 from library.models.qwen_image21.spec import SPEC
 
@@ -177,12 +177,6 @@ class QwenImage21Family(DiffusionFamily):
         return "qwen-image-2.1"
 
     # -- loading -------------------------------------------------------------------------------
-    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
-        from library.models.qwen_image21.checkpoint import load_qwen_image21
-
-        return load_qwen_image21(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                                 read_weights=read_weights)
-
     def model_files(self) -> list[ModelFile]:
         from library.models.qwen_image21.text_encoder import pipeline_tokenizer
 

@@ -19,7 +19,7 @@ from functools import cached_property
 
 import torch
 
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
 from library.models.zimage.spec import SPEC
 
 TURBO, BASE = "zimage-turbo", "zimage-base"
@@ -99,12 +99,6 @@ class ZImageFamily(DiffusionFamily):
         return None if shift == sampling.shift else dataclasses.replace(sampling, shift=shift)
 
     # -- loading -------------------------------------------------------------------------------
-    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
-        from library.models.zimage.checkpoint import load_zimage
-
-        return load_zimage(self.model_path, dtype=dtype, prepare=fp8_prepare(base_precision, self.arch),
-                           read_weights=read_weights)
-
     def model_files(self) -> list[ModelFile]:
         from library.models.vae import vae_markers
 
