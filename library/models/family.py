@@ -548,7 +548,16 @@ class DiffusionFamily:
         return torch.randn(batch, self.latent_channels, lh, lw, generator=generator, dtype=torch.float32)
 
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
-        return self.predict(model, x, s, text, h, w, guidance, **control_kwargs(control)).float()
+        """The conditional velocity in float32; a true-CFG family's, with a negative prompt and guidance above
+        cfg_above, the pipelines' classifier-free guidance uncond + g (cond - uncond) (diffusers'
+        ClassifierFreeGuidance, no rescale), the references in both passes. A pipeline that guides otherwise
+        overrides it."""
+        refs = control_kwargs(control)
+        cond = self.predict(model, x, s, text, h, w, guidance, **refs).float()
+        if not self.true_cfg or negative_text is None or guidance is None or guidance <= self.cfg_above:
+            return cond
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
+        return uncond + guidance * (cond - uncond)
 
     def reads_training_guidance(self) -> bool:
         """The model takes guidance_scale in training (a guidance-distilled model's embedding): its

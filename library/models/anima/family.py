@@ -124,14 +124,6 @@ class AnimaFamily(DiffusionFamily):
         return model(img=x_t, qwen=text["qwen"].to(device), t5_ids=text["t5_ids"].to(device), timesteps=sigmas,
                      h=h, w=w, **masks)
 
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
-        """ClassifierFreeGuidance: uncond + g (cond - uncond) when g > 1, in float32."""
-        cond = self.predict(model, x, s, text, h, w, guidance).float()
-        if negative_text is None or guidance is None or guidance <= self.cfg_above:
-            return cond
-        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
-        return uncond + guidance * (cond - uncond)
-
 
 def per_caption(qwen, qwen_mask, t5_ids, t5_mask) -> list[dict]:
     """A batch's padded encodings -> each caption's own tokens (its masks' real tokens first). An empty caption keeps

@@ -110,12 +110,3 @@ class ChromaFamily(DiffusionFamily):
         t5 = text["t5"].to(device)
         return model(img=x_t, img_ids=make_img_ids(b, h, w, device), txt=t5, txt_ids=make_txt_ids(b, t5.shape[1], device),
                      timesteps=sigmas, txt_mask=text["mask"].to(device).bool())
-
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
-        """ChromaPipeline's true CFG: uncond + g (cond - uncond) when g > 1 and a negative prompt is
-        given (the empty prompt by default), in float32; no norm rescale (unlike Qwen-Image)."""
-        cond = self.predict(model, x, s, text, h, w, guidance).float()
-        if negative_text is None or guidance is None or guidance <= self.cfg_above:
-            return cond
-        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
-        return uncond + guidance * (cond - uncond)

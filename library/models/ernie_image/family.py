@@ -112,14 +112,6 @@ class ErnieImageFamily(DiffusionFamily):
         return model(img=x_t, txt=text["embeds"].to(x_t.device), timesteps=sigmas, h=h, w=w,
                      txt_mask=None if mask is None else mask.to(x_t.device))
 
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
-        """ErnieImagePipeline's CFG: uncond + g (cond - uncond) when g > 1 (no rescale)."""
-        cond = self.predict(model, x, s, text, h, w, guidance).float()
-        if negative_text is None or guidance is None or guidance <= self.cfg_above:
-            return cond
-        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
-        return uncond + guidance * (cond - uncond)
-
     def initial_noise(self, batch, lh, lw, generator):
         # ErnieImagePipeline draws [B, 4C, lh/2, lw/2] (patchified; in the transformer's dtype, here float32)
         from library.models.latents import unpatchify

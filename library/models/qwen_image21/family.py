@@ -333,13 +333,3 @@ class QwenImage21Family(DiffusionFamily):
             return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
 
         return from_tokens(fm.euler_sample(velocity, to_tokens(noise), sigmas), h, w)
-
-    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
-        """QwenImage21Pipeline: neg + g (cond - neg) when g > 1 and a negative prompt is given (no rescale);
-        both passes see the references."""
-        refs = control_kwargs(control)
-        cond = self.predict(model, x, s, text, h, w, guidance, **refs).float()
-        if negative_text is None or guidance is None or guidance <= self.cfg_above:
-            return cond
-        uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
-        return uncond + guidance * (cond - uncond)
