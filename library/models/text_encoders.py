@@ -115,6 +115,16 @@ TOKENIZER_FOLDERS = ("tokenizer", "tokenizer_2", "t5_tokenizer", "processor")  #
 VOCABULARY_FILES = ("tokenizer.json", "spiece.model", "tokenizer.model", "vocab.json", "vocab.txt")  # one at least
 
 
+def right_padded(rows: list[list[int]], pad_id: int, device=None, length: int | None = None):
+    """Token rows -> (ids int64 [B, L], pad_id after each row's tokens; mask bool [B, L], True on the real tokens),
+    L = `length` or the longest row's: right padding, real tokens first, as the LLM text encoders run a batch (a real
+    query never sees a pad key under causal attention, so each row's states are those of the row alone)."""
+    length = max(len(r) for r in rows) if length is None else length
+    ids = torch.tensor([r + [pad_id] * (length - len(r)) for r in rows], dtype=torch.int64, device=device)
+    counts = torch.tensor([len(r) for r in rows], device=device)
+    return ids, torch.arange(length, device=device)[None] < counts[:, None]
+
+
 def tokenizer_files(path: str) -> list[str]:
     """Every tokenizer file the loaders may read for the encoder at `path` (a file, an HF folder, a
     pipeline's component folder or the pipeline folder): TOKENIZER_FILES in its folder and in the

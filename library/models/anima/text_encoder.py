@@ -37,6 +37,7 @@ import torch
 
 from library.io import CheckpointError, component_folder
 from library.models.llm import LLMConfig
+from library.models.text_encoders import right_padded
 
 ANIMA_MAX_LENGTH = 512  # the pipeline's max_sequence_length default, for both tokenizers
 T5_VOCAB = 32128  # rows of the LLM adapter's T5 token embedding (t5-v1_1-xxl's padded vocabulary): ids must fit
@@ -47,15 +48,6 @@ QWEN3_0_6B = LLMConfig(
     rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False,
     max_position_embeddings=32768, head_dim=128, qk_norm=True,
 )
-
-
-def pad_right(rows: list[list[int]], pad_id: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Token rows -> (ids [B, L] int64 with pad_id after each row's tokens, mask [B, L] bool), L the longest row's
-    length, at least 1 (a batch of empty rows is one masked pad each, as the pipeline makes it)."""
-    length = max(1, max(len(r) for r in rows))
-    ids = torch.tensor([r + [pad_id] * (length - len(r)) for r in rows], dtype=torch.int64, device=device)
-    counts = torch.tensor([len(r) for r in rows], device=device)
-    return ids, torch.arange(length, device=device)[None] < counts[:, None]
 
 
 class AnimaTextEncoder:
@@ -79,11 +71,13 @@ class AnimaTextEncoder:
         qwen_rows, t5_rows = self.token_rows(captions)
         device = self.llm.model.embed_tokens.weight.device
         pad = self.tokenizer.pad_token_id
-        ids, mask = pad_right(qwen_rows, 0 if pad is None else pad, device)  # any id: a pad's output is zeroed
+        # a batch of empty prompts: one masked pad each, as the pipeline makes it; any id: a pad's output is zeroed
+        ids, mask = right_padded(qwen_rows, 0 if pad is None else pad, device, max(1, max(map(len, qwen_rows))))
         positions = torch.arange(ids.shape[1], device=device)  # int64 0..L-1: transformers' default
         (state,) = self.llm.selected_hidden_states(ids, mask, (self.llm.config.num_layers,), position_ids=positions)
         qwen = torch.where(mask[..., None], state.float(), 0.0)  # compute dtype -> float32 (the cache's)
-        t5_ids, t5_mask = pad_right(t5_rows, self.t5_tokenizer.pad_token_id or 0, device)
+        t5_ids, t5_mask = right_padded(t5_rows, self.t5_tokenizer.pad_token_id or 0, device,
+                                       max(1, max(map(len, t5_rows))))
         return qwen, mask, t5_ids, t5_mask
 
 

@@ -49,6 +49,7 @@ import torch
 
 from library.io import CheckpointError, CheckpointReader, component_folder
 from library.models.llm import LLMConfig, hidden_state_index
+from library.models.text_encoders import right_padded
 
 ERNIE_HIDDEN_STATE = -2  # the pipeline's outputs.hidden_states[-2]
 # The language model of Ministral 3 3B as ERNIE-Image's text_encoder/config.json nests it (its text_config):
@@ -126,10 +127,9 @@ class ErnieTextEncoder:
             raise ValueError(f"ErnieTextEncoder: a prompt of {max(counts)} tokens; Ministral 3 scales the queries "
                              f"past {self.longest} positions, which this encoder does not")
         device = self.llm.model.embed_tokens.weight.device
-        length = max(counts)
         pad = self.tokenizer.pad_token_id or 0  # any id: a pad is a hidden key and its output is dropped
-        ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows], device=device)  # int64 [B, T]
-        mask = torch.arange(length, device=device)[None] < torch.tensor(counts, device=device)[:, None]  # bool [B, T]
+        ids, mask = right_padded(rows, pad, device)  # int64 / bool [B, T]
+        length = ids.shape[1]
         positions = torch.arange(length, device=device)  # int64: 0..n-1 on each prompt's real tokens
         (state,) = self.llm.selected_hidden_states(ids, mask, (self.layer,), position_ids=positions)
         # compute dtype -> float32 (the cache's); the pads' rows -> 0

@@ -47,6 +47,7 @@ import os
 import torch
 
 from library.io import CheckpointError, component_folder
+from library.models.text_encoders import right_padded
 
 # Flux3TextEncoderStep's defaults (inputs text_encoder_out_layers and max_sequence_length, pad_multiple).
 FLUX3_TAPS = (4, 8, 12, 16, 20, 24, 28, 32)
@@ -106,9 +107,7 @@ class Flux3TextEncoder:
         windows = [window_length(n, self.max_length, self.pad_multiple) for n in counts]
         device = self.llm.model.embed_tokens.weight.device
         length = max(counts) + 1  # one pad column at least: its state is every pad's (module docstring)
-        pad = self.tokenizer.pad_token_id
-        ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows], device=device)  # int64 [B, L]
-        real = torch.arange(length, device=device)[None] < torch.tensor(counts, device=device)[:, None]  # [B, L]
+        ids, real = right_padded(rows, self.tokenizer.pad_token_id, device, length)  # int64 / bool [B, L]
         positions = torch.arange(length, device=device)[None].masked_fill(~real, FLUX3_PAD_POSITION)  # int64 [B, L]
         states = self.llm.selected_hidden_states(ids, real, self.taps, position_ids=positions)
         # [B, L, D] x taps -> [B, L, taps, D] -> [B, L, taps * D]: per token, tap 4's features, then 8's, ...

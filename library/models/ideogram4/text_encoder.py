@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from library.models.text_encoders import _load_tokenizer
+from library.models.text_encoders import _load_tokenizer, right_padded
 
 IDEOGRAM4_TAPS = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 35)  # decoder layer indices (the pipeline's)
 IDEOGRAM4_MAX_SEQUENCE_LENGTH = 2048  # the pipeline's default
@@ -60,10 +60,8 @@ class Ideogram4TextEncoder:
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.token_ids(prompts)
         device = self.llm.model.embed_tokens.weight.device
-        length = max(len(r) for r in rows)
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows], device=device)  # int64 [B, L]
-        valid = torch.arange(length, device=device)[None] < torch.tensor([len(r) for r in rows], device=device)[:, None]
+        ids, valid = right_padded(rows, self.tokenizer.pad_token_id or 0, device)  # int64 / bool [B, L]
+        length = ids.shape[1]
         hidden = self.llm.selected_hidden_states(ids, valid, [t + 1 for t in self.taps],
                                                  position_ids=torch.arange(length, device=device), final_norm=False)
         b, n, d = hidden[0].shape

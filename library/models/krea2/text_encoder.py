@@ -32,6 +32,7 @@ import os
 import torch
 
 from library.io import component_folder
+from library.models.text_encoders import right_padded
 
 # Copied verbatim from diffusers' Krea2Pipeline (prompt_template_encode_prefix / _suffix / _start_idx /
 # _num_suffix_tokens): Qwen-Image's template, split around the padding.
@@ -93,10 +94,8 @@ class Krea2TextEncoder:
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.token_ids(prompts)
         device = self.llm.model.embed_tokens.weight.device
-        length = max(len(r) for r in rows)
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows], device=device)  # int64 [B, L]
-        valid = torch.arange(length, device=device)[None] < torch.tensor([len(r) for r in rows], device=device)[:, None]
+        ids, valid = right_padded(rows, self.tokenizer.pad_token_id or 0, device)  # int64 / bool [B, L]
+        length = ids.shape[1]
         positions = torch.arange(length, device=device)  # real tokens first: cumsum(mask) - 1 on them
         hidden = self.llm.selected_hidden_states(ids, valid, self.taps, position_ids=positions)
         stacked = torch.stack(hidden, dim=2)[:, KREA2_DROP_TOKENS:].float()  # [B, L - 34, taps, D] float32

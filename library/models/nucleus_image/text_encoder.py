@@ -57,6 +57,7 @@ import torch
 
 from library.io import component_folder
 from library.models.llm import hidden_state_index
+from library.models.text_encoders import right_padded
 
 NUCLEUS_HIDDEN_STATE = -8  # the pipeline's default_return_index: outputs.hidden_states[-8]
 NUCLEUS_MAX_SEQUENCE_LENGTH = 1024  # __call__'s default_max_sequence_length
@@ -107,12 +108,10 @@ class NucleusTextEncoder:
     @torch.no_grad()
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.token_ids(prompts)
-        counts = [len(r) for r in rows]
         device = self.llm.model.embed_tokens.weight.device
-        length = max(counts)
         pad = self.tokenizer.pad_token_id or 0  # any id: a pad is a hidden key and its output is dropped
-        ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows], device=device)  # int64 [B, T]
-        mask = torch.arange(length, device=device)[None] < torch.tensor(counts, device=device)[:, None]  # bool [B, T]
+        ids, mask = right_padded(rows, pad, device)  # int64 / bool [B, T]
+        length = ids.shape[1]
         positions = torch.arange(length, device=device)  # int64: 0..n-1 on each prompt's real tokens (right padding)
         (state,) = self.llm.selected_hidden_states(ids, mask, (self.layer,), position_ids=positions)
         # compute dtype -> float32 (the cache's); the pads' rows -> 0

@@ -29,6 +29,7 @@ import os
 import torch
 
 from library.io import component_folder
+from library.models.text_encoders import right_padded
 
 QWEN_IMAGE21_SYSTEM = "Comprehend and analyze the provided prompt."
 QWEN_IMAGE21_SYSTEM_TURN = f"<|im_start|>system\n{QWEN_IMAGE21_SYSTEM}<|im_end|>\n"
@@ -50,10 +51,8 @@ class QwenImage21TextEncoder:
     def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         rows = self.token_ids(prompts)
         device = self.llm.model.embed_tokens.weight.device
-        length = max(len(r) for r in rows)
-        pad = self.tokenizer.pad_token_id or 0
-        ids = torch.tensor([r + [pad] * (length - len(r)) for r in rows], device=device)  # int64 [B, L]
-        valid = torch.arange(length, device=device)[None] < torch.tensor([len(r) for r in rows], device=device)[:, None]
+        ids, valid = right_padded(rows, self.tokenizer.pad_token_id or 0, device)  # int64 / bool [B, L]
+        length = ids.shape[1]
         last = len(self.llm.model.layers)
         (hidden,) = self.llm.selected_hidden_states(ids, valid, [last], position_ids=torch.arange(length, device=device),
                                                     final_norm=False)
