@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import os
 
+from library.models.anima.tiny_text import TEXT_WIDTH  # the tiny Qwen3's width: the adapter's source dim
 from library.models.tiny_files import TINY, seed_component
-
-TEXT_WIDTH = 64  # the tiny Qwen3 text encoder's hidden size: the adapter's source dim
 
 
 def tiny_config():
