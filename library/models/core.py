@@ -441,6 +441,21 @@ class Modulation:
         return self.gated_projection(mlp[-1], x)
 
 
+def float32_modulated(y: torch.Tensor, shift: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """(1 + scale) * y + shift in float32, one rounding to y.dtype: diffusers' order of roundings where a model's
+    modulation is float32 (Modulation.modulate computes in the activation dtype)."""
+    return (y.float() * (1 + scale.float()) + shift.float()).to(y.dtype)
+
+
+def float32_gated(mod: Modulation, proj: nn.Module, h: torch.Tensor, dtype: torch.dtype,
+                  last: bool = False) -> torch.Tensor:
+    """gate * proj(h) in float32, rounded to `dtype`: the update a block adds to its residual (float32_modulated's
+    order). last: proj is the block's last projection, whose output nothing in the block's recompute reads
+    (residual_projection may skip its base GEMM there); an earlier one's output feeds the block on: computed in full."""
+    out = residual_projection(proj, h, mod.gate.requires_grad) if last else proj(h)
+    return (mod.gate.float() * out.float()).to(dtype)
+
+
 def split_modulation(params: torch.Tensor, count: int) -> list[Modulation]:
     """[B, 3 * count * D] -> `count` Modulations, each field [B, 1, D] (broadcast over tokens)."""
     chunks = params[:, None, :].chunk(3 * count, dim=-1)

@@ -54,8 +54,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models.core import (
-    LayerNormNoAffine, Modulation, RMSNorm, apply_rope, attention, residual_projection, rope_tables, run_block,
-    timestep_embedding,
+    LayerNormNoAffine, Modulation, RMSNorm, apply_rope, attention, float32_gated, float32_modulated,
+    residual_projection, rope_tables, run_block, timestep_embedding,
 )
 
 EPS = 1e-6  # every norm of both parts (LayerNorms, RMSNorms, the adapter's)
@@ -144,17 +144,6 @@ def image_rope_tables(config: AnimaConfig, h: int, w: int, device=None) -> tuple
 # ----------------------------------------------------------------------------------------------
 # Layers shared by both parts
 
-
-def modulated(shift: torch.Tensor, scale: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """(1 + scale) * y + shift in float32 (shift / scale float32 [B, 1, D]), one rounding to y.dtype."""
-    return (y.float() * (1 + scale) + shift).to(y.dtype)
-
-
-def gated(mod: Modulation, proj: nn.Module, h: torch.Tensor, dtype: torch.dtype, last: bool = False) -> torch.Tensor:
-    """gate * proj(h) in float32, rounded to `dtype`. last: proj is the block's last projection, whose output
-    nothing in the block's recompute reads (core.residual_projection may skip its base GEMM there)."""
-    out = residual_projection(proj, h, mod.gate.requires_grad) if last else proj(h)
-    return (mod.gate * out.float()).to(dtype)
 
 
 def adaln_lora(dim: int, rank: int, chunks: int) -> nn.Sequential:
@@ -357,14 +346,14 @@ class Block(nn.Module):
         """x [B, L, hidden]; emb [B, hidden] (t_embedding_norm's), temb [B, 3 hidden]; context [B, S, text_dim];
         cos / sin float32 [L, head_dim / 2] (a pair, so that checkpointing sees plain tensors)."""
         attn = self._modulation(self.adaln_modulation_self_attn, emb, temb)
-        y = modulated(attn.shift, attn.scale, self.layer_norm_self_attn(x))
-        x = x + gated(attn, self.self_attn.output_proj, self.self_attn(y, y, (cos, sin)), x.dtype)
+        y = float32_modulated(self.layer_norm_self_attn(x), attn.shift, attn.scale)
+        x = x + float32_gated(attn, self.self_attn.output_proj, self.self_attn(y, y, (cos, sin)), x.dtype)
         cross = self._modulation(self.adaln_modulation_cross_attn, emb, temb)
-        y = modulated(cross.shift, cross.scale, self.layer_norm_cross_attn(x))
-        x = x + gated(cross, self.cross_attn.output_proj, self.cross_attn(y, context), x.dtype)
+        y = float32_modulated(self.layer_norm_cross_attn(x), cross.shift, cross.scale)
+        x = x + float32_gated(cross, self.cross_attn.output_proj, self.cross_attn(y, context), x.dtype)
         mlp = self._modulation(self.adaln_modulation_mlp, emb, temb)
-        y = modulated(mlp.shift, mlp.scale, self.layer_norm_mlp(x))
-        return x + gated(mlp, self.mlp.layer2, self.mlp.hidden(y), x.dtype, last=True)
+        y = float32_modulated(self.layer_norm_mlp(x), mlp.shift, mlp.scale)
+        return x + float32_gated(mlp, self.mlp.layer2, self.mlp.hidden(y), x.dtype, last=True)
 
 
 class FinalLayer(nn.Module):
@@ -381,7 +370,7 @@ class FinalLayer(nn.Module):
     def forward(self, x: torch.Tensor, emb: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
         mod = self.adaln_modulation(emb).float() + temb[:, : 2 * x.shape[-1]].float()  # float32 [B, 2 D]
         shift, scale = mod[:, None].chunk(2, dim=-1)
-        return self.linear(modulated(shift, scale, self.layer_norm(x)))
+        return self.linear(float32_modulated(self.layer_norm(x), shift, scale))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -50,7 +50,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models.core import (
-    LayerNormNoAffine, Modulation, RMSNorm, attention, residual_projection, rope_tables, run_block, split_modulation,
+    LayerNormNoAffine, RMSNorm, attention, float32_gated, float32_modulated, rope_tables, run_block, split_modulation,
     timestep_embedding,
 )
 
@@ -124,18 +124,6 @@ def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> t
 # Layers
 
 
-def modulated(mod: Modulation, y: torch.Tensor) -> torch.Tensor:
-    """(1 + scale) * y + shift in float32, one rounding to y.dtype (diffusers' order of roundings)."""
-    return (y.float() * (1 + mod.scale.float()) + mod.shift.float()).to(y.dtype)
-
-
-def gated(mod: Modulation, proj: nn.Module, h: torch.Tensor, dtype: torch.dtype, last: bool = False) -> torch.Tensor:
-    """gate * proj(h) in float32, rounded to `dtype`: the update a block adds to its residual. last: proj is the
-    block's last projection (the MLP's), whose output nothing in the block's recompute reads: core.residual_projection
-    may skip its base GEMM there; the attention's output feeds the MLP's input, so it is computed in full."""
-    out = residual_projection(proj, h, mod.gate.requires_grad) if last else proj(h)
-    return (mod.gate.float() * out.float()).to(dtype)
-
 
 class PatchEmbed(nn.Module):
     """`proj`: Conv2d(in_channels, hidden, patch, stride patch) over the patchified latent grid."""
@@ -202,10 +190,10 @@ class Block(nn.Module):
         """x [B, L, hidden]; mod [B, 6 hidden], the shared modulation (split here so that checkpointing sees a
         plain tensor); cos/sin float32 [B, 1, L, head_dim]; mask bool [B, 1, 1, L] or None."""
         attn, mlp = split_modulation(mod, 2)  # (shift, scale, gate) x (attention, MLP), each [B, 1, hidden]
-        y = modulated(attn, self.adaLN_sa_ln(x))
-        x = x + gated(attn, self.self_attention.to_out[0], self.self_attention(y, cos, sin, mask), x.dtype)
-        y = modulated(mlp, self.adaLN_mlp_ln(x))
-        return x + gated(mlp, self.mlp.linear_fc2, self.mlp.hidden(y), x.dtype, last=True)
+        y = float32_modulated(self.adaLN_sa_ln(x), attn.shift, attn.scale)
+        x = x + float32_gated(attn, self.self_attention.to_out[0], self.self_attention(y, cos, sin, mask), x.dtype)
+        y = float32_modulated(self.adaLN_mlp_ln(x), mlp.shift, mlp.scale)
+        return x + float32_gated(mlp, self.mlp.linear_fc2, self.mlp.hidden(y), x.dtype, last=True)
 
 
 class TimeEmbedding(nn.Module):
