@@ -6,6 +6,7 @@ import os
 import re
 
 import pytest
+import torch
 from PIL import Image
 
 from library.data import caches, dataset as D
@@ -412,3 +413,23 @@ def test_an_encoder_output_with_nan_is_refused_naming_the_text_and_nothing_is_ca
     assert not [f for f in os.listdir(tmp_path / "img") if f.endswith(".safetensors")]
     with pytest.raises(ValueError, match=re.escape(refusal)):
         caches.cache_prompts([("a dog on a red chair", (), None)], Overflowing().text, "te-1", str(tmp_path / "p"))
+
+
+def test_a_negative_prompt_is_cached_apart_from_the_same_caption(tmp_path):
+    """A family may encode a sample's negative otherwise than a caption (a system prompt before the positive prompt
+    only): the negative reaches the encoder marked (NegativePrompt) and is kept in its own file, so the empty
+    negative never reads the empty caption's cache, nor the other way round; each is encoded once."""
+    from library.data.prompts import NegativePrompt
+
+    seen = []
+
+    def encode(captions):  # one token: 1.0 for a negative, 0.0 for a caption
+        seen.extend(isinstance(c, NegativePrompt) for c in captions)
+        return [{"hidden": torch.full((1, 4), float(isinstance(c, NegativePrompt)))} for c in captions]
+
+    folder = str(tmp_path / "p")
+    jobs = [("", (), None), (NegativePrompt(""), (), None)]
+    for _ in range(2):
+        (caption, negative), files = caches.cache_prompts(jobs, encode, "te-1", folder)
+        assert files[0] != files[1] and (negative["hidden"] - caption["hidden"]).abs().max() == 1.0
+    assert seen == [False, True]  # the second round read both back

@@ -118,9 +118,9 @@ from library.io import CheckpointError  # noqa: E402
 from networks.lora_arch import check_model_files  # noqa: E402
 from library.models.vae import decoding_in_tiles  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts  # noqa: E402
-from library.data.prompts import (SamplePrompt, check_flow_shift, check_guidance, check_seed, decode_references,  # noqa: E402
-                                  parse_prompt_line, read_prompt_file, refuse_large_prompts, refuse_long_prompts,
-                                  rendered_side, seed_or_random)
+from library.data.prompts import (NegativePrompt, SamplePrompt, check_flow_shift, check_guidance,  # noqa: E402
+                                  check_seed, decode_references, parse_prompt_line, read_prompt_file,
+                                  refuse_large_prompts, refuse_long_prompts, rendered_side, seed_or_random)
 from library.training.config import PRECISION_DTYPES  # noqa: E402
 from tools.devices import device_from_flag  # noqa: E402
 from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
@@ -320,7 +320,8 @@ def generate(args) -> list[str]:
         size = family.sample_text_size(prompt.control_images, prompt.width, prompt.height)
         return stack_text(encode_prompts(encode, [text], [prompt.control_images], family.text_sees_controls, size))
 
-    texts = [(encode_one(p.prompt, p), encode_one(p.negative, p) if family.true_cfg else None) for p in prompts]
+    texts = [(encode_one(p.prompt, p), encode_one(NegativePrompt(p.negative), p) if family.true_cfg else None)
+             for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
     # A pre-quantized file (ours, ComfyUI's fp8 / scaled fp8, GGUF) is used as it is stored, whatever --base_precision says.
     base_precision = family.stored_layout() or args.base_precision

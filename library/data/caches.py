@@ -27,6 +27,7 @@ from library.data.dataset_config import DatasetBlueprint
 from library.data.image_folders import ImageItem, largest_bucket, reference_count, subset_images
 from library.data.images import load_image
 from library.data.masks import load_mask, mask_source_hash
+from library.data.prompts import NegativePrompt
 from library.io import CheckpointReader, SharedLock, atomic_target, save_safetensors
 
 # Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
@@ -438,6 +439,8 @@ def prompt_cache_path(folder: str, model_key: str, text: str, references, sample
     """`prompt-<tag>_<model_key>_te.safetensors`: named for the text, its reference paths and the
     sample size its encoder fits them to (where it does)."""
     named = (text, list(references)) if sample_size is None else (text, list(references), tuple(sample_size))
+    if isinstance(text, NegativePrompt):  # encoded as a negative (a family may encode it otherwise): its own file
+        named += ("negative",)
     tag = hashlib.sha256(repr(named).encode()).hexdigest()[:16]
     return os.path.join(folder, f"prompt-{tag}_{model_key}_te.safetensors")
 
@@ -456,7 +459,7 @@ def cache_prompts(prompts: list[tuple[str, tuple[str, ...], tuple[int, int] | No
     for text, references, sample_size in prompts:
         references, sample_size = (tuple(references), sample_size) if with_references else ((), None)
         path = prompt_cache_path(folder, model_key, text, references, sample_size) if folder else None
-        h = hashlib.sha256(f"{text}|{model_key}".encode())
+        h = hashlib.sha256(f"{text}|{model_key}{'|negative' if isinstance(text, NegativePrompt) else ''}".encode())
         for reference in references:
             _hash_file(h, reference, b"|control|")
         files.append(path)

@@ -51,6 +51,12 @@ class SamplePrompt:
     source: str = field(default="", compare=False)  # where read_prompt_file read it: "p.txt:5", "p.json: prompt 2"
 
 
+class NegativePrompt(str):
+    """A sample prompt's negative text as it reaches a family's text encoder: the same string, marked, for the
+    pipelines that encode it otherwise than a caption (a system prompt put only before the positive prompt). Its
+    prompt cache is its own (caches.prompt_cache_path): the empty negative is not the empty caption there."""
+
+
 FLAGS = {"w": ("width", int), "h": ("height", int), "s": ("steps", int), "d": ("seed", int), "g": ("guidance", float),
          "n": ("negative", str), "l": ("scale", float), "fs": ("flow_shift", float)}
 
