@@ -4,15 +4,27 @@ The same class runs Llama-3-8B, Qwen2-style models, the language model of Qwen2.
 text encoder; for text-only prompts its multimodal RoPE reduces to 1-D RoPE) and Qwen3 (no qkv
 bias, a per-head RMSNorm on q and k before RoPE, head_dim set by the config rather than
 hidden_size / num_heads) and Mistral (the language model of Mistral Small 3.1: Llama-like, explicit
-head_dim; Mistral-7B-v0.1's sliding_window on every layer); the diffusion families that
-encode text with them say which. Module names mirror Hugging Face checkpoints
-(`model.layers.N.self_attn.q_proj`, ...), so loading is a plain name-for-name copy.
+head_dim; Mistral-7B-v0.1's sliding_window on every layer) and Gemma 2 (Gemma-2-2B: GeGLU, four
+norms per layer computing x * (1 + w), scaled embeddings, softcapped attention scores and logits, a window on
+every other layer); the diffusion families that encode text with them say which. Module names mirror Hugging
+Face checkpoints (`model.layers.N.self_attn.q_proj`, ...), so loading is a plain name-for-name copy.
 
 Precision: token ids and position ids are int64; RoPE tables are float32 computed outside
 autocast (core.rope_tables; a scaled RoPE's frequencies in float64, llm_rope.py); the residual
 stream runs in `compute_dtype`; logits are returned in float32. Attention masks (padding, causal, sliding
 window) are boolean, True = attend: SDPA turns a False into -inf on the scores in their own dtype, so no float
 mask is rounded to bf16 and a hidden key gets exactly zero weight, as transformers' masks give it.
+
+Gemma 2's softcapped attention cannot run through SDPA (tanh(s / 50) * 50 acts on the scores inside the kernel):
+it runs eagerly as transformers' eager_attention_forward does (scores and tanh in the compute dtype, the mask
+as -inf, softmax in float32, cast back before the product with v). That is also what Lumina Image 2.0's references
+compute for its prompts: transformers 5.23's Gemma2Model sets _supports_sdpa = False ("sdpa does not support
+softcapping"), so diffusers' Lumina2Pipeline (Gemma2Model.from_pretrained, no attn_implementation) runs eager with
+the cap; transformers 4.45-4.46 also defaulted Gemma 2 to eager (PR #32865) for this reason. ComfyUI's Gemma2
+(comfy/text_encoders/llama.py) drops the cap (SDPA at head_dim ** -0.5, which equals 256 ** -0.5 for Gemma-2-2B).
+On a tiny random Gemma 2 (tests/test_llm_gemma2.py: width 64, scores |s| < 1) the cap moves the states by
+~1e-6 only; on the real model's peaked heads it matters more. The cap is the config's (attn_logit_softcapping):
+a reader who wants ComfyUI's numbers replaces it with 0.
 """
 
 from __future__ import annotations
@@ -20,7 +32,6 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -28,261 +39,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models import core
-from library.models.llm_rope import RopeScaling
+from library.models.llm_config import (  # noqa: F401 (re-exported: the config lives there)
+    GEMMA2_2B, LLAMA3_8B, LLMConfig, MISTRAL_SMALL_3_1, QWEN2_5_7B, QWEN3_4B, QWEN3_8B, QWEN3_VL_4B, QWEN3_VL_8B,
+)
 from library.models.llm_spec import FP8 as LLM_FP8
 from library.models.spec import TextWeights
 from library.precision.fp8_checkpoints import scaled_fp8_converter
 from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, write_text
-
-# ----------------------------------------------------------------------------------------------
-# Config
-
-
-# config.json model_types read (a nested text_config's first): Gemma and Granite would load name for name
-# into Llama layers and compute something else (scaled embeddings and norms, multipliers); MoEs have experts.
-MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-VL_MODEL_TYPES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
-REQUIRED_KEYS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size")
-# transformers' max_position_embeddings where a config.json leaves it out (dynamic RoPE and the context check read it)
-DEFAULT_MAX_POSITIONS = {"llama": 2048, "mistral": 131072, "qwen2": 32768, "qwen3": 32768}
-
-
-@dataclass(frozen=True)
-class LLMConfig:
-    """Architecture of a Llama/Mistral/Qwen2/Qwen3 decoder. Defaults are the Qwen2.5-VL-7B language model.
-
-    head_dim: 0 = hidden_size // num_heads (Llama, Qwen2); Qwen3 and Mistral Small 3.1 set it
-    explicitly (128 for Qwen3-4B, whose hidden_size 2560 / 32 heads would give 80, and for Mistral
-    Small 3.1: 5120 / 32 = 160). qk_norm: Qwen3's RMSNorm over head_dim on each query and key head,
-    applied before RoPE. Mistral is Llama with an explicit head_dim (and maybe a sliding_window on every layer)."""
-
-    vocab_size: int = 152064
-    hidden_size: int = 3584
-    num_layers: int = 28
-    num_heads: int = 28
-    num_kv_heads: int = 4
-    intermediate_size: int = 18944
-    rope_theta: float = 1000000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    qkv_bias: bool = True
-    max_position_embeddings: int = 128000
-    head_dim: int = 0
-    qk_norm: bool = False
-    # Qwen2.5-VL's M-RoPE: frequency bands rotated by (time, height, width) ids when 3-axis
-    # positions are given (image tokens); () = 1-D RoPE only. Text-only input never needs it.
-    mrope_section: tuple[int, ...] = ()
-    mrope_interleaved: bool = False  # Qwen3-VL: the axes' frequencies interleaved (core.mrope_tables)
-    rope_scaling: RopeScaling | None = None  # linear / dynamic / yarn / llama3 frequencies (llm_rope.py)
-    # Sliding-window attention: the layers in window_layers let query i see keys i - sliding_window + 1 .. i only
-    # (transformers' rule); 0 / () = none. Mistral-7B-v0.1: 4096 on every layer; Qwen2 / Qwen3 with
-    # use_sliding_window: the layers from max_window_layers on (or those layer_types names sliding_attention).
-    sliding_window: int = 0
-    window_layers: tuple[int, ...] = ()
-
-    def __post_init__(self):
-        object.__setattr__(self, "mrope_section", tuple(self.mrope_section))
-        object.__setattr__(self, "window_layers", tuple(self.window_layers) if self.sliding_window else ())
-        if self.sliding_window and not (self.window_layers and all(0 <= i < self.num_layers for i in self.window_layers)):
-            raise ValueError(f"LLMConfig: sliding_window {self.sliding_window} with window_layers {self.window_layers}: "
-                             f"expected the indices (below num_layers {self.num_layers}) of the layers it applies to")
-        if self.num_heads % self.num_kv_heads or (not self.head_dim and self.hidden_size % self.num_heads):
-            raise ValueError(
-                f"LLMConfig: hidden_size {self.hidden_size}, num_heads {self.num_heads}, num_kv_heads "
-                f"{self.num_kv_heads}: expected num_heads % num_kv_heads == 0 and, without an explicit "
-                f"head_dim, hidden_size % num_heads == 0"
-            )
-        if not self.head_dim:  # frozen dataclass: fill the derived default once
-            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-
-    @property
-    def context_length(self) -> int:
-        """The longest sequence the model is for: max_position_embeddings, or what a yarn rope_scaling
-        stretches the pretraining context to (Qwen2.5 / Qwen3 with factor 4: 131072)."""
-        return max(self.max_position_embeddings, self.rope_scaling.context_length() if self.rope_scaling else 0)
-
-    @classmethod
-    def from_hf(cls, config: dict) -> "LLMConfig":
-        """From a Hugging Face config.json dict (llama, qwen2, qwen3, qwen2_5_vl with or without a
-        nested `text_config`). Features this model does not implement are refused, not ignored."""
-        model_type = config.get("model_type", "")
-        if "text_config" in config:  # Qwen2.5-VL (transformers >= 4.52), Mistral3: the language model nested
-            model_type = config["text_config"].get("model_type", model_type)  # e.g. mistral3 -> mistral
-            config = {**config, **config["text_config"]}
-        if model_type and (not (model_type in MODEL_TYPES or model_type.startswith(VL_MODEL_TYPES)) or "moe" in model_type):
-            raise ValueError(f"config.json: model_type '{model_type}' is not supported (expected {', '.join(MODEL_TYPES)} "
-                             f"or the language model of a Qwen-VL / Mistral3 config): its layers are not Llama's")
-        quant = config.get("quantization_config")
-        if quant:  # its scales / packed weights would be read as (or next to) plain weights
-            raise ValueError(f"config.json: quantization_config (quant_method {quant.get('quant_method')!r}): a Hugging "
-                             f"Face quantized checkpoint is not read; give the bf16 model (base_precision fp8 / nf4 "
-                             f"quantizes it while loading) or a plain fp8 one")
-        max_positions = config.get("max_position_embeddings") or DEFAULT_MAX_POSITIONS.get(model_type, 4096)
-        config = {**config, "max_position_embeddings": max_positions}  # rope_scaling's defaults read it too
-        rope_key = "rope_parameters" if config.get("rope_parameters") else "rope_scaling"
-        rope = config.get(rope_key) or {}
-        rope_scaling = RopeScaling.from_hf(config, rope_key)  # None: plain RoPE (default, mrope)
-        if rope_scaling and rope.get("mrope_section"):
-            raise ValueError(f"config.json: {rope_key} rope_type '{rope_scaling.rope_type}' with mrope_section is not supported")
-        is_qwen3 = model_type in ("qwen3", "qwen3_vl_text")  # Qwen3-VL's language model is Qwen3 (QK norm, no bias)
-        # transformers' Llama, Mistral, Qwen2 and Qwen3 attention all take an explicit head_dim when given
-        # (Mistral Small 3.1: 128, where 5120 / 32 heads would give 160)
-        head_dim = config.get("head_dim") or 0
-        if config.get("mlp_bias"):
-            raise ValueError("config.json: mlp_bias is not supported")
-        if config.get("hidden_act", "silu") != "silu":  # transformers' MLP takes any; ours is SwiGLU
-            raise ValueError(f"config.json: hidden_act '{config['hidden_act']}' is not supported (expected silu)")
-        is_qwen2 = model_type.startswith("qwen2")  # Qwen2 / Qwen2.5-VL: bias on q, k, v (not o)
-        missing = [k for k in REQUIRED_KEYS if config.get(k) is None]
-        if missing:  # transformers would build its own default shape (Llama-2-7B's) and load nothing into it
-            raise ValueError(f"config.json: no {', '.join(missing)} (expected the model's shape: {', '.join(REQUIRED_KEYS)})")
-        sliding_window, window_layers = _sliding_window(config, model_type)
-        if config.get("attention_bias") and not is_qwen2:
-            raise ValueError(f"config.json: attention_bias=true with model_type '{model_type}' (bias on o_proj too) is not supported")
-        return cls(
-            vocab_size=config["vocab_size"],
-            hidden_size=config["hidden_size"],
-            num_layers=config["num_hidden_layers"],
-            num_heads=config["num_attention_heads"],
-            num_kv_heads=config.get("num_key_value_heads") or config["num_attention_heads"],
-            intermediate_size=config["intermediate_size"],
-            rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
-            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),  # transformers' default for all four
-            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            qkv_bias=is_qwen2,
-            max_position_embeddings=config["max_position_embeddings"],
-            head_dim=head_dim,
-            qk_norm=is_qwen3,
-            # Qwen2.5-VL configs name the sections under rope type "mrope" or (transformers >= 4.5x) "default"
-            mrope_section=tuple(rope.get("mrope_section") or ()),
-            mrope_interleaved=bool(rope.get("mrope_interleaved", False)),
-            rope_scaling=rope_scaling,
-            sliding_window=sliding_window,
-            window_layers=window_layers,
-        )
-
-    def to_hf(self) -> dict:
-        """A Hugging Face config.json dict (qwen3 when qk_norm, qwen2 when qkv_bias, else llama;
-        a Mistral without sliding window is a Llama with an explicit head_dim) that from_hf reads back."""
-        if self.qk_norm and self.qkv_bias:
-            raise ValueError("LLMConfig.to_hf: qk_norm with qkv_bias has no Hugging Face model type")
-        every_layer = self.window_layers == tuple(range(self.num_layers))
-        if self.sliding_window and not (self.qk_norm or self.qkv_bias or every_layer):
-            raise ValueError(f"LLMConfig.to_hf: sliding_window on layers {self.window_layers} of {self.num_layers} without "
-                             f"qk_norm or qkv_bias has no model type (Mistral's window covers every layer)")
-        model_type = "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "mistral" if self.sliding_window else "llama"
-        arch = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "mistral": "MistralForCausalLM",
-                "llama": "LlamaForCausalLM"}[model_type]
-        return {
-            "architectures": [arch],
-            "model_type": model_type,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            **({"head_dim": self.head_dim} if self.qk_norm or self.head_dim != self.hidden_size // self.num_heads else {}),
-            "intermediate_size": self.intermediate_size,
-            "rope_theta": self.rope_theta,
-            "rms_norm_eps": self.rms_norm_eps,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            **({"rope_scaling": self.rope_scaling.to_hf()} if self.rope_scaling else {}),
-            **({"sliding_window": self.sliding_window} if self.sliding_window else {}),
-            **(self._window_to_hf() if self.sliding_window and model_type != "mistral" else {}),
-            "hidden_act": "silu",
-        }
-
-    def _window_to_hf(self) -> dict:
-        """Qwen2 / Qwen3's switch and layers: layer_types (transformers 5.x reads it) and max_window_layers (4.x)."""
-        layer_types = ["sliding_attention" if i in self.window_layers else "full_attention" for i in range(self.num_layers)]
-        return {"use_sliding_window": True, "max_window_layers": min(self.window_layers), "layer_types": layer_types}
-
-
-# max_window_layers where a config.json with use_sliding_window leaves it out (transformers' defaults)
-DEFAULT_MAX_WINDOW_LAYERS = {"qwen2": 28, "qwen3": 28, "qwen2_vl": 80, "qwen2_5_vl": 80}
-
-
-def _sliding_window(config: dict, model_type: str) -> tuple[int, tuple[int, ...]]:
-    """(sliding_window, window_layers) as transformers reads a config.json. Mistral: `sliding_window` on every
-    layer whenever it is set (transformers' default 4096; Mistral Small 3.1: null). Qwen2 / Qwen3 (and the
-    Qwen2-VL / Qwen2.5-VL language models): only with use_sliding_window, on the layers layer_types names
-    sliding_attention, or without layer_types those from max_window_layers on. What transformers cannot run
-    (sliding layers without the switch or a window) and models whose attention has no window are refused."""
-    layer_types = config.get("layer_types") or []
-    if model_type == "mistral":
-        window = config.get("sliding_window", 4096) or 0
-        return window, tuple(range(config["num_hidden_layers"])) if window else ()
-    family = max((k for k in DEFAULT_MAX_WINDOW_LAYERS if model_type.startswith(k)), key=len, default=None)
-    if family is None or (family == "qwen3" and model_type != "qwen3"):  # Llama, Qwen3-VL: no window in transformers
-        if config.get("use_sliding_window") or "sliding_attention" in layer_types:
-            raise ValueError(f"config.json: use_sliding_window / sliding_attention layers with model_type '{model_type}' "
-                             f"are not supported (its attention has no window in transformers)")
-        return 0, ()
-    window = config.get("sliding_window", 4096) if config.get("use_sliding_window") else None  # transformers' default
-    if not window:
-        if "sliding_attention" in layer_types:  # transformers raises "Could not find a `sliding_window`" here
-            raise ValueError("config.json: layer_types names sliding_attention layers without use_sliding_window and "
-                             "a sliding_window (expected both)")
-        return 0, ()
-    n = config["num_hidden_layers"]
-    if layer_types and len(layer_types) != n:
-        raise ValueError(f"config.json: layer_types has {len(layer_types)} entries for num_hidden_layers {n}")
-    if not layer_types:
-        first = config.get("max_window_layers", DEFAULT_MAX_WINDOW_LAYERS[family])
-        layer_types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-    layers = tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention")
-    return (int(window), layers) if layers else (0, ())
-
-
-QWEN2_5_7B = LLMConfig()
-LLAMA3_8B = LLMConfig(
-    vocab_size=128256,
-    hidden_size=4096,
-    num_layers=32,
-    num_heads=32,
-    num_kv_heads=8,
-    intermediate_size=14336,
-    rope_theta=500000.0,
-    rms_norm_eps=1e-5,
-    tie_word_embeddings=False,
-    qkv_bias=False,
-    max_position_embeddings=8192,
-)
-# Qwen/Qwen3-4B and Qwen/Qwen3-8B, as diffusion text encoders use them (3 stacked layers of their
-# hidden sizes = a transformer's joint_attention_dim 7680 / 12288).
-QWEN3_4B = LLMConfig(
-    vocab_size=151936, hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=9728,
-    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False,
-    max_position_embeddings=40960, head_dim=128, qk_norm=True,
-)
-QWEN3_8B = LLMConfig(
-    vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=12288,
-    rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False,
-    max_position_embeddings=40960, head_dim=128, qk_norm=True,
-)
-
-# The language model of Qwen/Qwen3-VL-4B-Instruct (its config.json text_config: Qwen3 layers, interleaved
-# M-RoPE sections (24, 20, 20), theta 5e6), as a diffusion text encoder reads a single file without config.json.
-QWEN3_VL_4B = LLMConfig(
-    vocab_size=151936, hidden_size=2560, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=9728,
-    rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False,
-    max_position_embeddings=262144, head_dim=128, qk_norm=True, mrope_section=(24, 20, 20), mrope_interleaved=True,
-)
-# Qwen/Qwen3-VL-8B-Instruct's (Qwen3-8B's layers with Qwen3-VL's RoPE; an lm_head of its own).
-QWEN3_VL_8B = LLMConfig(
-    vocab_size=151936, hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8, intermediate_size=12288,
-    rope_theta=5000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False, qkv_bias=False,
-    max_position_embeddings=262144, head_dim=128, qk_norm=True, mrope_section=(24, 20, 20), mrope_interleaved=True,
-)
-
-# The language model of Mistral Small 3.1 24B (Mistral3ForConditionalGeneration's text_config), as a
-# diffusion text encoder uses it (3 x 5120 stacked layers = a transformer's joint_attention_dim 15360).
-MISTRAL_SMALL_3_1 = LLMConfig(
-    vocab_size=131072, hidden_size=5120, num_layers=40, num_heads=32, num_kv_heads=8, intermediate_size=32768,
-    rope_theta=1000000000.0, rms_norm_eps=1e-5, tie_word_embeddings=False, qkv_bias=False,
-    max_position_embeddings=131072, head_dim=128,
-)
 
 # ----------------------------------------------------------------------------------------------
 # Model
@@ -304,6 +67,9 @@ class SelfAttention(nn.Module):
             self.k_norm = core.RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = nn.Identity()
+        self.softcap = cfg.attn_logit_softcapping
+        # None: SDPA's own head_dim ** -0.5 (every model but Gemma 2, whose query_pre_attn_scalar sets it)
+        self.scale = cfg.attention_scale if cfg.query_pre_attn_scalar else None
 
     def forward(self, x, cos, sin, mask, visible=None):
         """visible: [B, L, 1] (1: the query sees a key; 0: a left-pad query, whose output is 0 as in
@@ -314,21 +80,70 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         q = core.apply_rope(q, cos, sin, interleaved=False)
         k = core.apply_rope(k, cos, sin, interleaved=False)
-        out = core.attention(q, k, v, mask=mask, causal=True)  # [B, L, H*Dh]
+        if self.softcap or self.scale is not None:
+            out = softcapped_attention(q, k, v, mask, self.scale or self.head_dim ** -0.5, self.softcap)
+        else:
+            out = core.attention(q, k, v, mask=mask, causal=True)  # [B, L, H*Dh]
         return self.o_proj(out if visible is None else out * visible)  # -> [B, L, D]
 
 
+def softcapped_attention(q, k, v, mask, scale: float, softcap: float) -> torch.Tensor:
+    """Causal attention with scores softcap * tanh(s / softcap) (0: no cap), as transformers' eager Gemma 2:
+    q [B, H, L, Dh], k / v [B, Hkv, L, Dh] in the compute dtype; mask boolean [B or 1, 1, L, L] (True = attend; it
+    holds causality) or None (causal only). Scores and tanh in the compute dtype, softmax in float32, the weights
+    cast back to it. Returns [B, L, H * Dh]."""
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)  # GQA: each kv head's queries
+    scores = torch.matmul(q, k.transpose(-1, -2)) * scale  # [B, H, L, L]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    if mask is None:
+        mask = core.attention_mask(None, q.shape[-2], k.shape[-2], causal=True, device=q.device)
+    weights = scores.masked_fill(~mask, float("-inf")).softmax(-1, dtype=torch.float32).to(q.dtype)
+    return torch.matmul(weights, v).transpose(1, 2).flatten(2)
+
+
+class GemmaRMSNorm(core.RMSNorm):
+    """Gemma's RMSNorm: x * (1 + w), statistics and product in float32, output in x's dtype; the checkpoint
+    stores w as the offset from 1 (zeros at init)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return core.rms_norm(x, 1.0 + self.weight.float(), self.eps)  # 1 + w in float32, as transformers
+
+
+class GeGLU(core.SwiGLU):
+    """down(gelu_tanh(gate(x)) * up(x)): Gemma's MLP (hidden_activation gelu_pytorch_tanh), the same names."""
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        return F.gelu(self.gate_proj(x), approximate="tanh") * self.up_proj(x)
+
+
 class DecoderLayer(nn.Module):
-    """x = x + attn(norm(x)); x = x + mlp(norm(x))."""
+    """x = x + attn(norm(x)); x = x + mlp(norm(x)). Gemma 2 (gemma_norms): the attention's and the MLP's outputs
+    are normed again before each add, x = x + post_attention_layernorm(attn(input_layernorm(x))) and
+    x = x + post_feedforward_layernorm(mlp(pre_feedforward_layernorm(x)))."""
 
     def __init__(self, cfg: LLMConfig):
         super().__init__()
-        self.input_layernorm = core.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        norm = GemmaRMSNorm if cfg.gemma_norms else core.RMSNorm
+        self.input_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = SelfAttention(cfg)
-        self.post_attention_layernorm = core.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = core.SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.post_attention_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+        mlp = GeGLU if cfg.hidden_act == "gelu_pytorch_tanh" else core.SwiGLU
+        self.mlp = mlp(cfg.hidden_size, cfg.intermediate_size)
+        self.sandwich = cfg.gemma_norms
+        if cfg.gemma_norms:
+            self.pre_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = norm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, visible=None):
+        if self.sandwich:
+            x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), cos, sin, mask, visible))
+            return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, visible)
         h = self.mlp.hidden(self.post_attention_layernorm(x))
         return x + core.residual_projection(self.mlp.down_proj, h, output_needed=False)  # the add saves nothing
@@ -341,7 +156,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
-        self.norm = core.RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = (GemmaRMSNorm if cfg.gemma_norms else core.RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor | None, seq_len: int, device) -> torch.Tensor:
@@ -461,8 +276,13 @@ class LLM(nn.Module):
             window_mask = core.attention_mask(key_mask, L, L, causal=True, device=input_ids.device, window=window,
                                               documents=documents)
             masks = [window_mask if i in self.config.window_layers else mask for i in range(self.config.num_layers)]
-        embeds = self.model.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        return embeds.to(self.compute_dtype), cos, sin, masks, visible
+        if inputs_embeds is None:
+            inputs_embeds = self.model.embed_tokens(input_ids)
+            if self.config.scale_embeddings:  # Gemma: x sqrt(hidden) rounded to the weights' dtype (bf16: 48.0 for
+                # 2304), the product in that dtype, as transformers' Gemma2TextScaledWordEmbedding
+                scale = torch.tensor(self.config.hidden_size ** 0.5, dtype=inputs_embeds.dtype)
+                inputs_embeds = inputs_embeds * scale.to(inputs_embeds.device)
+        return inputs_embeds.to(self.compute_dtype), cos, sin, masks, visible
 
     def _decode(self, input_ids, attention_mask, keep_all: bool, position_ids=None, inputs_embeds=None, documents=None):
         """Run the decoder; returns (final normed hidden [B, L, D], HF-style list or None)."""
@@ -507,10 +327,13 @@ class LLM(nn.Module):
         return [states[k] for k in indices]
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, L, D] compute_dtype -> [B, L, V] float32."""
+        """[B, L, D] compute_dtype -> [B, L, V] float32 (Gemma 2: softcapped in float32)."""
         if self.lm_head is None:  # tied: the embedding matrix is the head
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
-        return self.lm_head(hidden).float()
+            logits = F.linear(hidden, self.model.embed_tokens.weight).float()
+        else:
+            logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def forward(self, input_ids, attention_mask=None, output_hidden_states: bool = False, position_ids=None,
                 documents=None):
@@ -549,6 +372,9 @@ VISION_PREFIXES = ("visual.", "model.visual.", "vision_tower.", "model.vision_to
 # A transformers base model's own save (Qwen3Model, LlamaModel: what save_pretrained writes for a pipeline whose
 # text_encoder component is the base class, not the causal LM): the decoder's modules at the top, no `model.`
 BASE_MODEL_PREFIXES = ("embed_tokens.", "layers.", "norm.")
+# ComfyUI's Gemma 2 single file (gemma_2_2b_fp16.safetensors) carries its sentencepiece tokenizer as a uint8 tensor
+# under this key (comfy/sd.py: tokenizer_data["spiece_model"]): not a weight
+TOKENIZER_KEY = "spiece_model"
 
 
 def checkpoint_key_to_llm(key: str, tie_word_embeddings: bool = False) -> str | None:
@@ -556,8 +382,8 @@ def checkpoint_key_to_llm(key: str, tie_word_embeddings: bool = False) -> str | 
     Qwen2.5-VL / Qwen3-VL / Mistral3 layouts (`model.language_model.*` of transformers >= 4.52,
     `language_model.*` of a saved Qwen3VLModel, `language_model.model.*` / `language_model.lm_head.*`
     of LLaVA-style exports and the released Mistral Small 3.1 files) and a saved base model's (`layers.*`);
-    vision tower and multimodal projector keys are skipped (never read)."""
-    if key.startswith(VISION_PREFIXES):
+    vision tower and multimodal projector keys and a stored tokenizer (TOKENIZER_KEY) are skipped (never read)."""
+    if key.startswith(VISION_PREFIXES) or key == TOKENIZER_KEY:
         return None
     if key.startswith(BASE_MODEL_PREFIXES):
         return "model." + key
