@@ -125,7 +125,8 @@ def test_gemma2_config_round_trip_and_transformers_defaults():
         LLMConfig.from_hf({**TINY, "model_type": "gemma2", "hidden_activation": "gelu"})
     # every other model is unchanged by the new fields
     llama = LLMConfig.from_hf({**TINY, "model_type": "llama"})
-    assert not (llama.gemma_norms or llama.scale_embeddings or llama.attn_logit_softcapping) and llama.hidden_act == "silu"
+    assert llama.hidden_act == "silu"
+    assert not (llama.gemma_norms or llama.scale_embeddings or llama.attn_logit_softcapping)
 
 
 def test_gemma2_2b_on_meta_matches_transformers_parameter_count():
