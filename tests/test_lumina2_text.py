@@ -121,3 +121,31 @@ def test_lumina2_encoder_needs_the_layer_it_reads(tiny):
 
     with pytest.raises(ValueError, match=r"hidden_states\[-2\] needs 2 decoder layers \(of 3\); 1 are loaded"):
         Lumina2TextEncoder(load_llm(tiny["lumina2_text_encoder"], keep_layers=1), tokenizer=None)
+
+
+def test_a_gemma2_folder_trains_as_an_llm_lora(tiny, tmp_path):
+    """train_lora.py --model_type llm on the tiny Gemma 2 (its text_encoder/ with the tokenizer copied in): 2 steps
+    write a PEFT adapter over every attention and MLP Linear of its 3 layers, and the loss moves."""
+    import shutil
+
+    from safetensors import safe_open
+
+    import train_lora
+
+    base = tmp_path / "gemma2"
+    shutil.copytree(tiny["lumina2_text_encoder"], base)
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # model_type llm reads the tokenizer from the model folder
+        shutil.copy(f"{tiny['lumina2_tokenizer']}/{name}", base / name)
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(" ".join(CAPTIONS[:2] * 200))
+    out = tmp_path / "out"
+    code = train_lora.main(["--model_type", "llm", "--pretrained_model_name_or_path", str(base), "--train_data",
+                            str(corpus), "--output_dir", str(out), "--output_name", "g2", "--mixed_precision", "no",
+                            "--max_length", "16", "--stride", "16", "--batch_size", "2", "--max_train_steps", "2",
+                            "--eval_every_n_steps", "0", "--optimizer_type", "AdamW", "--learning_rate", "5e-2",
+                            "--network_dim", "4"])
+    assert code == 0
+    with safe_open(str(out / "g2" / "adapter_model.safetensors"), "pt") as f:
+        assert len([k for k in f.keys() if "lora_B" in k]) == 3 * 7
+    losses = [float(line.split(",")[2]) for line in (out / "g2_log.csv").read_text().splitlines()[1:]]
+    assert len(losses) == 2 and losses[1] != losses[0]
