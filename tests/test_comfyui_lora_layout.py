@@ -221,3 +221,25 @@ def test_resize_and_combine_write_a_comfy_file_back_in_comfyuis_layout(tiny_set,
         assert set(written) == set(wanted), sorted(set(written) ^ set(wanted))
         (theirs, not_loaded), (want, _) = comfy.load_lora(written, names), comfy.load_lora(wanted, names)
         assert not not_loaded and max_diff(comfy.patched(comfy_sd, theirs), comfy.patched(comfy_sd, want)) <= 1e-5
+
+
+def test_lumina2_lora_kohya_and_comfy_load_every_key_as_our_merge(tiny_set, tmp_path):
+    """ComfyUI's Lumina 2 model (its NextDiT) has the released single file's names, ours: sd-scripts' kohya names and
+    --to comfy load whole (the layers, the refiners, the modulation, the embedders, the final layer; the fused qkv
+    whole, its grouped-query rows as they are), as our merge."""
+    from library.models.lumina2.checkpoint import load_lumina2
+
+    model = load_lumina2(tiny_set["lumina2"]).float()
+    net = lora(model, "lumina2", rank=4, alpha=2.0, seed=5, refiner_dim=4, train_modulation="true",
+               refiner_mod_dim=4, cap_embedder_dim=4, final_layer_dim=4)
+    kohya, comfy_file = str(tmp_path / "kohya.safetensors"), str(tmp_path / "comfy.safetensors")
+    net.save(kohya)
+    assert convert_lora.main([kohya, comfy_file, "--to", "comfy"]) == 0
+    comfy_sd = {k: v.float() for k, v in model.state_dict().items()}
+    ours = merged(model, net.lora_weights())
+    kinds = {"layers.0.attention.qkv", "context_refiner.0.feed_forward.w2", "final_layer.linear"}
+    assert kinds <= set(net.lora_weights())
+    for path in (kohya, comfy_file):
+        patches, not_loaded = comfy.load_lora(load_file(path), comfy.key_map(comfy_sd))
+        assert not not_loaded and len(patches) == len(net.lora_weights())
+        assert max_diff(comfy.patched(comfy_sd, patches), ours) <= 1e-6

@@ -72,6 +72,7 @@ def _releases() -> dict[str, dict[str, str]]:
         "ernie_image": {"ernie-image": "ERNIE-Image/lora"},  # ours (ai-toolkit, which trains it, writes no modelspec)
         "nucleus_image": {"nucleus-image": "nucleus-image/lora"},  # ours (ai-toolkit, which trains it, writes none)
         "anima": {"anima": "anima-preview/lora"},  # sd-scripts' (ARCH_ANIMA_PREVIEW; ai-toolkit writes none)
+        "lumina2": {"lumina2": "lumina-2/lora"},  # sd-scripts' (ARCH_LUMINA_2)
     }
 
 

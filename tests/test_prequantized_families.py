@@ -27,6 +27,8 @@ import train_lora
 from library.io import CheckpointError, CheckpointReader
 from library.models.anima.checkpoint import load_anima
 from library.models.anima.model import Anima
+from library.models.lumina2.checkpoint import load_lumina2
+from library.models.lumina2.model import Lumina2
 from library.models.chroma.checkpoint import load_chroma
 from library.models.chroma.model import Chroma
 from library.models.ernie_image.checkpoint import load_ernie_image
@@ -58,6 +60,7 @@ FAMILIES = {
     "ernie_image": ("ernie_image", "ernie_image_config", ErnieImage, load_ernie_image),
     "nucleus_image": ("nucleus_image", "nucleus_image_config", NucleusImage, load_nucleus_image),
     "anima": ("anima", "anima_config", Anima, load_anima),
+    "lumina2": ("lumina2", "lumina2_config", Lumina2, load_lumina2),
 }
 # layout -> (what the loader reports, the ComfyUI prefix the file carries)
 LAYOUTS = {
@@ -156,11 +159,13 @@ def output(model: nn.Module, family: str) -> torch.Tensor:
 
 def source(tiny_set, family: str) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """The tiny single file's float32 tensors (no prefix) and its config metadata (Anima's, as released: none, its
-    `net.` prefix and RoPE buffers dropped)."""
+    `net.` prefix and RoPE buffers dropped; Lumina 2's: none, its unused norm_final dropped)."""
     key, config_key, _, _ = FAMILIES[family]
     sd, metadata = load_file(tiny_set[key]), CheckpointReader(tiny_set[key]).metadata
     if family == "anima":
         sd = {k.removeprefix("net."): v for k, v in sd.items() if ".pos_embedder." not in f".{k}"}
+    if family == "lumina2":  # the released file's unused norm_final, which the loader drops
+        sd.pop("norm_final.weight")
     return sd, {k: v for k, v in metadata.items() if k == config_key}
 
 

@@ -21,10 +21,11 @@ from networks.lora_module import LoRAModule
 
 DIFFUSION_ARCHS = sorted({arch_specs()[a].arch for a in arch_specs()} - {"llm"})
 # Families whose blocks end in `x + gate * proj(h)` with an untrained gate by default; FLUX.1 and Nucleus-Image train
-# their modulation by default (sd-scripts' / ai-toolkit's targets), Z-Image and Ideogram-4 norm the projection's output.
+# their modulation by default (sd-scripts' / ai-toolkit's targets), Z-Image, Lumina 2 and Ideogram-4 norm the
+# projection's output.
 SKIPPING = {"anima", "chroma", "ernie_image", "flux2", "flux3", "krea2", "qwen_image", "qwen_image21"}
 # (a family added later: the bits alone, until it joins a set)
-NOT_SKIPPING = {"flux", "zimage", "ideogram4", "nucleus_image"}
+NOT_SKIPPING = {"flux", "zimage", "ideogram4", "nucleus_image", "lumina2"}
 
 
 def tiny_model(arch: str, tiny_set):

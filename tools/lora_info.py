@@ -85,6 +85,7 @@ from networks.lora_arch import (  # noqa: E402
     info_block_counts,
     lora_files,
     module_of_key,
+    naming_of,
     text_encoder_labels,
     title_list,
     variant_of,
@@ -187,6 +188,7 @@ def _read_info(path: str) -> dict:
     if any(f.names_of == arch for f in lora_files().values()):  # names shared: shapes and metadata tell (headers only)
         shapes = {k: torch.empty(reader.shape(k), device="meta") for k in keys}
         arch = variant_of(arch, shapes, metadata)
+        naming = naming_of(arch, transformer) or naming  # the variant's own naming where its names say one
     width, counts = width_of(widths, arch), info_block_counts(modules, arch)
     fit = fits(arch, width, counts) if arch != "unknown" or not held else shared_names_fit(held, widths)
     training = {field: metadata[key] for field, key in METADATA_KEYS.items() if key in metadata}

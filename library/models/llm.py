@@ -17,14 +17,13 @@ mask is rounded to bf16 and a hidden key gets exactly zero weight, as transforme
 
 Gemma 2's softcapped attention cannot run through SDPA (tanh(s / 50) * 50 acts on the scores inside the kernel):
 it runs eagerly as transformers' eager_attention_forward does (scores and tanh in the compute dtype, the mask
-as -inf, softmax in float32, cast back before the product with v). That is also what Lumina Image 2.0's references
-compute for its prompts: transformers 5.23's Gemma2Model sets _supports_sdpa = False ("sdpa does not support
-softcapping"; attn_implementation="sdpa" is refused), so diffusers' Lumina2Pipeline (Gemma2Model.from_pretrained,
+as -inf, softmax in float32, cast back before the product with v). That is also what the diffusion pipelines that
+encode prompts with Gemma 2 compute: transformers 5.23's Gemma2Model sets _supports_sdpa = False ("sdpa does not
+support softcapping"; attn_implementation="sdpa" is refused), so a diffusers pipeline (Gemma2Model.from_pretrained,
 no attn_implementation) runs eager with the cap; transformers 4.45-4.46 also defaulted Gemma 2 to eager (PR #32865)
 for this reason; sd-scripts (Gemma2Model._from_config, transformers 4.54.1) takes that version's default. ComfyUI's
 Gemma2 (comfy/text_encoders/llama.py) drops the cap (SDPA at head_dim ** -0.5 = 256 ** -0.5 for Gemma-2-2B, no
-window). On the tiny random Gemma 2 text encoder (lumina2/tiny_text.py: width 64, weights ~N(0, 0.02), scores far
-below 50) the cap on vs off moves the hidden_states[-2] of system-prompted captions by 3.8e-6 (5e-7 of their
+window). On a tiny random Gemma 2 text encoder (width 64, weights ~N(0, 0.02), scores far below 50) the cap on vs off moves the hidden_states[-2] of system-prompted captions by 3.8e-6 (5e-7 of their
 largest value); on the real model's peaked heads it matters more. The cap is the config's attn_logit_softcapping:
 replacing it with 0 gives ComfyUI's numbers.
 """

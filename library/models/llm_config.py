@@ -338,8 +338,8 @@ MISTRAL_SMALL_3_1 = LLMConfig(
     max_position_embeddings=131072, head_dim=128,
 )
 
-# google/gemma-2-2b's config.json (Lumina Image 2.0's text encoder; sd-scripts' lumina_util.load_gemma2 builds the
-# same): 26 layers, every other one (0, 2, ..., 24) with a 4096-token window, scale 256 ** -0.5, softcaps 50 / 30.
+# google/gemma-2-2b's config.json (a diffusion family's text encoder; sd-scripts' load_gemma2 builds the same):
+# 26 layers, every other one (0, 2, ..., 24) with a 4096-token window, scale 256 ** -0.5, softcaps 50 / 30.
 GEMMA2_2B = LLMConfig(
     vocab_size=256000, hidden_size=2304, num_layers=26, num_heads=8, num_kv_heads=4, intermediate_size=9216,
     rope_theta=10000.0, rms_norm_eps=1e-6, tie_word_embeddings=True, qkv_bias=False, max_position_embeddings=8192,

@@ -33,6 +33,9 @@ FAMILIES = {
     # ernie_image before zimage: ERNIE-Image's layers.N.self_attention.to_q holds Z-Image's names
     # (`attention_to_q`): tools/lora_info.py asks the architectures in this order, ERNIE-Image's own names first
     "ernie_image": "library.models.ernie_image.family:ErnieImageFamily",
+    # lumina2 before zimage: Lumina 2's single-file names are Z-Image's single file's (layers.N.attention.qkv), its
+    # own (the layers' adaLN_modulation.1) asked first
+    "lumina2": "library.models.lumina2.family:Lumina2Family",
     "zimage": "library.models.zimage.family:ZImageFamily",
     "zimage_omni": "library.models.zimage.omni_family:ZImageOmniFamily",
     "chroma": "library.models.chroma.family:ChromaFamily",

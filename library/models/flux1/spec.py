@@ -47,8 +47,9 @@ LORA = S.LoRATargets(
 # stream's ff_context / norm1_context and their image stream's norm1.linear (Qwen-Image's blocks have attn.add_*_proj
 # too, and a Cosmos DiT's transformer_blocks.N.ff.net.0.proj and norm1.linear_1: no marker of FLUX.1's).
 LORA_FILES = S.LoRAFiles(
+    # diffusers' norm1.linear by its transformer_blocks index (Lumina 2's diffusers names have layers.N.norm1.linear)
     markers=("double_blocks_", "single_blocks_", "single_transformer_blocks_", "_ff_context_", "_norm1_context_",
-             "_norm1_linear_lora", "_norm1_linear_alpha", "_norm1_linear_dora"),
+             *(f"transformer_blocks_{n}_norm1_linear_{part}" for n in range(64) for part in ("lora", "alpha", "dora"))),
     layouts=("kohya", "diffusers", "comfy"),  # ComfyUI's FLUX.1 has the BFL names our kohya files have
     # single_transformer_blocks first: findall takes the first alternative that matches at a position.
     block_pattern=r"(single_transformer_blocks|double_blocks|single_blocks|transformer_blocks)[._](\d+)[._]",

@@ -45,7 +45,10 @@ LORA_FILES = S.LoRAFiles(
     block_pattern=r"(noise_refiner|context_refiner|layers)[._](\d+)[._]",
     module_paths="library.models.zimage.lora_files:module_paths",
     diffusers_lokr="Z-Image",  # diffusers' ZImageLoraLoaderMixin converts LoKr files too
-    info_markers=(("diffusers", r"_attention_to_(q|k|v|out_0)|_feed_forward_w[123]"),),
+    # the single file's (ComfyUI's) names where no diffusers attention name is there: its fused qkv, out and the
+    # feed-forward's w1-w3, which both namings have
+    info_markers=(("diffusers", r"_attention_to_(q|k|v|out_0)"),
+                  ("single_file", r"_attention_(qkv|out)|_feed_forward_w[123]")),
     info_blocks=(("layer", r"(?:^|_)layers_(\d+)_"), ("noise_refiner", r"noise_refiner_(\d+)_"),
                  ("context_refiner", r"context_refiner_(\d+)_")),
     width_modules=r"attention_to_[qkv]|attention_to_out_0|feed_forward_w[13]",
