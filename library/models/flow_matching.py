@@ -231,6 +231,14 @@ def inference_sigmas(steps: int, image_seq_len: int, arch: str, *, dynamic_shift
     return torch.cat([torch.from_numpy(sigmas).float(), torch.zeros(1)])
 
 
+def norm_rescaled_cfg(cond: torch.Tensor, uncond: torch.Tensor, guidance: float) -> torch.Tensor:
+    """Classifier-free guidance renormalised, as some pipelines run their true CFG (each family says whose, and along
+    which axis: a token's channels, a latent row): uncond + g (cond - uncond), rescaled along the last axis to the
+    conditional prediction's norm. float32 [..., C] in and out."""
+    guided = uncond + guidance * (cond - uncond)
+    return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
+
+
 @torch.no_grad()
 def euler_sample(model_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
                  sigmas: torch.Tensor) -> torch.Tensor:

@@ -143,7 +143,7 @@ class Lumina2Family(DiffusionFamily):
         conditional velocity's norm along the latents' last axis (each latent row of [B, 16, H, W]: the pipeline's
         torch.norm(dim=-1) on its unpacked latents, where Qwen-Image's runs over a token's channels), in float32."""
         from library.models.latents import pack_latents, unpack_latents
-        from library.models.qwen_image.family import norm_rescaled_cfg
+        from library.models.flow_matching import norm_rescaled_cfg
 
         cond = self.predict(model, x, s, text, h, w, guidance).float()
         if negative_text is None or guidance is None or guidance <= self.cfg_above:

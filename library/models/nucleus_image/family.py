@@ -127,7 +127,7 @@ class NucleusImageFamily(DiffusionFamily):
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
         """NucleusMoEImagePipeline's CFG when g > 1: uncond + g (cond - uncond), rescaled per token to the
         conditional prediction's norm, in float32 (the rescale commutes with predict's negation)."""
-        from library.models.qwen_image.family import norm_rescaled_cfg
+        from library.models.flow_matching import norm_rescaled_cfg
 
         cond = self.predict(model, x, s, text, h, w, guidance).float()
         if negative_text is None or guidance is None or guidance <= self.cfg_above:

@@ -9,6 +9,7 @@ import os
 import torch
 
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs, fp8_prepare
+from library.models.flow_matching import norm_rescaled_cfg
 from library.models.qwen_image.spec import SPEC
 
 
@@ -165,13 +166,6 @@ class QwenImageFamily(DiffusionFamily):
             return cond
         uncond = self.predict(model, x, s, negative_text, h, w, guidance, **refs).float()
         return norm_rescaled_cfg(cond, uncond, guidance)
-
-
-def norm_rescaled_cfg(cond: torch.Tensor, uncond: torch.Tensor, guidance: float) -> torch.Tensor:
-    """Qwen-Image's pipeline's true CFG (Nucleus-Image's does the same): uncond + g (cond - uncond), rescaled per
-    token to the conditional prediction's norm over the channels. float32 [B, L, C] in and out."""
-    guided = uncond + guidance * (cond - uncond)
-    return guided * (cond.norm(dim=-1, keepdim=True) / guided.norm(dim=-1, keepdim=True))
 
 
 def per_caption(embeds: torch.Tensor, mask: torch.Tensor) -> list[dict]:
