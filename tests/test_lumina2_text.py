@@ -3,6 +3,8 @@ equal to diffusers' Lumina2Pipeline.encode_prompt run with transformers' Gemma2M
 different lengths, one cut at 256 tokens, and the empty negative prompt), the ComfyUI single file, the errors, and
 Gemma-2-2B's planner count."""
 
+import shutil
+
 import pytest
 import torch
 
@@ -106,6 +108,16 @@ def test_lumina2_wrong_files_are_one_clear_error(tiny, tmp_path):
         load_lumina2_text_encoder(str(llama_like), tokenizer=tiny["lumina2_tokenizer"])
     with pytest.raises(CheckpointError, match=r"missing.safetensors: no such file or folder"):
         load_lumina2_text_encoder(str(tmp_path / "missing.safetensors"))
+    # a single file with another encoder's tokenizer/ beside it: that folder is skipped, named (Gemma's class says it)
+    from library.models.text_encoders import tokenizer_kind
+
+    assert tokenizer_kind(tiny["lumina2_tokenizer"]) == "Gemma"
+    folder = tmp_path / "comfy" / "text_encoders"
+    folder.mkdir(parents=True)
+    shutil.copy(tiny["lumina2_gemma2_single_file"], folder / "gemma.safetensors")
+    shutil.copytree(qwen, folder.parent / "tokenizer")
+    with pytest.raises(CheckpointError, match=r"no Gemma tokenizer found in .*skipped .*tokenizer: a Qwen2 tokenizer"):
+        load_lumina2_text_encoder(str(folder / "gemma.safetensors"))
 
 
 def test_lumina2_text_weights_of_gemma2_2b():

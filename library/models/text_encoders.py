@@ -140,13 +140,15 @@ def tokenizer_files(path: str) -> list[str]:
 # may hold another encoder's): the released tokenizers name their class (the Fast twin alike); a generic
 # class (PreTrainedTokenizerFast, as the tiny test files and library/data/tokenizer.py save) is told by
 # its BOS / EOS, which each kind's prompts are built with. A folder neither tells fits any encoder.
-TOKENIZER_KIND_CLASSES = {"CLIPTokenizer": "CLIP", "T5Tokenizer": "T5", "Qwen2Tokenizer": "Qwen2"}
+TOKENIZER_KIND_CLASSES = {"CLIPTokenizer": "CLIP", "T5Tokenizer": "T5", "Qwen2Tokenizer": "Qwen2",
+                          "GemmaTokenizer": "Gemma"}
 TOKENIZER_KIND_SPECIALS = {("<|startoftext|>", "<|endoftext|>"): "CLIP", (None, "</s>"): "T5",
-                           (None, "<|im_end|>"): "Qwen2", (None, "<|endoftext|>"): "Qwen2", ("<s>", "</s>"): "Mistral"}
+                           (None, "<|im_end|>"): "Qwen2", (None, "<|endoftext|>"): "Qwen2", ("<s>", "</s>"): "Mistral",
+                           ("<bos>", "<eos>"): "Gemma"}
 
 
 def tokenizer_kind(folder: str) -> str | None:
-    """CLIP, T5, Qwen2 or Mistral: the kind of the tokenizer in `folder`, None when its config does not tell."""
+    """CLIP, T5, Qwen2, Mistral or Gemma: the kind of the tokenizer in `folder`, None when its config does not tell."""
     config = read_json_file(os.path.join(folder, "tokenizer_config.json"))
     kind = TOKENIZER_KIND_CLASSES.get(str(config.get("tokenizer_class")).removesuffix("Fast"))
     return kind or TOKENIZER_KIND_SPECIALS.get((_token(config.get("bos_token")), _token(config.get("eos_token"))))
