@@ -50,7 +50,7 @@ COMFYUI_GGUF_IMG_ARCHS = {"flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosm
                           "qwen_image"}
 # family -> (its tiny single file, ComfyUI-GGUF's arch for it)
 CITY96_FAMILIES = {"flux": ("flux_bfl", "flux"), "chroma": ("chroma_bfl", "flux"), "flux2": ("flux2_tiny", "flux"),
-                   "zimage": ("zimage", "lumina2")}
+                   "zimage": ("zimage", "lumina2"), "lumina2": ("lumina2", "lumina2")}
 
 
 def city96_type(name: str, shape: tuple, source: str, qtype: str, arch: str) -> str:
@@ -266,3 +266,29 @@ def test_a_zimage_merge_writes_a_lumina2_gguf_that_reads_back_to_its_dequantized
     ours, full = output(model, "zimage"), output(reference, "zimage")
     relative = ((ours - full).norm() / full.norm()).item()
     assert 0 < relative < 0.2, relative
+
+
+def test_a_lumina2_merge_writes_a_gguf_our_loader_and_comfyui_gguf_read(tiny_set, tmp_path):
+    """Lumina 2: ComfyUI-GGUF's "lumina2" (the arch its convert.py was written for: the single file's names as they
+    are, nothing fused or split), the types city96's tools write, and our loader computes it close to the float32
+    merge (Q8_0)."""
+    from library.models.lumina2.checkpoint import load_lumina2
+    from tests.test_prequantized_families import output
+
+    base = tiny_set["lumina2"]
+    lora(load_lumina2(base), "lumina2", rank=4, alpha=4.0, seed=2).save(str(tmp_path / "l.safetensors"))
+    out = tmp_path / "l-Q8_0.gguf"
+    assert merge("--model", base, "--lora", tmp_path / "l.safetensors", "--save_to", out,
+                 "--save_precision", "gguf_q8_0") == 0
+    assert merge("--model", base, "--lora", tmp_path / "l.safetensors", "--save_to", tmp_path / "m.safetensors",
+                 "--save_precision", "fp32") == 0
+    reader, source = gguf.GGUFReader(str(out)), CheckpointReader(base)
+    assert reader.get_field("general.architecture").contents() == "lumina2"
+    kinds = {t.name: t.tensor_type.name for t in reader.tensors}
+    # the tiny file is bf16, as released
+    assert kinds == {n: city96_type(n, tuple(source.shape(n)), "BF16", "Q8_0", "lumina2") for n in source.keys()}
+    model, reference = load_lumina2(str(out)).eval(), load_lumina2(str(tmp_path / "m.safetensors")).eval()
+    assert {m.qtype for m in model.modules() if isinstance(m, GGUFLinear)} == {"Q8_0"}
+    ours, full = output(model, "lumina2"), output(reference, "lumina2")
+    relative = ((ours - full).norm() / full.norm()).item()
+    assert 0 < relative < 0.02, relative

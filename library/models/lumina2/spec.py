@@ -89,6 +89,14 @@ FP8 = S.FP8Rules(
 )
 
 
+# -- GGUF: ComfyUI-GGUF's layout (library/precision/gguf_writer.py) in the single file's names: its convert.py detects
+# cap_embedder.1.weight with context_refiner.0.attention.qkv.weight as "lumina2" (ModelLumina2, first written for this
+# model; Z-Image's files read the same), and its llama.cpp patch leaves the embedders, the final layer and the refiner
+# blocks unquantized for it (tools/lcpp.patch, LLM_ARCH_LUMINA2), as Z-Image's spec says with its line numbers.
+GGUF = S.GgufLayout("lumina2", unquantized=("t_embedder.", "x_embedder.", "final_layer.", "cap_embedder.",
+                                            "context_refiner.", "noise_refiner."))
+
+
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)
 # Samples: a constant shift k = 6 at every size, as ComfyUI's Lumina2 model_sampling (shift 6.0) and sd-scripts'
 # sampler (FlowMatchEulerDiscreteScheduler(shift=6.0)) run it. Training draws sigmoid(randn) shifted by the same
@@ -167,6 +175,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
+    gguf=GGUF,
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.lumina2.checkpoint:load_lumina2",
                                    random_inputs="library.models.lumina2.model:random_inputs"),
