@@ -346,23 +346,34 @@ def test_two_steps_train_from_a_converted_config(tiny_set, tmp_path, capsys):
     assert os.path.isfile(tmp_path / "run" / "my_flux_lora.safetensors")
 
 
-# each script's own part of its parser (beside train_network's): the file and its add_* function
-OWN_PARSERS = {"flux_train_network.py": ("library/flux_train_utils.py", "add_flux_train_arguments"),
-               "anima_train_network.py": ("library/anima_train_utils.py", "add_anima_training_arguments")}
+def own_parsers(checkout: str, script: str) -> dict[str, tuple[str, ...]]:
+    """Each script's own part of its parser (beside train_network's): the `<module>.add_*(parser)` calls of its
+    setup_parser, as {library/<module>.py: (function, ...)}."""
+    tree = ast.parse(open(os.path.join(checkout, script), encoding="utf-8").read())
+    setup = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "setup_parser")
+    found: dict[str, tuple[str, ...]] = {}
+    for call in ast.walk(setup):
+        func = getattr(call, "func", None)
+        if (isinstance(call, ast.Call) and isinstance(func, ast.Attribute) and func.attr.startswith("add_")
+                and isinstance(func.value, ast.Name) and func.value.id != "parser"):
+            path = f"library/{func.value.id}.py"
+            found[path] = (*found.get(path, ()), func.attr)
+    return found
 
 
 def parser_arguments(checkout: str, script: str = "flux_train_network.py") -> set[str]:
     """The --names the script's parser takes: the add_argument calls of setup_parser (its and
     train_network's) and of the add_* functions they call, read from the source (nothing of theirs imported)."""
-    own_file, own_function = OWN_PARSERS[script]
     functions = {
         "library/train_util.py": ("add_sd_models_arguments", "add_dataset_arguments", "add_training_arguments",
                                   "add_masked_loss_arguments", "add_optimizer_arguments", "add_dit_training_arguments"),
         "library/utils.py": ("add_logging_arguments",), "library/sai_model_spec.py": ("add_model_spec_arguments",),
         "library/deepspeed_utils.py": ("add_deepspeed_arguments",), "library/config_util.py": ("add_config_arguments",),
         "library/custom_train_functions.py": ("add_custom_train_arguments",),
-        own_file: (own_function,), "train_network.py": ("setup_parser",), script: ("setup_parser",),
+        "train_network.py": ("setup_parser",), script: ("setup_parser",),
     }
+    for path, names in own_parsers(checkout, script).items():
+        functions[path] = (*functions.get(path, ()), *names)
     found = set()
     for path, names in functions.items():
         tree = ast.parse(open(os.path.join(checkout, path), encoding="utf-8").read())

@@ -441,6 +441,14 @@ class SdScriptsModels:
     lora_module_args: tuple[str, ...] = ()  # the network_args its LoRA module reads (empty: sd_scripts.LORA_ARGS)
     # its LoRA module's switches (network_args "name=true") -> ours' item, "{network_dim}" standing for the rank
     lora_switches: dict[str, str] = field(default_factory=dict)
+    same_args: tuple[str, ...] = ()  # its own arguments ours reads by the same name and meaning
+    # its timestep_sampling values ours has no equal draw of -> why, with ours' closest setting
+    draws_refused: dict[str, str] = field(default_factory=dict)
+    # "module:function" (its network_args {name: text}, network_dim) -> (ours' network_args items, {its arg: (verdict
+    # "renamed" / "dropped" / "not carried", why)}): where its LoRA module's default or rank arguments train other
+    # modules than ours' by the same names; called with no arguments too (its default). "": the args one by one
+    lora_args: str = ""
+    text_lora_when_cached: bool = False  # its script trains the text encoder's LoRA on cached outputs (else it stops)
     fp8_base_off: str = ""  # why its script turns fp8_base off for this model ("": it casts the transformer)
     one_block_kind: bool = False  # blocks_to_swap N swaps N blocks (else N // 2 double and 2 (N - N // 2) single)
 

@@ -145,25 +145,37 @@ MODELSPEC = {"lumina2": S.ModelSpecNames("lumina-2", "https://github.com/Alpha-V
 
 # -- sd-scripts' names (library/training/peers/sd_scripts.py, sd_scripts_script.py): lumina_train_network.py (its
 # setup_parser: train_network's, add_dit_training_arguments and lumina_train_util.add_lumina_train_arguments) with
-# networks.lora_lumina. Its parser lacks the FLUX.1 script's text-encoder and guidance arguments; it has its own --ae
-# and --model_prediction_type (default raw: the network's output as the prediction, ours), draws `shift` at
-# discrete_flow_shift 6.0 by default (ours: lumina2_shift, the same law) and puts no system prompt before the captions
-# unless --system_prompt says one (ours: the pipeline's, unless system_prompt says another).
+# networks.lora_lumina. Its parser lacks the FLUX.1 script's CLIP-L / T5 / guidance / ControlNet / model_type /
+# split_mode arguments; it has its own --ae, --gemma2, --model_prediction_type (default raw: the network's output as
+# the prediction, ours), draws `shift` at discrete_flow_shift 6.0 by default (ours: lumina2_shift, the same law) and
+# puts no system prompt before the captions unless --system_prompt says one (ours: the pipeline's, so a config that
+# sets none translates to system_prompt = ""). Its LoRA module trains more than ours by default (sd_scripts_lora.py).
 _MEMORY = "memory and speed only: ours runs PyTorch's SDPA on whole batches and encodes latents once, before training"
+# its nextdit_shift (lumina_train_util.get_noisy_model_input_and_timesteps): u ~ U(0, 1) time-shifted by mu =
+# lin(256 -> 0.5, 4096 -> 1.15) of the (h/2)(w/2) tokens; ours shifts sigmoid(scale * randn) by that line (flux_shift).
+# sigmoid(1.7 randn)'s CDF is within 0.0096 of U(0, 1)'s (the logistic's best normal), the shift keeps that distance
+_NEXTDIT_SHIFT = ("uniform sigmas time-shifted by FLUX.1's resolution line: ours has no uniform draw shifted so; the "
+                  "closest, timestep_sampling = \"flux_shift\" with sigmoid_scale = 1.7 (the same shift of "
+                  "sigmoid(1.7 randn)), draws sigmas whose CDF is within 0.0096 of its at every sigma")
 SD_SCRIPTS = S.SdScriptsModels(
     script="lumina_train_network.py", lora_module="networks.lora_lumina", models={}, model_type="lumina2",
     lacks=("model_type", "clip_l", "t5xxl", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
            "controlnet_model_name_or_path", "split_mode"),
     files={"gemma2": "text_encoder"},
+    same_args=("system_prompt",),
     defaults={"timestep_sampling": "shift", "discrete_flow_shift": 6.0, "model_prediction_type": "raw",
-              "system_prompt": ""},
+              "system_prompt": "", "network_args": []},
+    draws_refused={"nextdit_shift": _NEXTDIT_SHIFT},
     token_lengths={"gemma2_max_token_length": 256},  # LuminaTokenizeStrategy's max_length (None: 256), the pipeline's
     ignored_args={**dict.fromkeys(("use_flash_attn", "use_sage_attn"), _MEMORY),
                   "sample_batch_size": "ours renders each sample prompt alone"},
-    lora_module_args=("attn_dim", "mlp_dim", "mod_dim", "refiner_dim", "embedder_dims", "train_blocks",
-                      "train_block_indices", "rank_dropout", "module_dropout", "verbose", "network_reg_lrs",
-                      "network_reg_dims", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
-                      "loraplus_text_encoder_lr_ratio"),
+    # its create_network's kwargs (networks.lora_lumina 48d368f; no train_block_indices, network_reg_dims / _lrs)
+    lora_module_args=("conv_dim", "conv_alpha", "attn_dim", "mlp_dim", "mod_dim", "refiner_dim", "embedder_dims",
+                      "train_blocks", "split_qkv", "rank_dropout", "module_dropout", "verbose", "loraplus_lr_ratio",
+                      "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"),
+    lora_args="library.models.lumina2.sd_scripts_lora:network_args_of",
+    # its assert_extra_args lets a Gemma 2 LoRA train on cached outputs (is_partial caching): no stop
+    text_lora_when_cached=True,
     one_block_kind=True,  # its JointTransformerBlocks: its N swaps N of them, as ours
 )
 
@@ -188,7 +200,12 @@ SPEC = S.ArchSpec(
     sample_steps={"lumina2": 30},
     sample_guidance={"lumina2": 4.0},
     modelspec=MODELSPEC,
-    # ai-toolkit's model.arch; its bucket divisibility: the VAE's 8 x the 2 x 2 patch
+    # ai-toolkit's model.arch (or model.is_lumina2, its example's); its bucket divisibility (stable_diffusion_model.py
+    # get_bucket_divisibility): 2^3 of the AE's 4 levels, x 2
     peer_bucket_steps={"ai-toolkit": 16},
-    peer_models={"ai-toolkit": {"lumina2": {"model_type": "lumina2"}}, "sd-scripts": SD_SCRIPTS},
+    # its LoRA (lora_special.py, is_lumina2) wraps every Linear of `layers`, `noise_refiner` and `context_refiner`,
+    # their adaLN too (train_modulation); the refiners ours trains with their own rank
+    peer_models={"ai-toolkit": {"lumina2": {"model_type": "lumina2",
+                                            "network_args": "refiner_dim={network_dim} refiner_mod_dim={network_dim}"}},
+                 "sd-scripts": SD_SCRIPTS},
 )

@@ -26,8 +26,8 @@ from library.training.peers.ai_toolkit_data import DATASET_RULES, SAMPLE_RULES, 
 from library.training.peers.ai_toolkit_model import (MODEL_RULES, NETWORK_RULES, PEER, SAVE_RULES, Job, model_keys,
                                                     read_elsewhere)
 from library.training.peers.ai_toolkit_train import ADAPTIVE, TRAIN_RULES
-from library.training.peers.rules import (RENAMED, Line, Rule, Translation, apply_rule, custom, ignored, implied,
-                                          renamed, unsupported)
+from library.training.peers.rules import (NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, custom, ignored,
+                                          implied, renamed, unsupported)
 
 LORA_TRAINERS = ("sd_trainer", "diffusion_trainer", "ui_trainer")  # extensions_built_in/sd_trainer's process types
 # Dicts read as one value (their keys are the optimizer's, the scheduler's, the model's), not flattened.
@@ -94,7 +94,7 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
     t = Job(PEER, source, process=process)
     keys = model_keys(t, source, model_type)
     t.model_type = keys["model_type"]
-    t.config.update(keys)
+    t.config.update({k: v for k, v in keys.items() if k != "network_args"})  # (its block args: _modulation)
     if not t.section("model").get("name_or_path"):
         raise ValueError(f"{source}: model.name_or_path is required (the model to train: a diffusers folder, a file "
                          f"or a Hub id)")
@@ -179,12 +179,24 @@ def _modulation(t: Job) -> None:
     """ai-toolkit's LoRA wraps every Linear inside the transformer blocks (lora_special.py, transformer_only), the
     blocks' modulation too; where ours leaves the modulation out by default, train_modulation=true trains it."""
     from library.models.registry import spec_of
+    from library.training.config_schema import SCHEMA
 
     lora = spec_of(t.model_type).lora
     if lora.modulation_types and not lora.modulation_default:
         t.network_args.append("train_modulation=true")
         t.lines.append(Line("network_args (added)", "train_modulation=true", RENAMED, "network_args",
                             "ai-toolkit's LoRA wraps every Linear of the blocks, their modulation too"))
+    # blocks ours trains only with a rank of their own: the model's peer entry names their rank args
+    rank = t.config.get("network_dim", SCHEMA["network_dim"].default)
+    entry = next(k for k in spec_of(t.model_type).peer_models[PEER].values() if k["model_type"] == t.model_type)
+    added = [arg.format(network_dim=rank) for arg in entry.get("network_args", "").split()]  # items, space-separated
+    if added and t.config.get("network_module") == "lycoris.kohya":
+        t.lines.append(Line("network_args (added)", added, NOT_CARRIED, f"ai-toolkit's LoKr wraps these blocks too; "
+                                                                         f"ours' LyCORIS takes no rank args"))
+    elif added:
+        t.network_args += added
+        t.lines.append(Line("network_args (added)", ", ".join(added), RENAMED, "network_args",
+                            "ai-toolkit's LoRA wraps every Linear of these blocks too, at its rank"))
 
 
 def _finish(t: Job) -> None:

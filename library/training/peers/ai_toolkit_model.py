@@ -78,7 +78,8 @@ def our_key(name: str, when: str | None = None, convert=None) -> Rule:
 
 def _arch(t: Job, key: str, value: Any) -> None:
     keys = _peer_models()[_arch_name(t.section("model"))]
-    t.lines.append(Line(key, value, RENAMED, ", ".join(f"{k} = {v!r}" for k, v in keys.items())))
+    t.lines.append(Line(key, value, RENAMED, ", ".join(f"{k} = {v!r}" for k, v in keys.items()
+                                                       if k != "network_args")))  # (said where they are added)
 
 
 def _arch_name(model: dict) -> str:

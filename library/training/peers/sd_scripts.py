@@ -269,18 +269,25 @@ def network_args_of(value: Any, source: str = "network_args") -> dict[str, str]:
 
 
 def _network_args(t: Translation, key: str, value: Any) -> None:
+    """Its LoRA module's arguments one by one, or (a script's spec with lora_args) its module's selection as ours'
+    items, given or not (its default may train other modules than ours')."""
     module = their(t, "network_module")
-    if is_off(value):  # the kohya_ss GUI's [] (sd-scripts reads "" as none too)
+    theirs = module in (None, lora_module_of(t))
+    given = {} if is_off(value) or not theirs else network_args_of(value, t.source)
+    own = script_rules.own_lora_args(t, given) if theirs else None
+    if is_off(value) and not (own and own[0]):  # the kohya_ss GUI's [] (sd-scripts reads "" as none too)
         t.drop(key, value, "empty")
         return
     if module == "lycoris.kohya":  # LyCORIS' own arguments: ours passes them on (docs/configuration.md)
         t.set(key, [str(v) for v in (value if isinstance(value, list) else [value])], key, value)
         return
-    if module not in (None, lora_module_of(t)):
+    if not theirs:
         t.drop(key, value, f"goes with network_module {module!r}, not carried")
         return
-    kept = []
-    for name, text in network_args_of(value, t.source).items():
+    kept, read = (list(own[0]), own[1]) if own else ([], {})
+    for name, (verdict, why) in read.items():
+        t.lines.append(Line(f"{key} {name}", given[name], verdict, why))
+    for name, text in ((n, v) for n, v in given.items() if n not in read):
         verdict, why = network_arg_verdict(t, name, text)
         if verdict in (KEPT, RENAMED):
             kept.append(why if "=" in why else f"{why or name}={text}")  # a switch's: ours' whole item

@@ -11,10 +11,10 @@ from dataclasses import replace
 from typing import Any
 
 from library.models.registry import spec_of
-from library.models.spec import SdScriptsModels
+from library.models.spec import SdScriptsModels, load_symbol
 from library.training.peers import sd_scripts_models as models
 from library.training.peers.rules import (
-    DROPPED, NOT_CARRIED, RENAMED, Rule, Translation, custom, ignored, is_off, is_true,
+    DROPPED, NOT_CARRIED, RENAMED, Rule, Translation, custom, ignored, is_off, is_true, same,
 )
 from library.training.peers.sd_scripts_defaults import note, text_encoder_lr_zero, their
 
@@ -26,6 +26,7 @@ def rules_of(script: str, first_rules: dict[str, Rule]) -> dict[str, Rule]:
     rules = {key: replace(rule, why=rule.why.replace(first_ignored, own_ignored))
              for key, rule in first_rules.items() if key not in entry.lacks}
     rules.update({key: Rule("renamed", ours=ours) for key, ours in entry.files.items()})
+    rules.update({key: same() for key in entry.same_args})
     rules.update({key: custom(_token_length) for key in entry.token_lengths})
     rules.update({key: ignored(why) for key, why in entry.ignored_args.items()})
     rules.update({key: custom(_refused) for key in entry.refused_args})
@@ -88,12 +89,18 @@ def caches_text(t: Translation) -> bool:
     return is_true(their(t, "cache_text_encoder_outputs")) or is_true(their(t, "cache_text_encoder_outputs_to_disk"))
 
 
+def stops_on_cached_text_lora(t: Translation) -> bool:
+    """It caches the text encoder's outputs and its script then stops unless network_train_unet_only (its
+    assert_extra_args); a script that trains the text encoder's LoRA on them anyway says so (text_lora_when_cached)."""
+    return caches_text(t) and not entry_of(t).text_lora_when_cached
+
+
 def _unet_only(t: Translation, key: str, value: Any) -> None:
-    """Off, its LoRA module trains a LoRA of the text encoder beside the transformer's, unless its rate is 0; with
-    the text encoder's outputs cached its script stops (assert_extra_args)."""
+    """Off, its LoRA module trains a LoRA of the text encoder beside the transformer's, unless its rate is 0 (or its
+    script stops: stops_on_cached_text_lora)."""
     if is_true(value):
         t.drop(key, value, "ours trains the transformer's LoRA only")
-    elif caches_text(t):
+    elif stops_on_cached_text_lora(t):
         t.drop(key, value, "sd-scripts stops without it when caching the text encoder's outputs (its "
                            "assert_extra_args); ours trains the transformer's LoRA only")
     elif text_encoder_lr_zero(t):
@@ -104,7 +111,8 @@ def _unet_only(t: Translation, key: str, value: Any) -> None:
 
 
 def trains_text_encoder(t: Translation) -> bool:
-    return not (is_true(their(t, "network_train_unet_only")) or caches_text(t) or text_encoder_lr_zero(t))
+    return not (is_true(their(t, "network_train_unet_only")) or stops_on_cached_text_lora(t)
+                or text_encoder_lr_zero(t))
 
 
 def _text_encoder_lr(t: Translation, key: str, value: Any) -> None:
@@ -131,3 +139,13 @@ def lora_arg_verdict(t: Translation, name: str, text: str) -> tuple[str, str] | 
                 (DROPPED, "no text encoder LoRA is trained"))
     return None
 
+
+
+def own_lora_args(t: Translation, given: dict[str, str]) -> tuple[list[str], dict[str, tuple[str, str]]] | None:
+    """Its LoRA module's network_args as ours' items, and a (verdict, why) for each of `given` it read, by the spec's
+    lora_args (None: it has none, or dim_from_weights takes the network from the file's modules)."""
+    hook = entry_of(t).lora_args
+    if not hook or is_true(their(t, "dim_from_weights")):
+        return None
+    rank = their(t, "network_dim")
+    return load_symbol(hook)(given, 4 if rank is None else int(rank))

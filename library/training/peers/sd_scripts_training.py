@@ -93,6 +93,9 @@ def sampling_of(t: Translation) -> tuple[dict | None, str]:
     method = their(t, "timestep_sampling")
     if method == "sigma":
         return sigma_draw(t)
+    refused = models.entry(script_of(t)).draws_refused
+    if method in refused:
+        return None, f"{method!r}: {refused[method]}"
     if method not in SAMPLING_METHODS:
         return None, f"{method!r}: ours draws {', '.join(SAMPLING_METHODS)}"
     keys = {"timestep_sampling": method}  # uniform, sigmoid, shift, a model's shift: the same draws by the same names
