@@ -593,11 +593,14 @@ def save_safetensors(tensors: dict[str, torch.Tensor], path: str, metadata: dict
 
 
 class PrefixedReader:
-    """The transformer's keys of a (ComfyUI-prefixed) single file, without the prefix, for check_keys_and_shapes;
-    a file that bundles text encoders or a VAE under other prefixes keeps those out of the check."""
+    """A checkpoint's tensors under one prefix, named without it: the transformer's keys of a (ComfyUI-prefixed) single
+    file for check_keys_and_shapes, or one component of a ComfyUI full checkpoint for its loader (a text encoder under
+    `text_encoders.<name>.transformer.`, the VAE under `vae.`: an "all in one" file). The keys under
+    other prefixes (the other components) are not seen; the metadata is the file's."""
 
     def __init__(self, reader: CheckpointReader, prefix: str):
         self.reader, self.prefix, self.path, self.files = reader, prefix, reader.path, reader.files
+        self.metadata = reader.metadata
 
     def keys(self) -> list[str]:
         return [k[len(self.prefix) :] for k in self.reader.keys() if k.startswith(self.prefix)]
@@ -613,6 +616,19 @@ class PrefixedReader:
 
     def dtype_name(self, key: str) -> str:
         return self.reader.dtype_name(self.prefix + key)
+
+    def numel(self, keys=None) -> int:
+        return sum(math.prod(self.shape(k)) for k in (self.keys() if keys is None else keys))
+
+    def is_block_quantized(self, key: str) -> bool:
+        return self.reader.is_block_quantized(self.prefix + key)
+
+    def get(self, key: str, mapped: bool = False) -> torch.Tensor:
+        return self.reader.get(self.prefix + key, mapped)
+
+    def items(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for k in self.keys():
+            yield k, self.get(k)
 
 
 # safetensors' (and ggml's) names of integer tensors: no weight of a model is stored so; merge tools that wrote one

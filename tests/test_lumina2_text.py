@@ -81,7 +81,10 @@ def test_lumina2_tiny_tokenizer_knows_every_word(tiny):
 
 def test_lumina2_single_file_gives_the_same_states(tiny, tmp_path):
     """ComfyUI's layout (`model.*` keys, a `spiece_model` tensor, no config.json): shaped by its tensors with the
-    tokenizer given, bit-equal to the repo layout; without one beside it, one error naming where it looked."""
+    tokenizer given or in the tokenizer/ folder beside the file, bit-equal to the repo layout; without one, one error
+    naming where it looked."""
+    import shutil
+
     repo = load_lumina2_text_encoder(tiny["lumina2_text_encoder"], dtype=torch.float32)
     single = load_lumina2_text_encoder(tiny["lumina2_gemma2_single_file"], dtype=torch.float32,
                                        tokenizer=tiny["lumina2_tokenizer"])
@@ -89,8 +92,12 @@ def test_lumina2_single_file_gives_the_same_states(tiny, tmp_path):
     a, mask_a = repo.encode(CAPTIONS[:2], LUMINA2_SYSTEM_PROMPT)
     b, mask_b = single.encode(CAPTIONS[:2], LUMINA2_SYSTEM_PROMPT)
     assert torch.equal(a, b) and torch.equal(mask_a, mask_b)
+    beside = load_lumina2_text_encoder(tiny["lumina2_gemma2_single_file"], dtype=torch.float32)  # lumina2/tokenizer/
+    assert beside.token_rows(CAPTIONS[:2], None) == single.token_rows(CAPTIONS[:2], None)
+    alone = tmp_path / "gemma.safetensors"
+    shutil.copyfile(tiny["lumina2_gemma2_single_file"], alone)
     with pytest.raises(CheckpointError, match=r"no Gemma tokenizer found in"):
-        load_lumina2_text_encoder(tiny["lumina2_gemma2_single_file"])
+        load_lumina2_text_encoder(str(alone))
 
 
 def test_lumina2_wrong_files_are_one_clear_error(tiny, tmp_path):

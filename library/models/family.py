@@ -106,8 +106,8 @@ class ModelFile:
     # key ending (a tuple: alternatives, as layouts name the tensor) -> its shape (None: any); every such file has them
     markers: dict[str | tuple[str, ...], tuple | None]
     # A text encoder's tokenizer as its loader looks for it (text_encoders.tokenizer_folder's arguments
-    # after the weights): (tokenizer folder or None, sibling, kind); None: the file has none
-    tokenizer: tuple[str | None, str, str] | None = None
+    # after the weights): (tokenizer folder or None, sibling, kind[, beside_file]); None: the file has none
+    tokenizer: tuple[str | None, str, str] | tuple[str | None, str, str, bool] | None = None
 
 
 # A text encoder's token embedding as T5 (shared / encoder.embed_tokens), CLIP and the LLMs name it: [vocab, width]

@@ -46,7 +46,7 @@ from library.models.llm_config import (  # noqa: F401 (re-exported: the config l
 from library.models.llm_spec import FP8 as LLM_FP8
 from library.models.spec import TextWeights
 from library.precision.fp8_checkpoints import scaled_fp8_converter
-from library.io import CheckpointError, CheckpointReader, load_streaming, save_safetensors, write_text
+from library.io import CheckpointError, CheckpointReader, PrefixedReader, load_streaming, save_safetensors, write_text
 
 # ----------------------------------------------------------------------------------------------
 # Model
@@ -398,6 +398,40 @@ def checkpoint_key_to_llm(key: str, tie_word_embeddings: bool = False) -> str | 
     return key
 
 
+# ComfyUI's full checkpoint (comfy/sd.py save_checkpoint, text_encoder_key_prefix "text_encoders."; an "all
+# in one" file) holds each text encoder's model under `text_encoders.<its name>.transformer.`
+# (text_encoders.gemma2_2b.transformer.model.embed_tokens.weight), beside the diffusion model under
+# `model.diffusion_model.` and the VAE under `vae.`; the name's own tensors (logit_scale, spiece_model) are no LM's
+BUNDLED_TEXT_ENCODERS = "text_encoders."
+BUNDLED_MODEL = ".transformer."
+
+
+def bundled_llm_prefix(keys: list[str], path: str = "checkpoint") -> str:
+    """'' for a language model's own file; for a ComfyUI full checkpoint, the `text_encoders.<name>.transformer.`
+    under which the one language model's decoder layers are. A checkpoint bundling several (or none: a T5 / CLIP
+    only) is refused, naming them."""
+    prefixes = {k[: k.index(BUNDLED_MODEL, len(BUNDLED_TEXT_ENCODERS)) + len(BUNDLED_MODEL)]
+                for k in keys if k.startswith(BUNDLED_TEXT_ENCODERS) and BUNDLED_MODEL in k}
+    if not prefixes:
+        return ""
+    decoders = sorted(p for p in prefixes if any(
+        k.startswith(p) and (checkpoint_key_to_llm(k[len(p) :]) or "").startswith("model.layers.") for k in keys))
+    if len(decoders) != 1:
+        found = ", ".join(decoders or sorted(prefixes))
+        raise CheckpointError(f"{path}: a checkpoint bundling text encoders ({found}) with "
+                              f"{'no' if not decoders else 'more than one'} language model: give the one to load "
+                              f"as its own file")
+    return decoders[0]
+
+
+def llm_reader(path: str) -> CheckpointReader | PrefixedReader:
+    """The reader of an LLM checkpoint (a file, an index or a folder): its own keys, or those of the language model a
+    ComfyUI full checkpoint bundles, named without their prefix (bundled_llm_prefix)."""
+    reader = CheckpointReader(path)
+    prefix = bundled_llm_prefix(reader.keys(), path)
+    return PrefixedReader(reader, prefix) if prefix else reader
+
+
 def _kept_layer_key(key: str | None, keep_layers: int) -> str | None:
     """None for the tensors of decoder layers >= keep_layers (not loaded), else the key."""
     if key is not None and key.startswith("model.layers."):
@@ -454,6 +488,8 @@ def load_llm(
         FP8Linear and quantizes each weight as it is read).
     keep_layers: load only the first keep_layers decoder layers, no lm_head (their tensors are
         skipped): for text encoders that read intermediate hidden states (LLM.truncate_for_hidden_states).
+    A ComfyUI full checkpoint (the diffusion model, the VAE and a text encoder in one file) loads the language
+    model it bundles (llm_reader); the other components' tensors are not read.
     ComfyUI's scaled fp8 file (qwen_2.5_vl_7b_fp8_scaled) is never quantized again: `prepare` is not
     run; with one (a quantized base asked for) its Linears keep their codes and per-tensor scales, as
     the llm spec's fp8 rules place them; without, every fp8 weight is dequantized to dtype
@@ -469,7 +505,7 @@ def load_llm(
     if keep_layers is not None:
         model.truncate_for_hidden_states(keep_layers)
         rename = lambda k: _kept_layer_key(checkpoint_key_to_llm(k, True), keep_layers)  # noqa: E731
-    reader = CheckpointReader(path)
+    reader = llm_reader(path)
     stored = scaled_fp8_converter(model, reader, path, LLM_FP8 if prepare is not None else None, dtype, rename)
     hook = stored or (prepare(model) if prepare is not None else None)
     if callable(hook) and not isinstance(hook, nn.Module):  # prepare may return the converter (as for a transformer)

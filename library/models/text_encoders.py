@@ -158,16 +158,21 @@ def _token(value) -> str | None:
     return value.get("content") if isinstance(value, dict) else value  # an AddedToken is saved as a dict
 
 
-def tokenizer_folder(weights_path: str, tokenizer: str | None, sibling: str, kind: str) -> str:
+def tokenizer_folder(weights_path: str, tokenizer: str | None, sibling: str, kind: str,
+                     beside_file: bool = False) -> str:
     """The folder an encoder's tokenizer loads from: `tokenizer` if given, else the weights folder itself
-    when it holds one of `kind` (tokenizer_kind), else `sibling` next to it (diffusers repo layout:
-    text_encoder/ + tokenizer/). No torch: the families' check_model_files ask it before any caching."""
+    when it holds one of `kind` (tokenizer_kind), else (beside_file, the weights given as a file) the `sibling`
+    folder beside the file (a ComfyUI checkpoint bundling the encoder in models/checkpoints/, its tokenizer/ put
+    next to it), else `sibling` next to the weights folder (diffusers repo layout: text_encoder/ + tokenizer/).
+    No torch: the families' check_model_files ask it before any caching."""
     if tokenizer is not None:
         return tokenizer
     if not os.path.exists(weights_path):  # before looking beside it: the path itself is the mistake
         raise CheckpointError(f"{weights_path}: no such file or folder")
     folder = weights_path if os.path.isdir(weights_path) else os.path.dirname(weights_path)
     candidates = [folder, os.path.join(os.path.dirname(folder.rstrip("/")), sibling)]
+    if beside_file and os.path.isfile(weights_path):
+        candidates.insert(1, os.path.join(folder, sibling))
     found = [c for c in candidates if os.path.isfile(os.path.join(c, "tokenizer_config.json"))]
     fits = [c for c in found if tokenizer_kind(c) in (kind, None)]
     if not fits:

@@ -18,6 +18,9 @@ Loaders read safetensors only: a diffusers folder (the model folder itself or a 
 a single diffusers-keyed file, and a single file in the layout its family releases (LDM / BFL keys,
 e.g. `ae.safetensors`, or Wan / ComfyUI keys), converted with diffusers' own converters
 (`convert_ldm_vae_checkpoint` for an AutoencoderKL; a wrapper's `convert_single_file` for the others).
+A checkpoint that bundles the VAE with other models (ComfyUI's full checkpoint: its VAE under `vae.`, as
+an "all in one" file; an LDM checkpoint's `first_stage_model.`) is read under the prefix its
+header shows (bundled_vae_prefix), the other tensors never read.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from accelerate import init_empty_weights
 from diffusers import AutoencoderKL
 from diffusers.loaders.single_file_utils import convert_ldm_vae_checkpoint
 
-from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming
+from library.io import CheckpointError, CheckpointReader, PrefixedReader, component_folder, load_streaming
 
 # ----------------------------------------------------------------------------------------------
 # File checks
@@ -51,6 +54,27 @@ def vae_markers(latent_channels: int, video: bool = False, image_channels: int =
         return {("encoder.conv_out.weight", "encoder.head.2.weight"): (2 * latent_channels, None, 3, 3, 3),
                 VIDEO_VAE_CONV_IN: (None, image_channels, 3, 3, 3)}
     return {"encoder.conv_out.weight": (2 * latent_channels, None, 3, 3)}
+
+
+# The encoder's last convolution (vae_markers' key), which every VAE file has once: diffusers' / LDM's / Wan's names
+VAE_ENCODER_OUT = ("encoder.conv_out.weight", "encoder.head.2.weight")
+
+
+def bundled_vae_prefix(keys: list[str], path: str = "checkpoint") -> str:
+    """'' for a VAE's own file; for a checkpoint bundling one (ComfyUI's full checkpoint: `vae.`, comfy/
+    supported_models.py's vae_key_prefix; an LDM checkpoint's `first_stage_model.`) what its encoder's last
+    convolution's key has before it. Two VAEs in one file are refused, naming both prefixes."""
+    prefixes = sorted({k[: len(k) - len(e)] for k in keys for e in VAE_ENCODER_OUT if k == e or k.endswith("." + e)})
+    if len(prefixes) > 1:
+        raise CheckpointError(f"{path}: VAE encoders under {' and '.join(repr(p) for p in prefixes)}: one VAE per file")
+    return prefixes[0] if prefixes else ""
+
+
+def vae_reader(path: str) -> CheckpointReader | PrefixedReader:
+    """The VAE's tensors of the file or folder at `path`, under their own names (bundled_vae_prefix dropped)."""
+    reader = CheckpointReader(path)
+    prefix = bundled_vae_prefix(reader.keys(), path)
+    return PrefixedReader(reader, prefix) if prefix else reader
 
 
 # ----------------------------------------------------------------------------------------------
@@ -149,7 +173,7 @@ def load_vae(cls, path: str, default_config: dict, dtype: torch.dtype = torch.fl
     weights, found = _resolve(path)
     config = {**default_config, **(found or {}), **(config or {})}
     model = _build(cls, config)
-    _load_weights(model, CheckpointReader(weights), dtype, convert)
+    _load_weights(model, vae_reader(weights), dtype, convert)
     return frozen_in(model, dtype)
 
 

@@ -1,8 +1,10 @@
 """Lumina 2 checkpoints: loading the single file people download (Comfy-Org/Lumina_Image_2.0_Repackaged
 split_files/diffusion_models/lumina_2_model_bf16.safetensors, the original names; Neta Lumina / NetaYume Lumina
-ship the same), the same names under ComfyUI's `model.diffusion_model.` / `diffusion_model.` and as sd-scripts
-saves a full fine-tune (plain), and a diffusers folder (transformer/ of Lumina2Transformer2DModel); the config
-from our metadata, config.json or the shapes; saving the single file and the diffusers folder.
+ship the same), the same names under ComfyUI's `model.diffusion_model.` / `diffusion_model.` (the former also in
+Neta Lumina's / NetaYume Lumina's all-in-one ComfyUI checkpoint, beside Gemma 2 under `text_encoders.gemma2_2b.` and
+FLUX.1's VAE under `vae.`, whose tensors are never read: sd-scripts' load_lumina_model strips the same prefix) and as
+sd-scripts saves a full fine-tune (plain), and a diffusers folder (transformer/ of Lumina2Transformer2DModel); the
+config from our metadata, config.json or the shapes; saving the single file and the diffusers folder.
 
 Our module names are the single file's (model.py), so it loads by plain key with its prefix dropped. The file also
 holds `norm_final.weight`, an RMSNorm the original NextDiT builds and never calls: diffusers'
@@ -232,7 +234,8 @@ def load_lumina2(
     read_weights: bool = True,
 ) -> Lumina2:
     """Load a Lumina 2 transformer from the released single file (original names, plain as sd-scripts saves it or
-    under ComfyUI's prefixes; a file's other prefixes, e.g. a bundled VAE, are not read) or a diffusers folder
+    under ComfyUI's prefixes; a file's other prefixes, the all-in-one file's Gemma and VAE, are not read; the key check
+    sees only the transformer's) or a diffusers folder
     (the pipeline folder with transformer/, or that folder; sharded or not).
 
     dtype casts floating weights on read and becomes compute_dtype. config overrides what config.json, the

@@ -54,7 +54,7 @@ class Lumina2Family(DiffusionFamily):
                       vae_markers(self.latent_channels)),
             ModelFile("text_encoder", self.text_paths["text_encoder"], "a Gemma 2 language model", "text_encoder",
                       {"embed_tokens.weight": None, "layers.0.pre_feedforward_layernorm.weight": None},
-                      (None, "tokenizer", "Gemma")),  # as its loader looks for the tokenizer
+                      (None, "tokenizer", "Gemma", True)),  # as its loader looks for it (tokenizer/ beside a file)
         ]
 
     def text_widths(self, config) -> dict[str, int]:

@@ -21,7 +21,12 @@ depend on the padding). Only the 25 layers read are loaded and run; the final no
 Files: the diffusers repo's text_encoder/ (a saved Gemma2Model: `layers.*` keys, config.json) with tokenizer/
 beside it, a Gemma 2 HF folder, or ComfyUI's single file gemma_2_2b_fp16.safetensors (Gemma2's `model.*` keys, no
 head, no config.json: shaped by its tensors like GEMMA2_2B; the sentencepiece model it stores under `spiece_model`
-is not read: the tokenizer comes from `tokenizer` or a folder beside it, e.g. the diffusers repo's tokenizer/).
+is not read: the tokenizer comes from `tokenizer` or a folder beside it, e.g. the diffusers repo's tokenizer/), or
+Neta Lumina's / NetaYume Lumina's all-in-one ComfyUI checkpoint (NetaYumev35_pretrained_all_in_one.safetensors): the
+same Gemma under `text_encoders.gemma2_2b.transformer.` (llm.py llm_reader; sd-scripts' load_gemma2 "Neta-Lumina
+support" strips it too), read and shaped as that single file, the transformer and VAE beside it never read; its
+`text_encoders.gemma2_2b.spiece_model` neither (sentencepiece is not a dependency): the tokenizer comes from
+`tokenizer`, the file's folder or a tokenizer/ folder beside the file (text_encoders.tokenizer_folder).
 
 Memory planner: lumina2_text_weights() counts Gemma-2-2B as loaded here (embedding 589,824,000, 25 of 26 layers of
 77,865,984, the final norm's 2,304 (loaded, never run), no head) on meta: TextWeights(2,536,475,904,
@@ -36,7 +41,7 @@ import os
 
 import torch
 
-from library.io import CheckpointError, CheckpointReader, component_folder
+from library.io import CheckpointError, component_folder
 from library.models.llm import GEMMA2_2B, LLMConfig
 from library.models.text_encoders import right_padded
 
@@ -93,10 +98,11 @@ class Lumina2TextEncoder:
 def gemma2_config_from_shapes(path: str, like: LLMConfig = GEMMA2_2B) -> LLMConfig:
     """The Gemma 2 of a single file without config.json: vocabulary, width, depth, heads and MLP from its tensors,
     `like`'s head_dim (Gemma-2-2B's 256: q_proj's rows are heads x head_dim, the shapes cannot split them), RoPE,
-    epsilon, window and softcaps. A file without Gemma's post-feedforward norms is refused, naming the file."""
-    from library.models.llm import checkpoint_key_to_llm
+    epsilon, window and softcaps. A file without Gemma's post-feedforward norms is refused, naming the file. The
+    all-in-one file's Gemma is read under its prefix (llm_reader), as load_llm reads it."""
+    from library.models.llm import checkpoint_key_to_llm, llm_reader
 
-    reader = CheckpointReader(path)
+    reader = llm_reader(path)
     keys = {checkpoint_key_to_llm(k, False): k for k in reader.keys()}
 
     def shape(name: str) -> tuple[int, ...]:
@@ -135,13 +141,14 @@ def lumina2_llm_config(weights: str) -> LLMConfig:
 
 
 def load_lumina2_tokenizer(weights: str, tokenizer: str | None = None):
-    """Gemma's tokenizer: the `tokenizer` folder, else in or beside the weights (tokenizer/ of the diffusers repo).
+    """Gemma's tokenizer: the `tokenizer` folder, else in the weights folder, a tokenizer/ folder beside a single file
+    (ComfyUI's Gemma file, the all-in-one checkpoint) or beside the weights folder (tokenizer/ of the diffusers repo).
     A folder holding another kind (a Qwen2 / T5 / CLIP one) is refused."""
     from transformers import AutoTokenizer
 
     from library.models.text_encoders import tokenizer_folder, tokenizer_kind
 
-    folder = tokenizer_folder(weights, tokenizer, "tokenizer", "Gemma")
+    folder = tokenizer_folder(weights, tokenizer, "tokenizer", "Gemma", beside_file=True)
     if tokenizer is not None and not os.path.isfile(os.path.join(folder, "tokenizer_config.json")):
         raise CheckpointError(f"{folder}: no tokenizer_config.json; expected the folder of Gemma 2's tokenizer")
     if tokenizer_kind(folder) not in ("Gemma", None):
@@ -161,9 +168,10 @@ def load_lumina2_text_encoder(
     tokenizer: str | None = None,
     max_length: int = LUMINA2_MAX_LENGTH,
 ) -> Lumina2TextEncoder:
-    """The encoder from a Lumina 2 pipeline repo (or its text_encoder/ folder), a Gemma 2 HF folder or ComfyUI's single
-    file (module docstring). tokenizer: the tokenizer folder when not beside the weights. dtype: the LM's weights and
-    compute dtype (bf16 on GPU); fp8: a base precision ("fp8" / "fp8_scaled" / ...) for the decoder Linears."""
+    """The encoder from a Lumina 2 pipeline repo (or its text_encoder/ folder), a Gemma 2 HF folder, ComfyUI's single
+    file or the all-in-one checkpoint (module docstring). tokenizer: the tokenizer folder when not beside the weights.
+    dtype: the LM's weights and compute dtype (bf16 on GPU); fp8: a base precision ("fp8" / "fp8_scaled" / ...) for the
+    decoder Linears."""
     from library.models.family import fp8_prepare
     from library.models.llm import load_llm
 
