@@ -3,7 +3,8 @@ the transformer, the text encoder and the VAE at once: the tiny set's three file
 (the transformer under `model.diffusion_model.`, Gemma 2 under `text_encoders.gemma2_2b.transformer.` beside
 `text_encoders.gemma2_2b.logit_scale` and `.spiece_model`, FLUX.1's VAE under `vae.` in BFL's names), Gemma's
 tokenizer/ beside it. Each component loads from it bit-equal to its own file; train_lora.py trains with all three
-paths = that file."""
+paths = that file; merge_lora into it merges the transformer as into its own file and copies the other components'
+tensors byte for byte, whatever --save_precision says."""
 
 import shutil
 
@@ -20,6 +21,7 @@ from library.models.lumina2.text_encoder import load_lumina2_text_encoder
 from tests.test_train_lora import read_losses
 
 TRANSFORMER, GEMMA, VAE = "model.diffusion_model.", "text_encoders.gemma2_2b.transformer.", "vae."
+OTHERS = ("text_encoders.", VAE)  # the tensors merge_lora must copy as stored
 
 
 @pytest.fixture(scope="module")
@@ -90,6 +92,35 @@ def trained_on_all_in_one(tiny_set, all_in_one, tmp_path_factory):
 def test_lora_trains_with_the_all_in_one_file_as_all_three_paths(trained_on_all_in_one):
     losses = read_losses(trained_on_all_in_one, "aio")
     assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+
+
+def read(path: str) -> dict[str, torch.Tensor]:
+    with safe_open(path, "pt") as f:
+        return {k: f.get_tensor(k) for k in f.keys()}
+
+
+@pytest.mark.parametrize("precision", [None, "bf16", "fp8"])
+def test_merge_into_the_all_in_one_file_keeps_the_other_components_as_stored(tiny_set, all_in_one,
+                                                                             trained_on_all_in_one, tmp_path,
+                                                                             precision):
+    """The merged transformer equals the merge into its own file (fp8: ComfyUI's scaled layout, its scales and marker
+    under `model.diffusion_model.`); Gemma and the VAE (float32), logit_scale and the uint8 spiece_model come out
+    bit-equal, also where --save_precision bf16 / fp8 casts the transformer (they came out bf16 before)."""
+    from tools import merge_lora
+
+    lora = str(trained_on_all_in_one / "aio.safetensors")
+    args = ["--save_precision", precision] if precision else []
+    merged, own = str(tmp_path / "merged_aio.safetensors"), str(tmp_path / "merged_own.safetensors")
+    assert merge_lora.main(["--model", all_in_one, "--lora", f"{lora}:0.7", "--save_to", merged, *args]) == 0
+    assert merge_lora.main(["--model", tiny_set["lumina2"], "--lora", f"{lora}:0.7", "--save_to", own, *args]) == 0
+    base, out, want = read(all_in_one), read(merged), read(own)
+    others = {k for k in base if k.startswith(OTHERS)}
+    assert len(others) == 36 + 1 + 176  # Gemma's tensors and logit_scale + spiece_model, the VAE's
+    assert same_tensors({k: v for k, v in out.items() if k.startswith(OTHERS)}, {k: base[k] for k in others})
+    assert same_tensors({k[len(TRANSFORMER) :]: v for k, v in out.items() if k.startswith(TRANSFORMER)}, want)
+    if precision is None:  # the file's bf16 kept: only the merged weights differ from the base
+        changed = [k for k in want if not torch.equal(want[k], base[TRANSFORMER + k])]
+        assert len(changed) == 10  # the LoRA's qkv / out / w1-w3 of both layers
 
 
 def test_bundled_prefixes_are_read_from_the_header_and_ambiguous_ones_refused():

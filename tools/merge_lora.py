@@ -71,7 +71,8 @@ step, a LoRA at ratio 0.1 keeping 17-43% of its effect, an experts LoRA at 0.05 
 tensor is copied byte for byte; with bf16/fp16/fp32 every weight is dequantized (packed experts too, with their
 `<name>_scale`) and the scales and markers left out (comfy_quant's `_quantization_metadata` header too).
 Another fp8 layout is refused (it would re-round every weight). Keys outside the transformer (text
-encoders and VAE bundled in a ComfyUI checkpoint) are copied as they are. fp8 bases only in the model's
+encoders and VAE bundled in a ComfyUI checkpoint, an "all in one" file) are copied byte for byte
+whatever --save_precision says (ComfyUI loads them in their own precisions). fp8 bases only in the model's
 own names (BFL names, not a diffusers folder's split rows).
 
 GGUF (`--save_precision gguf_q8_0`, `gguf_q5_1`, `gguf_q5_0`, `gguf_q4_1`, `gguf_q4_0`: the block types
@@ -305,6 +306,8 @@ class Plan:
                                                          [Entry(key + fp8.PACKED_SCALE_SUFFIX, *scale)])
         if self.is_fp8_bias(key):
             return [Entry(key, fp8.FP8_DTYPE, shape)]
+        if self.base.family != "llm" and self.base.to_model(key) is None:  # a bundled text encoder / VAE: as stored
+            return [Entry(key, dtype, shape)]
         if dtype.is_floating_point and self.precision is not None:
             dtype = HIGH_PRECISION_DTYPE if self.precision.startswith("fp8") else PRECISIONS[self.precision]
         return [Entry(key, dtype, shape)]
