@@ -140,7 +140,6 @@ def lora_arg_verdict(t: Translation, name: str, text: str) -> tuple[str, str] | 
     return None
 
 
-
 def own_lora_args(t: Translation, given: dict[str, str]) -> tuple[list[str], dict[str, tuple[str, str]]] | None:
     """Its LoRA module's network_args as ours' items, and a (verdict, why) for each of `given` it read, by the spec's
     lora_args (None: it has none, or dim_from_weights takes the network from the file's modules)."""
