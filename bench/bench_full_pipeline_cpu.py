@@ -18,8 +18,9 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --family nucleus_image --work /tmp/fullnucleus  # Nucleus-Image, 46.5 GB
         # measured with --train-steps 1 --sample-steps 2: 2 steps and a 4-step sample take ~80 min on 2 busy cores
     python bench/bench_full_pipeline_cpu.py --family anima --work /tmp/fullanima         # Anima, ~5.3 GB
+    python bench/bench_full_pipeline_cpu.py --family lumina2 --work /tmp/fulllumina2     # Lumina Image 2.0, ~10 GB
 
-The writers of the generic files and of FLUX.3's, ERNIE-Image's, Nucleus-Image's and Anima's are in
+The writers of the generic files and of FLUX.3's, ERNIE-Image's, Nucleus-Image's, Anima's and Lumina 2's are in
 bench/full_size_files.py.
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
@@ -66,31 +67,20 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from library.models.flux1.model import FLUX_DEV, Flux  # noqa: E402
-from library.models.flux1.vae import FLUX_VAE_CONFIG  # noqa: E402
-from library.models.vae import autoencoder_kl_to_ldm_state_dict  # noqa: E402
 from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer, save_tokenizer  # noqa: E402
 from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 
 from bench.full_size_files import (  # noqa: E402, F401 (meta_shapes, write_random: bench_planner_cpu.py's)
-    ANIMA_FILE, ANIMA_TEXT_FILE, ERNIE_IMAGE_FILE, FLUX3_FILE, GiB, QWEN3_VL_8B_TEXT, QWEN3_VL_8B_VISION, meta_shapes,
-    qwen3_vl_4b, random_tensor, write_anima_files, write_ernie_image_files, write_flux2_vae, write_flux3_files,
-    write_nucleus_image_files, write_qwen3_vl_folder, write_qwen_image_vae, write_random, write_random_sharded)
+    ANIMA_FILE, ANIMA_TEXT_FILE, ERNIE_IMAGE_FILE, FLUX3_FILE, LUMINA2_FILE, LUMINA2_TEXT_FILE, GiB, QWEN3_VL_8B_TEXT,
+    QWEN3_VL_8B_VISION, meta_shapes, qwen3_vl_4b, random_tensor, write_anima_files, write_ernie_image_files,
+    write_flux2_vae, write_flux3_files, write_flux_vae, write_lumina2_files, write_nucleus_image_files,
+    write_qwen3_vl_folder, write_qwen_image_vae, write_random, write_random_sharded)
 PHASES = (("vae caching", "latents:"), ("text caching", "captions:"), ("transformer load", "training:"),
           ("training", "_lr.png"), ("sample + save", "saved "))
 
 
 # ----------------------------------------------------------------------------------------------
 # Random full-size files, tensor by tensor
-
-
-def write_flux_vae(work: str):
-    """<work>/ae.safetensors: the FLUX.1 VAE at its released size, BFL layout (no config: the built-in one)."""
-    from diffusers import AutoencoderKL
-
-    with torch.device("meta"):
-        vae_sd = AutoencoderKL(**FLUX_VAE_CONFIG).state_dict()
-    ldm = autoencoder_kl_to_ldm_state_dict(vae_sd, len(FLUX_VAE_CONFIG["block_out_channels"]))
-    write_random(os.path.join(work, "ae.safetensors"), {k: tuple(v.shape) for k, v in ldm.items()}, 2, metadata={})
 
 
 def write_files(work: str):
@@ -486,6 +476,12 @@ text_encoder = "{work}/{ANIMA_TEXT_FILE}"
 t5_tokenizer = "{work}/t5_tokenizer"
 output_name = "full_anima"
 ''',
+        "lumina2": f'''model_type = "lumina2"
+pretrained_model_name_or_path = "{work}/{LUMINA2_FILE}"
+ae = "{work}/vae/ae.safetensors"
+text_encoder = "{work}/{LUMINA2_TEXT_FILE}"
+output_name = "full_lumina2"
+''',
         "qwen_image21": f'''model_type = "qwen_image21"
 pretrained_model_name_or_path = "{work}"
 ae = "{work}/vae"
@@ -597,13 +593,14 @@ def main(argv=None):
     p.add_argument("--skip-write", action="store_true")
     p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2",
                                         "ideogram4", "qwen_image_layered", "flux3", "ernie_image", "nucleus_image",
-                                        "anima"],
+                                        "anima", "lumina2"],
                    default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
                         "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, "
                         "whole; krea2: Krea 2 Raw, whole; ideogram4: Ideogram 4 (fp8r), whole; qwen_image_layered: "
                         "--qwen-blocks of 60, RGBA VAE, 2 layers; flux3: FLUX.3 [klein] base, whole; ernie_image: "
-                        "ERNIE-Image, whole; nucleus_image: Nucleus-Image, whole; anima: Anima, whole")
+                        "ERNIE-Image, whole; nucleus_image: Nucleus-Image, whole; anima: Anima, whole; "
+                        "lumina2: Lumina Image 2.0, whole")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
@@ -645,6 +642,8 @@ def main(argv=None):
             write_nucleus_image_files(args.work)
         elif args.family == "anima":
             write_anima_files(args.work)
+        elif args.family == "lumina2":
+            write_lumina2_files(args.work)
         else:
             write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)

@@ -1,6 +1,7 @@
 """Random-weight files at the released sizes, tensor by tensor, for bench/bench_full_pipeline_cpu.py (which
-imports them; bench/bench_planner_cpu.py too): the generic writers (one file, sharded, a Qwen3-VL folder, FLUX.2's
-and Qwen-Image's VAEs) and the per-family writers of FLUX.3 [klein], ERNIE-Image, Nucleus-Image and Anima.
+imports them; bench/bench_planner_cpu.py too): the generic writers (one file, sharded, a Qwen3-VL folder, FLUX.1's,
+FLUX.2's and Qwen-Image's VAEs) and the per-family writers of FLUX.3 [klein], ERNIE-Image, Nucleus-Image, Anima and
+Lumina Image 2.0.
 
 Weights are N(0, 0.02), norm scales 1 (random_tensor); writing never holds a model (each tensor drawn and written
 one at a time by tools/merge_lora.write_safetensors_streaming). Tensors a run never reads can be written as holes
@@ -29,19 +30,25 @@ ONES = ("cap_embedder.0.weight",)  # norm scales whose names do not say so (Z-Im
 
 
 def random_tensor(name: str, shape: tuple[int, ...], generator: torch.Generator,
-                  ones: tuple[str, ...] = ()) -> torch.Tensor:
-    """N(0, 0.02) in bf16; 1-D norm scales ones (and 1-D tensors whose names end with one of `ones`)."""
+                  ones: tuple[str, ...] = (), dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """N(0, 0.02) in `dtype` (bf16); 1-D norm scales ones (and 1-D tensors whose names end with one of `ones`)."""
     norm = "norm" in name or name.endswith(("scale", ".g", "running_var", *ones)) or name in ONES
     if len(shape) == 1 and norm:
-        return torch.ones(shape, dtype=torch.bfloat16)
-    return (torch.randn(shape, generator=generator) * 0.02).to(torch.bfloat16)
+        return torch.ones(shape, dtype=dtype)
+    return (torch.randn(shape, generator=generator) * 0.02).to(dtype)
 
 
 def write_random(path: str, shapes: dict[str, tuple[int, ...]], seed: int, metadata: dict[str, str] | None = None,
-                 ones: tuple[str, ...] = ()):
+                 ones: tuple[str, ...] = (), dtype: torch.dtype = torch.bfloat16,
+                 extra: dict[str, torch.Tensor] | None = None):
+    """`shapes` drawn by random_tensor in `dtype` (a file released in fp16: torch.float16), then `extra` as given
+    (small non-weight tensors a released file holds, e.g. a stored tokenizer's bytes)."""
     generator = torch.Generator().manual_seed(seed)
-    entries = [Entry(k, torch.bfloat16, tuple(s)) for k, s in shapes.items()]
-    tensors = ((e.key, random_tensor(e.key, e.shape, generator, ones)) for e in entries)
+    extra = extra or {}
+    entries = [Entry(k, dtype, tuple(s)) for k, s in shapes.items()]
+    entries += [Entry(k, v.dtype, tuple(v.shape)) for k, v in extra.items()]
+    tensors = ((e.key, extra[e.key] if e.key in extra else random_tensor(e.key, e.shape, generator, ones, dtype))
+               for e in entries)
     tmp = path + ".tmp"
     write_safetensors_streaming(tmp, entries, tensors, metadata or {"format": "pt"})
     os.replace(tmp, path)
@@ -93,6 +100,20 @@ def meta_shapes(build) -> dict[str, tuple[int, ...]]:
     with torch.device("meta"):
         module = build()
     return {k: tuple(v.shape) for k, v in module.state_dict().items()}
+
+
+def write_flux_vae(work: str):
+    """<work>/ae.safetensors: the FLUX.1 VAE at its released size, BFL layout (no config: the built-in one)."""
+    from diffusers import AutoencoderKL
+
+    from library.models.flux1.vae import FLUX_VAE_CONFIG
+    from library.models.vae import autoencoder_kl_to_ldm_state_dict
+
+    with torch.device("meta"):
+        vae_sd = AutoencoderKL(**FLUX_VAE_CONFIG).state_dict()
+    ldm = autoencoder_kl_to_ldm_state_dict(vae_sd, len(FLUX_VAE_CONFIG["block_out_channels"]))
+    os.makedirs(work, exist_ok=True)
+    write_random(os.path.join(work, "ae.safetensors"), {k: tuple(v.shape) for k, v in ldm.items()}, 2, metadata={})
 
 
 def write_flux2_vae(work: str):
@@ -314,3 +335,42 @@ def write_anima_files(work: str):
     save_tokenizer(tokenizer, os.path.join(work, "text_encoders"))
     save_tokenizer(build_t5_tokenizer(), os.path.join(work, "t5_tokenizer"))
     write_qwen_image_vae(work)
+
+
+# ----------------------------------------------------------------------------------------------
+# Lumina Image 2.0
+
+# Comfy-Org/Lumina_Image_2.0_Repackaged's split_files layout, as configs/lumina2.toml names them
+LUMINA2_FILE = "diffusion_models/lumina_2_model_bf16.safetensors"
+LUMINA2_TEXT_FILE = "text_encoders/gemma_2_2b_fp16.safetensors"
+GEMMA_SPIECE_BYTES = 4_241_003  # ~google/gemma-2-2b's tokenizer.model: ComfyUI stores it as uint8 spiece_model
+
+
+def write_lumina2_files(work: str):
+    """Lumina Image 2.0 at its released size, in the single files people download (Comfy-Org's split_files): the
+    NextDiT as diffusion_models/lumina_2_model_bf16.safetensors (the original names, no prefix, bf16, no metadata:
+    the loader reads the config from the shapes; LUMINA2, 2,609,769,152 parameters, and the unused
+    `norm_final.weight` the released file holds: 4.86 GiB), Gemma-2-2B as text_encoders/gemma_2_2b_fp16.safetensors
+    (fp16 as released: Gemma2ForCausalLM's `model.*` keys, tied: no head, 2,614,341,888 parameters, 4.87 GiB, and
+    `spiece_model`: zeros the size of the sentencepiece file ComfyUI stores there; no config.json: shaped by its
+    tensors), tokenizer/ beside text_encoders/ (the small Gemma-style tokenizer of library/models/lumina2/tiny_text.py:
+    the released special ids, valid ids for the 256,000 rows) and FLUX.1's AE as vae/ae.safetensors (BFL layout).
+    Gemma's norm weights are offsets (x * (1 + w)): random_tensor's ones make them scales of 2, still finite."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from library.models.llm import GEMMA2_2B
+    from library.models.lumina2.model import LUMINA2, Lumina2
+    from library.models.lumina2.tiny_text import build_gemma_tokenizer, save_gemma_tokenizer
+
+    for folder in ("diffusion_models", "text_encoders"):
+        os.makedirs(os.path.join(work, folder), exist_ok=True)
+    dit = {**meta_shapes(lambda: Lumina2(LUMINA2)), "norm_final.weight": (LUMINA2.dim,)}
+    write_random(os.path.join(work, LUMINA2_FILE), dit, 1, metadata={})
+    hf = {**GEMMA2_2B.to_hf(), "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0}
+    gemma = meta_shapes(lambda: Gemma2ForCausalLM(Gemma2Config(**{k: v for k, v in hf.items()
+                                                                   if k != "architectures"})))
+    spiece = torch.zeros(GEMMA_SPIECE_BYTES, dtype=torch.uint8)
+    write_random(os.path.join(work, LUMINA2_TEXT_FILE), {k: v for k, v in gemma.items() if k != "lm_head.weight"}, 3,
+                 metadata={}, dtype=torch.float16, extra={"spiece_model": spiece})
+    save_gemma_tokenizer(build_gemma_tokenizer(), os.path.join(work, "tokenizer"))
+    write_flux_vae(os.path.join(work, "vae"))
