@@ -125,6 +125,16 @@ def right_padded(rows: list[list[int]], pad_id: int, device=None, length: int | 
     return ids, torch.arange(length, device=device)[None] < counts[:, None]
 
 
+def second_to_last_layer(llm, encoder: str) -> int:
+    """The decoder layer whose output is transformers' hidden_states[-2] (0 = the embeddings), which a text encoder
+    that reads it (its last layer never run) needs loaded; `encoder` names it in the error."""
+    layer = llm.config.num_layers - 1
+    if layer < 1 or len(llm.model.layers) < layer:
+        raise ValueError(f"{encoder}: hidden_states[-2] needs {layer} decoder layers (of {llm.config.num_layers}); "
+                         f"{len(llm.model.layers)} are loaded")
+    return layer
+
+
 def tokenizer_files(path: str) -> list[str]:
     """Every tokenizer file the loaders may read for the encoder at `path` (a file, an HF folder, a
     pipeline's component folder or the pipeline folder): TOKENIZER_FILES in its folder and in the

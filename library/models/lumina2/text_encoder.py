@@ -43,7 +43,7 @@ import torch
 
 from library.io import CheckpointError, component_folder
 from library.models.llm import GEMMA2_2B, LLMConfig
-from library.models.text_encoders import right_padded
+from library.models.text_encoders import right_padded, second_to_last_layer
 
 LUMINA2_MAX_LENGTH = 256  # the pipeline's max_sequence_length default (sd-scripts' gemma2_max_token_length too)
 PROMPT_START = " <Prompt Start> "  # between the system prompt and the prompt, spaces included (the pipeline's)
@@ -68,10 +68,7 @@ class Lumina2TextEncoder:
     """encode(captions, system_prompt) -> (hidden, mask) (module docstring); `.llm` is the Gemma 2 (for .to())."""
 
     def __init__(self, llm, tokenizer, max_length: int = LUMINA2_MAX_LENGTH):
-        self.layer = llm.config.num_layers - 1  # hidden_states[-2] in transformers' indexing (0 = embeddings)
-        if self.layer < 1 or len(llm.model.layers) < self.layer:
-            raise ValueError(f"Lumina2TextEncoder: hidden_states[-2] needs {self.layer} decoder layers "
-                             f"(of {llm.config.num_layers}); {len(llm.model.layers)} are loaded")
+        self.layer = second_to_last_layer(llm, "Lumina2TextEncoder")
         self.llm, self.tokenizer = llm.eval().requires_grad_(False), tokenizer
         self.max_length = max_length
 

@@ -25,6 +25,7 @@ import os
 import torch
 
 from library.io import CheckpointError, CheckpointReader, component_folder
+from library.models.text_encoders import second_to_last_layer
 
 ZIMAGE_MAX_LENGTH = 512  # the pipeline's max_sequence_length default
 # What Qwen3's chat template renders for one user message with the generation prompt, thinking on:
@@ -44,10 +45,7 @@ class ZImageTextEncoder:
     """encode(prompts) -> (embeds [B, T, D] float32, mask [B, T] bool); encode_list as the pipeline returns it."""
 
     def __init__(self, llm, tokenizer, max_length: int = ZIMAGE_MAX_LENGTH):
-        self.layer = llm.config.num_layers - 1  # hidden_states[-2] in transformers' indexing (0 = embeddings)
-        if self.layer < 1 or len(llm.model.layers) < self.layer:
-            raise ValueError(f"ZImageTextEncoder: the second-to-last layer's output needs {self.layer} decoder layers "
-                             f"(of {llm.config.num_layers}); {len(llm.model.layers)} are loaded")
+        self.layer = second_to_last_layer(llm, "ZImageTextEncoder")
         self.llm, self.tokenizer = llm.eval().requires_grad_(False), tokenizer
         self.max_length = max_length
 
