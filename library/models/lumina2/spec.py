@@ -193,6 +193,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.lumina2.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.lumina2.learned:LEARNED",
     default_config="lumina2.toml",
     config_keys=CONFIG_KEYS,
     # Lumina2Pipeline's defaults: 30 steps, CFG 4.0 with the empty negative prompt (no system prompt before it),
