@@ -20,6 +20,7 @@ from library.models.anima.checkpoint import (
 )
 from library.models.anima.model import ANIMA, Anima, AnimaConfig, random_inputs
 from library.models.anima.tiny import tiny_config, write_anima, write_sized_anima
+from tests.random_weights import randomized
 
 # head_dim 32 (RoPE 12 / 10 / 10); the DiT's text width (48) differs from the adapter's (64: an in_proj) and the
 # Qwen width (40), the output channels (12) from the input's (16), so that a swapped projection cannot pass.
@@ -40,14 +41,7 @@ def no_torchvision(monkeypatch):
 
 def random_model(config: AnimaConfig, seed: int = 0) -> Anima:
     """Every parameter random (diffusers and sd-scripts zero-init some): norms around 1."""
-    model = Anima(config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            norm = p.dim() == 1 and "norm" in name
-            p.copy_(1 + 0.2 * noise if norm else 0.15 * noise if p.dim() > 1 else 0.1 * noise)
-    return model.eval()
+    return randomized(Anima(config), seed)
 
 
 def diffusers_pair(model: Anima) -> tuple[CosmosTransformer3DModel, AnimaTextConditioner]:

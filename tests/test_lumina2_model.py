@@ -17,6 +17,7 @@ from library.models.lumina2.checkpoint import (
 )
 from library.models.lumina2.model import LUMINA2, Lumina2, Lumina2Config, random_inputs
 from library.models.lumina2.tiny import tiny_config, write_lumina2, write_sized_lumina2
+from tests.random_weights import randomized
 
 # 3 query heads of 32 sharing one key/value head (GQA as released: 24 / 8); the caption width (40) differs from the
 # model's (96), so a swapped embedder cannot pass
@@ -27,14 +28,7 @@ S = 7  # caption tokens, padded
 
 def random_model(config: Lumina2Config, seed: int = 0) -> Lumina2:
     """Every parameter random (the references zero-init the modulation and the final layer): norms around 1."""
-    model = Lumina2(config)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=g)
-            norm = p.dim() == 1 and "norm" in name
-            p.copy_(1 + 0.2 * noise if norm else 0.15 * noise if p.dim() > 1 else 0.1 * noise)
-    return model.eval()
+    return randomized(Lumina2(config), seed)
 
 
 def diffusers_twin(model: Lumina2) -> Lumina2Transformer2DModel:
