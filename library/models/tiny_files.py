@@ -255,6 +255,19 @@ def seed_component(seed: int, offset: int):
     torch.manual_seed(seed * 1000 + offset)
 
 
+def place_written(writer, seed: int, targets: dict[str, str]) -> None:
+    """Run a tiny writer (out, seed) -> {manifest key: path} in a temporary folder and move the files or folders of
+    `targets` (manifest key -> destination path) there, replacing what was there; the rest it wrote is dropped."""
+    import shutil
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        written = writer(tmp, seed)
+        for key, target in targets.items():
+            shutil.rmtree(target, ignore_errors=True)
+            shutil.move(written[key], target)
+
+
 def write_json(path: str, obj: dict):
     write_text(path, json.dumps(obj, indent=2) + "\n")
 

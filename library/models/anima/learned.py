@@ -41,19 +41,13 @@ def family(paths: dict[str, str]):
 def write_text_encoders(paths: dict[str, str]) -> None:
     """tiny_text.write_anima_text_encoder's text_encoder/, tokenizer/ and t5_tokenizer/ (make_tiny_models' seed 0)
     moved beside each other into the base's folder (its ComfyUI single-file copy of the same weights dropped)."""
-    import shutil
-    import tempfile
-
     from library.models.anima.tiny_text import write_anima_text_encoder
+    from library.models.tiny_files import place_written
 
     folder = os.path.dirname(paths["text_encoder"])
-    with tempfile.TemporaryDirectory() as tmp:
-        written = write_anima_text_encoder(tmp, 0)
-        for key, name in (("anima_text_encoder", os.path.basename(paths["text_encoder"])),
-                          ("anima_tokenizer", "tokenizer"), ("anima_t5_tokenizer", "t5_tokenizer")):
-            target = os.path.join(folder, name)
-            shutil.rmtree(target, ignore_errors=True)
-            shutil.move(written[key], target)
+    place_written(write_anima_text_encoder, 0, {"anima_text_encoder": paths["text_encoder"],
+                                                "anima_tokenizer": os.path.join(folder, "tokenizer"),
+                                                "anima_t5_tokenizer": os.path.join(folder, "t5_tokenizer")})
 
 
 def new_transformer(text: dict[str, torch.Tensor]):
