@@ -20,7 +20,7 @@ from library.models.anima.checkpoint import (
 )
 from library.models.anima.model import ANIMA, Anima, AnimaConfig, random_inputs
 from library.models.anima.tiny import tiny_config, write_anima, write_sized_anima
-from tests.random_weights import randomized
+from tests.model_checks import checkpointing_gradients, randomized
 
 # head_dim 32 (RoPE 12 / 10 / 10); the DiT's text width (48) differs from the adapter's (64: an in_proj) and the
 # Qwen width (40), the output channels (12) from the input's (16), so that a swapped projection cannot pass.
@@ -239,13 +239,6 @@ def test_checkpointing_gives_the_same_gradients():
     config = AnimaConfig(**TINY)
     model = random_model(config).train()
     x = inputs(config, 3, 4)
-
-    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
-        model.zero_grad()
-        model.gradient_checkpointing = checkpointing
-        model(**x).square().mean().backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters()}
-
-    plain, checkpointed = grads(False), grads(True)
+    plain, checkpointed = checkpointing_gradients(model, x)
     assert plain.keys() == checkpointed.keys() and all(g.abs().max() > 0 for g in plain.values())
     assert max((plain[k] - checkpointed[k]).abs().max().item() for k in plain) <= 1e-6

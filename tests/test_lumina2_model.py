@@ -17,7 +17,7 @@ from library.models.lumina2.checkpoint import (
 )
 from library.models.lumina2.model import LUMINA2, Lumina2, Lumina2Config, random_inputs
 from library.models.lumina2.tiny import tiny_config, write_lumina2, write_sized_lumina2
-from tests.random_weights import randomized
+from tests.model_checks import checkpointing_gradients, randomized
 
 # 3 query heads of 32 sharing one key/value head (GQA as released: 24 / 8); the caption width (40) differs from the
 # model's (96), so a swapped embedder cannot pass
@@ -199,14 +199,7 @@ def test_checkpointing_gives_the_same_gradients():
     config = Lumina2Config(**TINY)
     model = random_model(config).train()
     x = inputs(config, 3, 4, lengths=(3, S))
-
-    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
-        model.zero_grad()
-        model.gradient_checkpointing = checkpointing
-        model(**x).square().mean().backward()
-        return {name: p.grad.clone() for name, p in model.named_parameters()}
-
-    plain, checkpointed = grads(False), grads(True)
+    plain, checkpointed = checkpointing_gradients(model, x)
     assert plain.keys() == checkpointed.keys() and all(g.abs().max() > 0 for g in plain.values())
     diff = max((plain[k] - checkpointed[k]).abs().max().item() for k in plain)
     print(f"checkpointing: max gradient diff {diff:.1e}")

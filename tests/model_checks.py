@@ -1,0 +1,28 @@
+"""Shared checks of a transformer on the shared core for the families' parity tests: random weights (the references
+zero-init the modulation and the outputs, so a freshly built model would compare zeros) and the gradients with and
+without gradient checkpointing."""
+
+import torch
+
+
+def randomized(model: torch.nn.Module, seed: int = 0) -> torch.nn.Module:
+    """`model` with every parameter redrawn from `seed`: 1-D norm weights 1 + N(0, 0.2), matrices N(0, 0.15), other
+    vectors N(0, 0.1); in eval mode."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=g)
+            norm = p.dim() == 1 and "norm" in name
+            p.copy_(1 + 0.2 * noise if norm else 0.15 * noise if p.dim() > 1 else 0.1 * noise)
+    return model.eval()
+
+
+def checkpointing_gradients(model: torch.nn.Module, inputs: dict) -> tuple[dict, dict]:
+    """Every parameter's gradient of mean(model(**inputs)^2) without and with model.gradient_checkpointing."""
+    def grads(checkpointing: bool) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        model.gradient_checkpointing = checkpointing
+        model(**inputs).square().mean().backward()
+        return {name: p.grad.clone() for name, p in model.named_parameters()}
+
+    return grads(False), grads(True)
