@@ -42,7 +42,7 @@ def test_sampling_with_a_reference_equals_the_pipeline(tiny_set):
     """One 64 x 64 reference, true CFG 4 (the negative prompt encoded with the reference too), 3 steps."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel, AutoencoderKLQwenImage21
 
-    from library.models.qwen_image21.family import to_tokens
+    from library.models.latents import to_tokens
     from tests.test_qwen_image21_text import pipeline
 
     rng = np.random.default_rng(1)

@@ -204,7 +204,7 @@ def test_sampling_equals_the_pipelines_denoising_loop(tiny_set):
     on, as by default): the same latents."""
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
 
-    from library.models.qwen_image21.family import to_tokens
+    from library.models.latents import to_tokens
     from tests.test_qwen_image21_text import pipeline
 
     g = torch.Generator().manual_seed(3)
@@ -235,7 +235,7 @@ def test_a_shipped_sample_grid_and_scheduler_config_sample_as_the_pipeline(tiny_
 
     from diffusers import FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
 
-    from library.models.qwen_image21.family import to_tokens
+    from library.models.latents import to_tokens
     from tests.test_qwen_image21_text import pipeline
 
     grid = [1.0, 0.9, 0.6, 0.3]

@@ -113,7 +113,6 @@ from library.data.dataset_config import load_dataset_config  # noqa: E402
 from library.data.image_folders import split_validation  # noqa: E402
 from library.io import CheckpointError, atomic_path, write_text  # noqa: E402
 from library.models.family import control_kwargs, get_family  # noqa: E402
-from library.models.latents import pack_latents  # noqa: E402
 from library.models import precision_doctor as precision  # noqa: E402
 from library.precision.fp8 import FP8_DTYPE  # noqa: E402
 from library.precision.fp8_compute import fp8_gemm_available  # noqa: E402
@@ -326,10 +325,10 @@ def predictions(family, model, data, sigmas, seed: int, guidance, position_bug: 
                 gen = torch.Generator().manual_seed(sample_seed(seed, -1, f"{key}@{s}"))  # fixed noise per image, sigma
                 noise = torch.randn(latents.shape, generator=gen)
                 sigma = torch.tensor([s], dtype=torch.float32)
-                x_t = pack_latents(fm.noisy_input(latents, noise, sigma))
+                x_t = family.pack_target(fm.noisy_input(latents, noise, sigma))  # the tokens its predict takes
                 pred = family.predict(model, x_t, sigma, text, lh // family.patch, lw // family.patch, guidance,
                                       **control_kwargs(control)).float()
-                losses.append(fm.flow_loss(pred, pack_latents(fm.flow_target(latents, noise))).item())
+                losses.append(fm.flow_loss(pred, family.pack_target(fm.flow_target(latents, noise))).item())
                 preds.append(pred.cpu())
     return preds, sum(losses) / len(losses)
 

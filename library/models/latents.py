@@ -1,6 +1,7 @@
 """Latent packing: 2x2 latent patches <-> transformer tokens (pack_latents / unpack_latents) and
 <-> channels (patchify / unpatchify), identical to diffusers' pipelines' _pack_latents /
-_unpack_latents and _patchify_latents. Pure torch: the LoRA tools, the planner and the families
+_unpack_latents and _patchify_latents; latent pixels <-> tokens (to_tokens / from_tokens) for a transformer of
+patch 1, whose VAE downsamples 16x or 32x itself. Pure torch: the LoRA tools, the planner and the families
 import these without loading diffusers (library/models/vae.py, the VAE loaders, does).
 """
 
@@ -37,3 +38,15 @@ def unpatchify(p: torch.Tensor) -> torch.Tensor:
     """[B, 4C, h, w] -> [B, C, 2h, 2w], the inverse of patchify."""
     b, c4, h, w = p.shape
     return p.view(b, c4 // 4, 2, 2, h, w).permute(0, 1, 4, 2, 5, 3).reshape(b, c4 // 4, h * 2, w * 2)
+
+
+def to_tokens(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, H, W] -> [B, H*W, C], one token per latent pixel, row-major (a patch-1 pipeline's _pack_latents)."""
+    return latents.flatten(2).transpose(1, 2)
+
+
+def from_tokens(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
+    """The inverse of to_tokens: [B, h*w, C] -> [B, C, h, w]."""
+    if tokens.shape[1] != h * w:
+        raise ValueError(f"from_tokens: {tokens.shape[1]} tokens do not fit a {h}x{w} latent")
+    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h, w)

@@ -22,7 +22,7 @@ import torch
 
 from library.models import flow_matching as fm
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, control_kwargs
-from library.models.latents import pack_latents, unpack_latents
+from library.models.latents import from_tokens, pack_latents, to_tokens, unpack_latents
 from library.models.qwen_image21.spec import SPEC
 
 SAMPLE_STEPS = SPEC.sample_steps["qwen-image-2.1"]  # QwenImage21Pipeline's num_inference_steps default
@@ -53,16 +53,6 @@ def planned_slots(embeds: torch.Tensor, control: list[torch.Tensor]) -> torch.Te
     slots = torch.zeros(embeds.shape[:2], dtype=torch.bool)
     slots[:, : sum(c.shape[2] * c.shape[3] for c in control) // SLOT_TOKENS] = True
     return slots
-
-
-def to_tokens(latents: torch.Tensor) -> torch.Tensor:
-    """[B, C, H, W] -> [B, H*W, C], one token per latent pixel, row-major (QwenImage21Pipeline._pack_latents)."""
-    return latents.flatten(2).transpose(1, 2)
-
-
-def from_tokens(tokens: torch.Tensor, h: int, w: int) -> torch.Tensor:
-    """The inverse of to_tokens: [B, h*w, C] -> [B, C, h, w]."""
-    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], h, w)
 
 
 class QwenImage21Family(DiffusionFamily):
