@@ -122,7 +122,11 @@ class LiveBytes(TorchDispatchMode):
 
 def _fused_sdpa(q, k, v, attn_mask=None, is_causal=False, enable_gqa=False, **_):
     """The fused kernels' ops (and memory) on meta: flash without a mask, memory-efficient with
-    an additive bias the size of the mask (what CUDA SDPA turns a boolean mask into)."""
+    an additive bias the size of the mask (what CUDA SDPA turns a boolean mask into). The fused kernels take
+    [B, H, L, D] only: other shapes (diffusers' single-head VAE attention, [B, L, C]) run the math path there,
+    the [B, L, L] scores included."""
+    if q.dim() != 4:
+        return torch.ops.aten._scaled_dot_product_attention_math(q, k, v, attn_mask, 0.0, is_causal)[0]
     if attn_mask is None:
         return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal)[0]
     bias = torch.zeros(attn_mask.shape, dtype=q.dtype, device=q.device)
