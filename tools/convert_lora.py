@@ -20,7 +20,8 @@ as attention projections.
   (comfy/lora.py model_lora_keys_unet) takes: the BFL names for models with them, else ours (for a
   model whose ComfyUI twin fuses q / k / v, ComfyUI patches them into the fused rows). A LoRA in
   ComfyUI's own names of such a model (kohya or dotted) reads as ours, a fused module split by rows
-  (the spec's LORA_FILES.comfy_map).
+  (the spec's LORA_FILES.comfy_map); for a model ComfyUI renames (its key map taking its own names only), --to
+  comfy writes those (LORA_FILES.comfy_names).
 
 Alpha: a kohya file stores it per module (`.alpha`); a diffusers/PEFT file written by diffusers
 stores its adapter config in the safetensors header (`lora_adapter_metadata`, lora_alpha /
@@ -296,6 +297,9 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
         elif to == "diffusers" and bfl_named:
             weights = bfl_to_diffusers(weights, module_map)
     weights = with_alpha(weights, alpha) if alpha else weights
+    if to == "comfy" and files.comfy_names:  # ComfyUI's model renames ours: its key map takes its own names only
+        rename = load_symbol(files.comfy_names)
+        weights = {rename(p): w for p, w in weights.items()}
     header = {k: v for k, v in metadata.items() if k not in DROPPED_METADATA}
     header["lora_converted_from"] = fmt
     if {"ss_network_dim", "ss_network_alpha"} & set(header):  # parts joined (rank summed) or --alpha: as written

@@ -44,6 +44,7 @@ FAMILIES = {
     "ideogram4": "library.models.ideogram4.family:Ideogram4Family",
     "qwen_image21": "library.models.qwen_image21.family:QwenImage21Family",
     "anima": "library.models.anima.family:AnimaFamily",
+    "hunyuan_image": "library.models.hunyuan_image.family:HunyuanImageFamily",
 }
 
 # How the frozen base is stored (config base_precision): the compute dtype, fp8 (library/precision/fp8.py),

@@ -103,6 +103,9 @@ class LoRAFiles:
     # row1)]} where ComfyUI's model names or fuses modules otherwise than ours (a fused attention qkv): a LoRA in
     # ComfyUI's names reads as ours, a fused module split by rows (its module_paths lists those names too)
     comfy_map: str | None = None
+    # "module:function" (our module path) -> ComfyUI's, where its model renames ours and its LoRA key map takes only
+    # its own names (--to comfy writes those); None: ComfyUI takes ours (or the BFL names) as they are
+    comfy_names: str | None = None
     diffusers_lokr: str | None = None  # the name diffusers' LoKr loader knows the model by, when it loads LoKr for it
     # "module:function" (module paths) -> why a LoRA naming them cannot be written in the diffusers layout (a module
     # the pipeline holds in another component than the transformer), or None: convert_lora refuses --to diffusers so

@@ -1,0 +1,131 @@
+"""HunyuanImage-2.1 as a diffusion family: Tencent's 17 B double/single-stream DiT in its released names (model.py,
+loaded by checkpoint.py), its own VAE (vae.py: diffusers' AutoencoderKLHunyuanImage, 64 latent channels, 32x), and two
+text encoders (text_encoder.py): Qwen2.5-VL-7B's hidden_states[-3] of a templated caption, and byT5-small's states of
+the caption's quoted text ("glyph" text, which the model renders into the image), absent where nothing is quoted.
+
+Latents enter the transformer unpatched (patch 1: one token per latent pixel, latents.to_tokens), so a token is 32 px:
+1024 px is 32 x 32 = 1024 tokens, a quarter of FLUX.1's.
+
+Text: each caption's real tokens are cached with their masks (the glyph's as [0, 1472] where the caption quotes
+nothing); a batch pads to its longest (collate) and the transformer masks the rest, so a padded caption predicts as it
+does alone. A batch whose captions all quote nothing runs without glyph tokens, as the pipeline's all-False glyph mask.
+
+Inference: the release's constant shift 5 (sd-scripts' flow_shift, the diffusers repo's scheduler), 50 steps (the
+pipeline's), classifier-free guidance 3.5 with the empty negative prompt. The release guides with adaptive projected
+guidance (diffusers' AdaptiveProjectedMixGuidance, sd-scripts' APG from step 5); ours is plain CFG, the pipeline's
+without its guider.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
+from library.models.hunyuan_image.spec import SPEC
+from library.models.latents import from_tokens, to_tokens
+
+RELEASE = "hunyuan-image-2.1"  # model_version (sd-scripts' modelspec hunyuan_image 2.1)
+
+
+class HunyuanImageFamily(DiffusionFamily):
+    """HunyuanImage-2.1: Tencent's names, its 32x VAE, Qwen2.5-VL + byT5 glyph text with padding masks, true CFG."""
+
+    name = "hunyuan_image"
+    vae = "library.models.hunyuan_image.vae:HunyuanImageVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
+    text_path_keys = ("text_encoder", "byt5")
+    sample_guidance = SPEC.sample_guidance[RELEASE]
+    sample_steps = SPEC.sample_steps[RELEASE]
+    true_cfg = True
+    vae_downsample = 32
+    patch = 1  # the transformer takes latent pixels
+    latent_channels = 64
+
+    def model_version(self, model) -> str:
+        return RELEASE
+
+    # -- latents as tokens ---------------------------------------------------------------------
+    def pack_target(self, latents: torch.Tensor) -> torch.Tensor:
+        return to_tokens(latents)
+
+    def unpack_target(self, tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        return from_tokens(tokens, shape[-2], shape[-1])
+
+    # -- loading -------------------------------------------------------------------------------
+    def model_files(self) -> list[ModelFile]:
+        from library.models.hunyuan_image.vae import hunyuan_image_vae_file
+
+        return [
+            hunyuan_image_vae_file(self.vae_path),
+            ModelFile("text_encoder", self.text_paths["text_encoder"], "a Qwen2.5-VL language model", "text_encoder",
+                      {"embed_tokens.weight": None, "layers.0.self_attn.q_proj.bias": None},
+                      (None, "tokenizer", "Qwen2")),
+            ModelFile("byt5", self.text_paths["byt5"], "a byT5 encoder (T5, byte vocabulary)", "text_encoder_2",
+                      {"encoder.block.0.layer.0.SelfAttention.q.weight": None}),
+        ]
+
+    def text_widths(self, config) -> dict[str, int]:
+        return {"text_encoder": config.text_dim, "byt5": config.glyph_dim}
+
+    def text_on_meta(self, model, batch, tokens):
+        # No masks: every planned caption is `tokens` long with the glyph encoder's whole 128 quoted tokens
+        from library.models.hunyuan_image.text_encoder import GLYPH_MAX_TOKENS
+
+        c = model.config
+        return {"embeds": torch.empty(batch, tokens, c.text_dim, device="meta"),
+                "glyph": torch.empty(batch, GLYPH_MAX_TOKENS, c.glyph_dim, device="meta")}
+
+    @classmethod
+    def checkpoint_names(cls, keys, shape):
+        """Tencent's names (ours), plain or behind a ComfyUI prefix; ComfyUI's renamed file (FLUX.1's names, told by
+        its text refiner's `self_attn.qkv`) and a diffusers transformer/ folder through their module maps."""
+        from library.models.hunyuan_image.checkpoint import COMFY_MARKER, DIFFUSERS_MARKER, MARKER, PREFIXES, module_map
+
+        for prefix in PREFIXES:
+            if prefix + MARKER in keys:
+                return CheckpointNames("tencent", prefix)
+            if prefix + COMFY_MARKER in keys:
+                inner = [k[len(prefix):] for k in keys if k.startswith(prefix)]
+                return CheckpointNames("comfy", prefix, module_map(inner, lambda k: shape(prefix + k), "comfy"),
+                                       native=False)
+        if DIFFUSERS_MARKER in keys:
+            return CheckpointNames("diffusers", "", module_map(keys, shape, "diffusers"), native=False)
+        return None
+
+    # -- text ----------------------------------------------------------------------------------
+    def text_encoding_constants(self) -> dict:
+        from library.models.hunyuan_image import text_encoder as te
+
+        return {"template": te.HUNYUAN_IMAGE_TEMPLATE, "drop": te.DROP_TOKENS, "hidden_state": -3,
+                "max_length": te.MAX_TOKENS, "glyph_max_length": te.GLYPH_MAX_TOKENS}
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        """encode(captions) -> each caption's real tokens of Qwen2.5-VL's hidden_states[-3] ("embeds", float32) with
+        its mask, and of byT5's states of its quoted text ("glyph", [0, 1472] where it quotes nothing)."""
+        from library.models.hunyuan_image.text_encoder import load_hunyuan_image_text_encoder
+        from library.models.text_encoders import encoder_precision
+
+        dtype, fp8 = encoder_precision(precision)
+        encoder = load_hunyuan_image_text_encoder(self.text_paths["text_encoder"], self.text_paths["byt5"],
+                                                  dtype=dtype, fp8=fp8)
+        encoder.to(device)
+        return encoder.encode
+
+    def text_encoder_weights(self):
+        from library.models.hunyuan_image.text_encoder import hunyuan_image_text_weights
+
+        return hunyuan_image_text_weights(self.text_paths["text_encoder"], self.text_paths["byt5"])
+
+    # -- the denoiser --------------------------------------------------------------------------
+    def predict(self, model, x_t, sigmas, text, h, w, guidance):
+        """x_t [B, h*w, 64]: the latent's pixels as tokens (to_tokens). The cached captions are stacked to the
+        longest with their masks (collate pads them); a batch with no quoted text runs without glyph tokens.
+        Returns the velocity noise - x0 [B, h*w, 64]."""
+        device = x_t.device
+        mask, glyph = text.get("mask"), text.get("glyph")
+        glyph_mask = text.get("glyph_mask")
+        if glyph is not None and glyph.shape[1] == 0:
+            glyph = glyph_mask = None
+        return model(img=x_t, txt=text["embeds"].to(device), timesteps=sigmas, h=h, w=w,
+                     txt_mask=None if mask is None else mask.to(device).bool(),
+                     glyph=None if glyph is None else glyph.to(device),
+                     glyph_mask=None if glyph_mask is None else glyph_mask.to(device).bool())
