@@ -24,7 +24,7 @@ from accelerate import init_empty_weights
 from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
 
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, read_json_file
-from library.models.llm import QWEN3_VL_4B, QWEN3_VL_8B, LLMConfig
+from library.models.llm import QWEN2_5_7B, QWEN3_VL_4B, QWEN3_VL_8B, LLMConfig
 from library.models.spec import FP8Rules, TextWeights
 
 # ----------------------------------------------------------------------------------------------
@@ -151,14 +151,15 @@ def tokenizer_files(path: str) -> list[str]:
 # class (PreTrainedTokenizerFast, as the tiny test files and library/data/tokenizer.py save) is told by
 # its BOS / EOS, which each kind's prompts are built with. A folder neither tells fits any encoder.
 TOKENIZER_KIND_CLASSES = {"CLIPTokenizer": "CLIP", "T5Tokenizer": "T5", "Qwen2Tokenizer": "Qwen2",
-                          "GemmaTokenizer": "Gemma"}
+                          "GemmaTokenizer": "Gemma", "ByT5Tokenizer": "ByT5"}
 TOKENIZER_KIND_SPECIALS = {("<|startoftext|>", "<|endoftext|>"): "CLIP", (None, "</s>"): "T5",
                            (None, "<|im_end|>"): "Qwen2", (None, "<|endoftext|>"): "Qwen2", ("<s>", "</s>"): "Mistral",
                            ("<bos>", "<eos>"): "Gemma"}
 
 
 def tokenizer_kind(folder: str) -> str | None:
-    """CLIP, T5, Qwen2, Mistral or Gemma: the kind of the tokenizer in `folder`, None when its config does not tell."""
+    """CLIP, T5, ByT5, Qwen2, Mistral or Gemma: the kind of the tokenizer in `folder`, None when its config does not
+    tell."""
     config = read_json_file(os.path.join(folder, "tokenizer_config.json"))
     kind = TOKENIZER_KIND_CLASSES.get(str(config.get("tokenizer_class")).removesuffix("Fast"))
     return kind or TOKENIZER_KIND_SPECIALS.get((_token(config.get("bos_token")), _token(config.get("eos_token"))))
@@ -290,6 +291,36 @@ def qwen3_vl_text_weights(path: str, deepest: int) -> TextWeights:
     return llm_text_weights(reader, used)
 
 
+def qwen2_5_vl_language_config(path: str):
+    """The LLMConfig of the Qwen2.5-VL language model at `path` (a pipeline folder's text_encoder/, an HF folder or a
+    single file): its config.json in or beside it; a single file without one (ComfyUI's qwen_2.5_vl_7b.safetensors)
+    is Qwen2.5-VL-7B's (QWEN2_5_7B, its language model: shapes cannot tell Qwen2's head count)."""
+    from library.models.llm import _find_config
+
+    path = component_folder(path, "text_encoder")
+    if os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
+        return QWEN2_5_7B
+    return _find_config(path)
+
+
+def load_qwen2_5_vl_language_model(path: str, dtype: torch.dtype = torch.float32, config=None, prepare=None,
+                                   keep_layers: int | None = None):
+    """Qwen2.5-VL's language model on the LLM core from a pipeline repo (text_encoder/), an HF folder or a single file
+    (vision keys skipped; config: qwen2_5_vl_language_config's when None). prepare: load_llm's hook (the caller's
+    fp8_prepare(fp8, "llm") for decoder Linears stored in fp8; embeddings and lm_head stay in `dtype`). keep_layers:
+    only the first decoder layers, no head (a reader of an intermediate hidden state)."""
+    from library.models.llm import load_llm  # the LLM core is also this text encoder
+
+    config = config or qwen2_5_vl_language_config(path)
+    return load_llm(component_folder(path, "text_encoder"), config=config, dtype=dtype, prepare=prepare,
+                    keep_layers=keep_layers)
+
+
+def load_qwen2_5_vl_tokenizer(path: str, tokenizer: str | None = None):
+    """Qwen2.5-VL's tokenizer: `tokenizer`, else in the weights folder, else tokenizer/ beside it (a pipeline repo)."""
+    return _load_tokenizer(component_folder(path, "text_encoder"), tokenizer, "tokenizer", "Qwen2")
+
+
 def _clip_key(key: str) -> str | None:
     """clip_l.safetensors / HF `text_model.*` keys -> CLIPTextModel keys (transformers 5 has no
     `text_model.` level); the projection, logit scale and position_ids buffer are not part of it."""
@@ -351,9 +382,17 @@ def load_clip_l(path: str, tokenizer: str | None = None, dtype: torch.dtype = to
 def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None,
             fp8: str | None = None) -> T5TextEncoder:
     """T5 encoder from an HF folder, a diffusers pipeline repo (text_encoder_2/, tokenizer_2/) or
-    t5xxl_*.safetensors. In float16 the feed-forward output projections (`wo`) stay float32, as
-    transformers keeps them (T5 activations overflow fp16 there). fp8 ("fp8" / "fp8_scaled"): every
-    Linear stored as FP8Linear, quantized from the file's dtype as it is read, run in `dtype`.
+    t5xxl_*.safetensors (load_t5_model), with its tokenizer."""
+    path = component_folder(path, "text_encoder_2")
+    model = load_t5_model(path, dtype, config, fp8)
+    return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2", "T5"))
+
+
+def load_t5_model(path: str, dtype: torch.dtype = torch.float32, config=None, fp8: str | None = None) -> T5EncoderModel:
+    """transformers' T5EncoderModel from an HF folder, a diffusers pipeline repo (text_encoder_2/) or a single file
+    (config: a dict, else config.json in or beside it, else T5-XXL's). In float16 the feed-forward output projections
+    (`wo`) stay float32, as transformers keeps them (T5 activations overflow fp16 there). fp8 ("fp8" / "fp8_scaled"):
+    every Linear stored as FP8Linear, quantized from the file's dtype as it is read, run in `dtype`.
     ComfyUI's scaled fp8 file (t5xxl_fp8_e4m3fn_scaled) is never quantized again: with fp8 (either) its
     Linears keep their codes and per-tensor scales, without it they are dequantized to `dtype`; `wo`
     is dequantized either way (fp8_checkpoints.scaled_fp8_converter)."""
@@ -374,7 +413,7 @@ def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.
         convert = _Chain(convert, fp8_load_converter(prepare_fp8(model, fp8, T5_FP8)))  # (`wo` is never fp8)
     load_streaming(model, reader, _t5_key, dtype=dtype, convert=convert,
                    keep_dtype=t5_float32_in_fp16 if fp16 else (lambda name: False))
-    return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2", "T5"))
+    return model
 
 
 def t5_float32_in_fp16(name: str) -> bool:

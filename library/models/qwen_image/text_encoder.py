@@ -8,12 +8,10 @@ padded to the longest prompt with a boolean mask -> ([B, T, 3584], [B, T]).
 
 from __future__ import annotations
 
-import os
-
 import torch
 
-from library.io import component_folder
-from library.models.text_encoders import _load_tokenizer
+from library.models.text_encoders import _load_tokenizer  # noqa: F401 (family.py's caption_token_limit reads it here)
+from library.models.text_encoders import load_qwen2_5_vl_language_model, load_qwen2_5_vl_tokenizer
 
 # Copied verbatim from diffusers' QwenImagePipeline (prompt_template_encode / _start_idx).
 QWEN_IMAGE_PROMPT_TEMPLATE = (
@@ -65,10 +63,6 @@ def load_qwen_image_text_encoder(
     or a single file (e.g. ComfyUI's qwen_2.5_vl_7b.safetensors; vision keys are skipped).
     fp8: the language model's Linears stored in fp8 (embeddings and lm_head stay in `dtype`)."""
     from library.models.family import fp8_prepare
-    from library.models.llm import QWEN2_5_7B, load_llm  # the LLM core is also this text encoder
 
-    path = component_folder(path, "text_encoder")
-    if config is None and os.path.isfile(path) and not os.path.isfile(os.path.join(os.path.dirname(path), "config.json")):
-        config = QWEN2_5_7B
-    llm = load_llm(path, config=config, dtype=dtype, prepare=fp8_prepare(fp8, "llm"))
-    return QwenImageTextEncoder(llm, _load_tokenizer(path, tokenizer, "tokenizer", "Qwen2"))
+    llm = load_qwen2_5_vl_language_model(path, dtype, config, fp8_prepare(fp8, "llm"))
+    return QwenImageTextEncoder(llm, load_qwen2_5_vl_tokenizer(path, tokenizer))
