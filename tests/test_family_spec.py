@@ -73,6 +73,7 @@ def _releases() -> dict[str, dict[str, str]]:
         "nucleus_image": {"nucleus-image": "nucleus-image/lora"},  # ours (ai-toolkit, which trains it, writes none)
         "anima": {"anima": "anima-preview/lora"},  # sd-scripts' (ARCH_ANIMA_PREVIEW; ai-toolkit writes none)
         "lumina2": {"lumina2": "lumina-2/lora"},  # sd-scripts' (ARCH_LUMINA_2)
+        "hunyuan_image": {"hunyuan-image-2.1": "hunyuan-image-2.1/lora"},  # sd-scripts' (ARCH_HUNYUAN_IMAGE_2_1)
     }
 
 

@@ -226,6 +226,23 @@ def _parse_subset(source: str, general: dict, dataset: dict, subset: dict, secti
     return spec
 
 
+def check_token_side(bp: DatasetBlueprint, side: int, model: str) -> None:
+    """A model whose token spans more than PIXELS_PER_TOKEN_SIDE pixels (a 32x VAE without a 2x2 patch: 32) takes
+    images whose sides are multiples of `side`: each dataset's bucket_reso_steps (or, without buckets, its
+    resolution) must be one, checked before anything is cached (else the VAE refused the first bucket off it)."""
+    if side <= PIXELS_PER_TOKEN_SIDE:
+        return
+    for kind, specs in (("datasets", bp.datasets), ("validation_datasets", bp.validation_datasets)):
+        for i, d in enumerate(specs):
+            if d.enable_bucket and d.bucket_reso_steps % side:
+                raise ValueError(f"{bp.source}: [[{kind}]] {i}: key 'bucket_reso_steps' = {d.bucket_reso_steps}; "
+                                 f"{model} takes images whose sides are multiples of {side} px (one token each): "
+                                 f"give a multiple of {side} (sd-scripts' default 64)")
+            if not d.enable_bucket and any(r % side for r in d.resolution):
+                raise ValueError(f"{bp.source}: [[{kind}]] {i}: key 'resolution' = {list(d.resolution)}; {model} takes "
+                                 f"sides that are multiples of {side} px (one token each) when enable_bucket is false")
+
+
 def _check_dataset_values(source: str, d: DatasetSpec):
     step = PIXELS_PER_TOKEN_SIDE
     if min(d.resolution) < step:

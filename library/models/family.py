@@ -36,6 +36,8 @@ from library.errors import SpecError
 from library.io import safetensors_files
 from library.data.controls import reference_images
 from library.data.images import verified_image_size
+from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE
+from library.data.prompts import rendered_side
 from library.data.masks import on_latent_grid
 from library.models import flow_matching as fm
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec, spec_of  # noqa: F401  (their importers find them here too)
@@ -341,8 +343,12 @@ class DiffusionFamily:
         """(w, h, references) of a sample prompt with --ci images `paths` and size width x height: the size it
         renders at (sample_size) and its references as the VAE encodes them (library/data/controls.py
         reference_images: sample_control_bucket, stretches_sample_references, reference_mode). tools/generate.py and
-        training samples both render from this."""
+        training samples both render from this. A side off the family's token grid (vae_downsample x patch: 32 px
+        for a 32x VAE of patch 1, past the prompt parser's 16) is rounded down to it, with a warning."""
         width, height = self.sample_size(width, height, [verified_image_size(p) for p in paths])
+        if (side := self.vae_downsample * self.patch) > PIXELS_PER_TOKEN_SIDE:
+            width, height = (rendered_side(f"sample {name}", value, side) for name, value in (("width", width),
+                                                                                              ("height", height)))
         return width, height, reference_images(paths, self.sample_control_bucket, width, height,
                                                self.stretches_sample_references, self.reference_mode,
                                                self.reference_resize)

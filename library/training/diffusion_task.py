@@ -26,7 +26,7 @@ from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset,
 from library.data.image_folders import (caption_as_written, largest_step, refuse_large_buckets, scan_images,
                                        split_validation)
 from library.data.controls import check_family_takes, check_prompt_controls
-from library.data.dataset_config import load_dataset_config
+from library.data.dataset_config import check_token_side, load_dataset_config
 from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import Preservation, get_family, stack_text, warn_unread_prompt_options
 from library.models.registry import spec_of
@@ -284,6 +284,7 @@ class DiffusionTask:
         """(training set, validation set): the validation_split share of each subset and every
         [[validation_datasets]] image go to validation only; a bucket over the model's largest image is refused."""
         bp = self.blueprint
+        check_token_side(bp, self.family.vae_downsample * self.family.patch, spec_of(self.family.name).title)
         train, held_out = split_validation(scan_family_images(bp, self.family), bp)
         validation = held_out + scan_family_images(bp, self.family, held_out_sets=True)
         check_family_takes(train + validation, self.family.name, self.family.max_controls, self.family.min_controls,

@@ -51,6 +51,17 @@ class HunyuanImageFamily(DiffusionFamily):
         return from_tokens(tokens, shape[-2], shape[-1])
 
     # -- loading -------------------------------------------------------------------------------
+    def load_transformer(self, dtype, base_precision="bf16", read_weights=True):
+        """The base release; the distilled one (its guidance and MeanFlow embedders) is refused before a weight is
+        read: its sampling (distilled guidance, the next step's sigma) is not ours, and sd-scripts trains the base."""
+        from library.io import CheckpointError
+
+        model = super().load_transformer(dtype, base_precision, read_weights=False)
+        if model.config.guidance_embeds or model.config.use_meanflow:
+            raise CheckpointError(f"{self.model_path}: the distilled HunyuanImage-2.1 (guidance_in / time_r_in); "
+                                  f"LoRAs train on the base release, dit/hunyuanimage2.1.safetensors")
+        return model if not read_weights else super().load_transformer(dtype, base_precision, read_weights)
+
     def model_files(self) -> list[ModelFile]:
         from library.models.hunyuan_image.vae import hunyuan_image_vae_file
 
@@ -95,25 +106,50 @@ class HunyuanImageFamily(DiffusionFamily):
     def text_encoding_constants(self) -> dict:
         from library.models.hunyuan_image import text_encoder as te
 
-        return {"template": te.HUNYUAN_IMAGE_TEMPLATE, "drop": te.DROP_TOKENS, "hidden_state": -3,
-                "max_length": te.MAX_TOKENS, "glyph_max_length": te.GLYPH_MAX_TOKENS}
+        return {"template": te.HUNYUAN_IMAGE_TEMPLATE, "drop": te.HUNYUAN_IMAGE_DROP_TOKENS,
+                "hidden_state": te.HUNYUAN_IMAGE_HIDDEN_STATE, "max_length": te.HUNYUAN_IMAGE_MAX_TOKENS,
+                "glyph_max_length": te.GLYPH_MAX_TOKENS, "glyph_quotes": te.GLYPH_QUOTES}
+
+    def caption_token_limit(self, args):
+        """The pipeline keeps 1000 Qwen tokens after the template's 34 (the caption and the template's end)."""
+        from library.models.hunyuan_image.text_encoder import hunyuan_image_caption_token_limit
+
+        return hunyuan_image_caption_token_limit(self.text_paths["text_encoder"])
 
     def load_text_encoder(self, precision="bf16", device=None):
         """encode(captions) -> each caption's real tokens of Qwen2.5-VL's hidden_states[-3] ("embeds", float32) with
-        its mask, and of byT5's states of its quoted text ("glyph", [0, 1472] where it quotes nothing)."""
+        its mask, and of byT5's states of its quoted text ("glyph" [G, 1472] with "glyph_mask"; G = 0 where the
+        caption quotes nothing, so every cached caption has the same keys for collate)."""
         from library.models.hunyuan_image.text_encoder import load_hunyuan_image_text_encoder
         from library.models.text_encoders import encoder_precision
 
         dtype, fp8 = encoder_precision(precision)
         encoder = load_hunyuan_image_text_encoder(self.text_paths["text_encoder"], self.text_paths["byt5"],
                                                   dtype=dtype, fp8=fp8)
-        encoder.to(device)
-        return encoder.encode
+        encoder.llm.to(device)
+        encoder.glyph_model.to(device)
+        width = encoder.glyph_model.config.d_model
+
+        def encode(captions: list[str]) -> list[dict]:
+            out = encoder.encode(captions)
+            for row in out:
+                if "glyph" not in row:
+                    row["glyph"] = torch.zeros(0, width, device=row["embeds"].device)
+                    row["glyph_mask"] = torch.zeros(0, dtype=torch.bool, device=row["embeds"].device)
+            return out
+
+        return encode
 
     def text_encoder_weights(self):
-        from library.models.hunyuan_image.text_encoder import hunyuan_image_text_weights
+        """Qwen2.5-VL's embeddings and the decoder layers up to the one read (26 of 28), no final norm, no head; byT5's
+        encoder (never fp8)."""
+        from library.io import component_folder
+        from library.models.hunyuan_image.text_encoder import glyph_t5_config, hunyuan_image_text_weights
+        from library.models.text_encoders import qwen2_5_vl_language_config
 
-        return hunyuan_image_text_weights(self.text_paths["text_encoder"], self.text_paths["byt5"])
+        glyph = component_folder(self.text_paths["byt5"], "text_encoder_2")
+        return hunyuan_image_text_weights(qwen2_5_vl_language_config(self.text_paths["text_encoder"]),
+                                          glyph_t5_config(glyph))
 
     # -- the denoiser --------------------------------------------------------------------------
     def predict(self, model, x_t, sigmas, text, h, w, guidance):

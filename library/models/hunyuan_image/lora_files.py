@@ -58,11 +58,14 @@ def _config_of_counts(counts: dict[str, int]) -> HunyuanImageConfig:
 
 
 def module_paths(counts: dict[str, int]) -> list[str]:
-    """Every HunyuanImage Linear path of a model with the blocks a LoRA names: ours, then ComfyUI's and diffusers'."""
+    """Every HunyuanImage Linear path of a model with the blocks a LoRA names: ours, then ComfyUI's and diffusers'.
+    A ComfyUI name that flattens to ours (`img_attn.qkv`, kohya `img_attn_qkv`) is left to ours: one path per kohya
+    name."""
     ours = list(_linears(_config_of_counts(counts)))
     table = module_map_of_config(_config_of_counts(counts))
+    flat = {p.replace(".", "_") for p in ours}
     theirs = [comfy_module(p) for p in ours] + [name for parts in table.values() for name, _, _ in parts]
-    return ours + [p for p in dict.fromkeys(theirs) if p not in ours]
+    return ours + [p for p in dict.fromkeys(theirs) if p.replace(".", "_") not in flat]
 
 
 def comfy_module(path: str) -> str:

@@ -91,7 +91,7 @@ LORA_FILES = S.LoRAFiles(
 # while fp8.QUANTIZE_MODULATION says so, as every family's.
 FP8 = S.FP8Rules(
     keep=(r"txt_in\.(input_embedder|t_embedder\..*|c_embedder\..*)", r"byt5_in\..*", r"time_in\..*",
-          r"time_r_in\..*", r"guidance_in\..*", r"final_layer\..*"),
+          r"final_layer\..*"),
     modulation=(r".*_mod\.linear", r".*\.modulation\.linear", r".*\.adaLN_modulation\.1"),
     stored={"tencent": S.STORED_FP8, "comfy": S.STORED_FP8},  # ComfyUI's file renames, never fuses
 )
@@ -127,7 +127,7 @@ TINY = S.TinySpec(
              "library.models.hunyuan_image.tiny_text:write_hunyuan_image_text_encoders"),
     transformer="hunyuan_image",
     config_files={"ae": "hunyuan_image_vae_single", "text_encoder": "hunyuan_image_text_encoder",
-                  "byt5": "hunyuan_image_byt5"},
+                  "byt5": "hunyuan_image_glyph_encoder"},
     sized="library.models.hunyuan_image.tiny:write_sized_hunyuan_image",
 )
 

@@ -23,7 +23,7 @@ diffusers repo's layout (hunyuanvideo-community/HunyuanImage-2.1-Diffusers) and 
                                     head count)
 
 The transformer's text inputs have these widths: its tiny config's text width must be TEXT_WIDTH (64; the released
-3584) and its glyph width GLYPH_WIDTH (32; the released 1472). Seed offsets 111 (Qwen2.5-VL) and 112 (byT5) are this
+3584) and its glyph width GLYPH_WIDTH (32; the released 1472). Seed offsets 113 (Qwen2.5-VL) and 114 (byT5) are this
 writer's.
 """
 
@@ -79,7 +79,7 @@ def write_hunyuan_image_text_encoders(out: str, seed: int) -> dict[str, str]:
              "hunyuan_image_glyph_single_file": os.path.join(root, "comfyui", "byt5_small_glyphxl_tiny.safetensors"),
              "hunyuan_image_qwen_single_file": os.path.join(root, "comfyui_qwen", "qwen_2.5_vl_7b_tiny.safetensors")}
     tokenizer = build_qwen_tokenizer(vision_templates=())
-    seed_component(seed, 111)
+    seed_component(seed, 113)
     qwen = Qwen2_5_VLForConditionalGeneration(tiny_qwen2_5_vl_config(tokenizer))  # float32 (parity at 1e-5)
     qwen.save_pretrained(paths["hunyuan_image_text_encoder"], safe_serialization=True)
     save_tokenizer(tokenizer, paths["hunyuan_image_tokenizer"])
@@ -87,7 +87,7 @@ def write_hunyuan_image_text_encoders(out: str, seed: int) -> dict[str, str]:
     save_safetensors({comfyui_qwen_key(k): v.contiguous() for k, v in qwen.state_dict().items()}, single)
     write_json(os.path.join(os.path.dirname(single), "config.json"), qwen.config.to_dict())
 
-    seed_component(seed, 112)
+    seed_component(seed, 114)
     config = T5Config(vocab_size=GLYPH_VOCAB, d_model=GLYPH_WIDTH, d_kv=8, d_ff=2 * GLYPH_WIDTH, num_layers=2,
                       num_heads=4, feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0,
                       eos_token_id=1)

@@ -51,10 +51,10 @@ class QwenImageFamily(DiffusionFamily):
         QwenImagePipeline.encode_prompt keeps; its __call__ cuts to max_sequence_length=512 by default,
         ComfyUI keeps every token."""
         from library.data.check import TokenLimit
-        from library.io import component_folder
         from library.models.qwen_image import text_encoder as te
+        from library.models.text_encoders import load_qwen2_5_vl_tokenizer
 
-        tokenizer = te._load_tokenizer(component_folder(self.text_paths["text_encoder"], "text_encoder"), None, "tokenizer", "Qwen2")
+        tokenizer = load_qwen2_5_vl_tokenizer(self.text_paths["text_encoder"])
         return TokenLimit("Qwen2.5-VL", te.QWEN_IMAGE_MAX_TOKENS, lambda text: len(
             tokenizer(te.QWEN_IMAGE_PROMPT_TEMPLATE.format(text), verbose=False).input_ids) - te.QWEN_IMAGE_DROP_TOKENS)
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from library.models.text_encoders import _load_tokenizer  # noqa: F401 (family.py's caption_token_limit reads it here)
 from library.models.text_encoders import load_qwen2_5_vl_language_model, load_qwen2_5_vl_tokenizer
 
 # Copied verbatim from diffusers' QwenImagePipeline (prompt_template_encode / _start_idx).
