@@ -94,10 +94,13 @@ class LoRARead:
 
 def _names_to_resolve(tensors: dict, files, extra_paths=()) -> tuple[dict[str, int], list[str]]:
     """(the LoRA's block counts, the paths its kohya names resolve against: `extra_paths` (the target's)
-    then the architecture's module paths at those counts, each once). files: the arch's LORA_FILES or None."""
+    then the architecture's module paths at those counts, each once; one of these whose kohya name a target's path
+    has is left to the target's: a ComfyUI-named base's `img_attn.qkv` and our `img_attn_qkv` are one module).
+    files: the arch's LORA_FILES or None."""
     counts = block_counts(tensors, files.block_pattern) if files else {}
     known = load_symbol(files.module_paths)(counts) if files and files.module_paths else []
-    return counts, list(dict.fromkeys([*extra_paths, *known]))
+    taken = {p.replace(".", "_") for p in extra_paths}
+    return counts, list(dict.fromkeys([*extra_paths, *(p for p in known if p.replace(".", "_") not in taken)]))
 
 
 def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: dict | None, arch: str,
@@ -114,15 +117,15 @@ def lora_in_our_names(tensors: dict, metadata: dict[str, str], adapter_config: d
         raise naming(source, e) from None
     weights, _ = parse_lora(tensors, metadata, paths if fmt == "kohya" else None, source=source,
                             adapter_config=adapter_config, strict=strict, experts=experts)
-    if strict and fmt != "kohya" and paths and (unplaced := _unplaced_module(weights, paths, files, counts)):
-        spelled = next((m for m in map(module_of_key, tensors) if m == unplaced or m.endswith("." + unplaced)), unplaced)
-        raise CheckpointError(f"{source}: LoRA module '{spelled}' matches no module of the model ({NAME_ADVICE})")
     split = {}
     if files and files.comfy_map:  # modules in ComfyUI's own names -> ours (a fused one split by rows)
         comfy_map = load_symbol(files.comfy_map)(weights, counts)
         named = {p: w for p, w in weights.items() if p in comfy_map}
         split = bfl_to_diffusers(named, comfy_map)
         weights = joined({p: w for p, w in weights.items() if p not in named}, split, source)
+    if strict and fmt != "kohya" and paths and (unplaced := _unplaced_module(weights, paths, files, counts)):
+        spelled = next((m for m in map(module_of_key, tensors) if m == unplaced or m.endswith("." + unplaced)), unplaced)
+        raise CheckpointError(f"{source}: LoRA module '{spelled}' matches no module of the model ({NAME_ADVICE})")
     return weights, fmt, counts, set(split)
 
 
