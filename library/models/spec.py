@@ -454,6 +454,11 @@ class SdScriptsModels:
     text_lora_when_cached: bool = False  # its script trains the text encoder's LoRA on cached outputs (else it stops)
     fp8_base_off: str = ""  # why its script turns fp8_base off for this model ("": it casts the transformer)
     one_block_kind: bool = False  # blocks_to_swap N swaps N blocks (else N // 2 double and 2 (N - N // 2) single)
+    # its own fp8 switches -> the "key=value" of ours they set (base_precision=fp8_scaled); one that sets
+    # base_precision on makes its script ignore fp8_base / fp8_base_unet
+    fp8_args: dict[str, str] = field(default_factory=dict)
+    makes_text_lora: bool = True  # its LoRA module makes a text encoder LoRA where the script trains one
+    timestep_feed: str = ""  # how its script feeds the drawn timestep where ours feeds it otherwise (a note)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -148,6 +148,55 @@ MODELSPEC = {"hunyuan-image-2.1": S.ModelSpecNames("hunyuan-image-2.1",
                                                    "https://github.com/Tencent-Hunyuan/HunyuanImage-2.1")}
 
 
+# -- sd-scripts' names (library/training/peers/sd_scripts.py, sd_scripts_script.py): hunyuan_image_train_network.py
+# (its setup_parser: train_network's, add_dit_training_arguments and its own; sd-scripts 48d368f) with
+# networks.lora_hunyuan_image. Its parser lacks the FLUX.1 script's add_flux_train_arguments (CLIP-L, T5, --ae,
+# guidance, ControlNet, model_type) and split_mode; it has its own --text_encoder (Qwen2.5-VL), --byt5, --vae (the
+# Stable Diffusion argument, read for its VAE), and its own draw arguments: timestep_sampling "sigma" by default
+# (u ~ U(0, 1) picks one of the 1000 sigmas of a FlowMatchEulerDiscreteScheduler shifted by discrete_flow_shift,
+# default 5.0: flux_train_utils.get_noisy_model_input_and_timesteps), sigmoid / uniform / shift as ours and FLUX.1's,
+# model_prediction_type default raw (ours). Its "sigma" has no equal draw here (sd_scripts_training.sigma_draw says
+# the closest); its flux_shift reads FLUX.1's line at (h / 2)(w / 2) of the 32x latent, a quarter of this model's
+# patch-1 tokens (ours reads the line at the model's tokens). Its LoRA module trains every Linear of the
+# MMDoubleStreamBlocks and MMSingleStreamBlocks at network_dim (modulation included): ours' default, module for
+# module; its create_network reads none of lora_flux's type ranks, block indices, train_blocks or in_dims.
+_MEMORY = "memory and speed only: ours runs PyTorch's SDPA on whole batches and encodes latents once, before training"
+# flux_shift at one size: time_shift(mu) of sigmoid(s randn) is the `shift` draw at k = e^mu, mu = 0.5 + 0.65
+# ((h / 2)(w / 2) - 256) / 3840 for an h x w latent (h = height / 32)
+_FLUX_SHIFT = ("FLUX.1's resolution line read at (h/2)(w/2) of the 32x latent, a quarter of this model's tokens "
+               "(patch 1): ours' flux_shift reads it at the model's tokens; at one size it is timestep_sampling = "
+               "\"shift\" with the same sigmoid_scale and discrete_flow_shift = exp(0.5 + 0.65 ((h/2)(w/2) - 256) / "
+               "3840): 1.65 at 1024 px, 1.88 at 2048 px")
+SD_SCRIPTS = S.SdScriptsModels(
+    script="hunyuan_image_train_network.py", lora_module="networks.lora_hunyuan_image", models={},
+    model_type="hunyuan_image",
+    lacks=("model_type", "clip_l", "t5xxl", "ae", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
+           "controlnet_model_name_or_path", "split_mode"),
+    files={"vae": "ae"},
+    same_args=("text_encoder", "byt5"),
+    defaults={"discrete_flow_shift": 5.0, "model_prediction_type": "raw"},  # (timestep_sampling "sigma", as FLUX.1's)
+    draws_refused={"flux_shift": _FLUX_SHIFT},
+    ignored_args={
+        **dict.fromkeys(("attn_mode", "split_attn", "vae_chunk_size"), _MEMORY),
+        "text_encoder_cpu": "where the text encoders run: ours encodes the captions once, before training, on the GPU",
+    },
+    # its fp8_scaled: the DiT's Linears in e4m3 with scales (musubi-tuner's; ours: one scale per 64 weights), which
+    # its script takes over fp8_base; fp8_vl: Qwen2.5-VL cast to e4m3 (its whole model; ours: the decoder Linears),
+    # byT5 as stored in both
+    fp8_args={"fp8_scaled": "base_precision=fp8_scaled", "fp8_vl": "text_encoder_precision=fp8"},
+    # its create_network's kwargs (networks.lora_hunyuan_image 48d368f); lora_flux's type ranks, train_blocks,
+    # in_dims and block indices are not among them (sd_scripts.network_arg_verdict drops them: unread there)
+    lora_module_args=("conv_dim", "conv_alpha", "rank_dropout", "module_dropout", "split_qkv", "ggpo_beta",
+                      "ggpo_sigma", "verbose", "network_reg_lrs", "network_reg_dims", "loraplus_lr_ratio",
+                      "loraplus_unet_lr_ratio", "loraplus_text_encoder_lr_ratio"),
+    makes_text_lora=False,  # its network's text_encoder_loras is always empty (its docs: network_train_unet_only)
+    # 20 double and 40 single blocks: its enable_block_swap swaps N // 2 double and 2 (N - N // 2) single ones
+    one_block_kind=False,
+    timestep_feed=("sd-scripts feeds the transformer int64(1000 sigma), a whole-number timestep (its TODO: bf16 is too "
+                   "coarse for 0-1000); ours feeds 1000 sigma in float32, up to 1 apart in the embedding's input"),
+)
+
+
 SPEC = S.ArchSpec(
     arch="hunyuan_image",
     title="HunyuanImage-2.1",
@@ -167,4 +216,5 @@ SPEC = S.ArchSpec(
     sample_steps={"hunyuan-image-2.1": 50},
     sample_guidance={"hunyuan-image-2.1": 3.5},
     modelspec=MODELSPEC,
+    peer_models={"sd-scripts": SD_SCRIPTS},
 )

@@ -170,12 +170,8 @@ def _blocks_to_swap(t: Translation, key: str, value: Any) -> None:
     count = 0 if is_off(value) else int(value)  # "": sd-scripts' `if args.blocks_to_swap` too
     if count <= 0:
         t.drop(key, value, "off")
-        return
-    double = count // 2
-    single = 2 * (count - double)
-    t.set("blocks_to_swap", double + single, key, value, RENAMED)
-    note(t, f"blocks_to_swap = {double + single}: sd-scripts' {count} swaps {double} double and {single} single "
-            f"blocks; ours the last {double + single} (single first, fewer bytes): tools/plan_memory.py says what fits")
+    else:
+        script_rules.swap_two_kinds(t, key, value, count)
 
 
 def _split_mode(t: Translation, key: str, value: Any) -> None:

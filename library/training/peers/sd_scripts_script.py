@@ -30,6 +30,7 @@ def rules_of(script: str, first_rules: dict[str, Rule]) -> dict[str, Rule]:
     rules.update({key: custom(_token_length) for key in entry.token_lengths})
     rules.update({key: ignored(why) for key, why in entry.ignored_args.items()})
     rules.update({key: custom(_refused) for key in entry.refused_args})
+    rules.update({key: custom(_fp8_switch) for key in entry.fp8_args})
     rules.update({"fp8_base": custom(_fp8_base), "fp8_base_unet": custom(_fp8_base),
                   "blocks_to_swap": custom(_blocks_to_swap), "network_train_unet_only": custom(_unet_only),
                   "text_encoder_lr": custom(_text_encoder_lr)})
@@ -62,8 +63,27 @@ def _refused(t: Translation, key: str, value: Any) -> None:
         t.refuse(key, value, entry_of(t).refused_args[key])
 
 
+def _fp8_switch(t: Translation, key: str, value: Any) -> None:
+    """Its own fp8 switch (fp8_scaled, fp8_vl): on, ours' precision key it names."""
+    if not is_true(value):
+        t.drop(key, value, "off")
+        return
+    ours, _, precision = entry_of(t).fp8_args[key].partition("=")
+    t.set(ours, precision, key, value, RENAMED)
+    note(t, f'{ours} = "{precision}"')
+
+
+def base_fp8_switch(t: Translation) -> str:
+    """Its own fp8 switch that is on and sets base_precision ("": none), which its script takes over fp8_base."""
+    return next((k for k, ours in entry_of(t).fp8_args.items()
+                 if ours.startswith("base_precision=") and is_true(t.given.get(k))), "")
+
+
 def _fp8_base(t: Translation, key: str, value: Any) -> None:
     why = entry_of(t).fp8_base_off
+    if is_true(value) and base_fp8_switch(t):
+        t.drop(key, value, f"{base_fp8_switch(t)} is set: sd-scripts ignores {key} then (its assert_extra_args)")
+        return
     if not is_true(value) or why:
         t.drop(key, value, why if is_true(value) and why else "off")
         return
@@ -72,16 +92,27 @@ def _fp8_base(t: Translation, key: str, value: Any) -> None:
 
 
 def _blocks_to_swap(t: Translation, key: str, value: Any) -> None:
-    """A model of one block kind: sd-scripts' N swaps N blocks, as ours."""
+    """A model of one block kind: sd-scripts' N swaps N blocks, as ours; of double and single blocks: N // 2
+    double and twice the rest single (swap_two_kinds)."""
     count = 0 if is_off(value) else int(value)  # "": sd-scripts' `if args.blocks_to_swap` too
     if count <= 0:
         t.drop(key, value, "off")
     elif not entry_of(t).one_block_kind:
-        t.refuse(key, value, f"the spec of {title(t)} does not say how sd-scripts counts its blocks")
+        swap_two_kinds(t, key, value, count)
     else:
         t.set(key, count, key, value)
         note(t, f"blocks_to_swap = {count} (blocks of one kind: its {count}, as ours); tools/plan_memory.py says what "
                 f"fits")
+
+
+def swap_two_kinds(t: Translation, key: str, value: Any, count: int) -> None:
+    """sd-scripts swaps N // 2 double blocks and twice the rest in single blocks; ours the last N blocks in
+    order (single blocks first), each counting one: the same number of blocks, fewer bytes."""
+    double = count // 2
+    single = 2 * (count - double)
+    t.set("blocks_to_swap", double + single, key, value, RENAMED)
+    note(t, f"blocks_to_swap = {double + single}: sd-scripts' {count} swaps {double} double and {single} single "
+            f"blocks; ours the last {double + single} (single first, fewer bytes): tools/plan_memory.py says what fits")
 
 
 def caches_text(t: Translation) -> bool:
@@ -100,6 +131,9 @@ def _unet_only(t: Translation, key: str, value: Any) -> None:
     script stops: stops_on_cached_text_lora)."""
     if is_true(value):
         t.drop(key, value, "ours trains the transformer's LoRA only")
+    elif not entry_of(t).makes_text_lora:
+        t.drop(key, value, f"{entry_of(t).lora_module} makes no text encoder LoRA: sd-scripts trains the "
+                           f"transformer's LoRA only too")
     elif stops_on_cached_text_lora(t):
         t.drop(key, value, "sd-scripts stops without it when caching the text encoder's outputs (its "
                            "assert_extra_args); ours trains the transformer's LoRA only")
@@ -111,8 +145,8 @@ def _unet_only(t: Translation, key: str, value: Any) -> None:
 
 
 def trains_text_encoder(t: Translation) -> bool:
-    return not (is_true(their(t, "network_train_unet_only")) or stops_on_cached_text_lora(t)
-                or text_encoder_lr_zero(t))
+    return entry_of(t).makes_text_lora and not (is_true(their(t, "network_train_unet_only"))
+                                                or stops_on_cached_text_lora(t) or text_encoder_lr_zero(t))
 
 
 def _text_encoder_lr(t: Translation, key: str, value: Any) -> None:
