@@ -95,6 +95,15 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
     assert (args.model_type, args.network_dim, args.network_alpha) == ("hunyuan_image", 16, 1.0)
 
 
+def test_the_check_names_a_missing_byt5_file(tiny_set, tmp_path, capsys):
+    """The family's own file keys (byt5) are checked with the rest: a path this machine lacks is named."""
+    dataset = their_dataset(tmp_path, tiny_set["image_dir"])
+    command = hunyuan_command(tiny_set, dataset, str(tmp_path / "run")).replace(
+        tiny_set["hunyuan_image_glyph_single_file"], str(tmp_path / "absent_byt5.safetensors"))
+    code, _, text = convert(["--command", command, "--out", str(tmp_path / "ours.toml")], capsys)
+    assert code == 0 and f"not on this machine: byt5 = {tmp_path / 'absent_byt5.safetensors'}" in text, text
+
+
 def test_toml_reads_its_scripts_defaults_and_draws(tiny_set, tmp_path, capsys):
     """A TOML (its text_encoder key names the script): `shift` at its discrete_flow_shift 5.0 default; lora_flux's
     type ranks, train_blocks and in_dims dropped (its create_network reads none), network_reg_dims kept; another

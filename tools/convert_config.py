@@ -32,6 +32,7 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 
 from library.training.peers import PEERS, peer_module  # noqa: E402
 from library.training.peers.rules import DROPPED, KEPT, NOT_CARRIED, RENAMED, UNKNOWN, Translation  # noqa: E402
+from library.models.family import FAMILIES, family_class  # noqa: E402
 from tools.cli import Parser, check_command_line, exit_without_collecting  # noqa: E402
 
 
@@ -220,7 +221,11 @@ def check_written(out: str, t: Translation) -> str:
             blueprint = load_dataset_config(args.dataset_config)
     except (ConfigError, ValueError, OSError) as e:
         return " ".join(str(e).split())
-    paths = [(k, t.config[k]) for k in INPUT_PATH_KEYS if isinstance(t.config.get(k), str) and t.config[k]]
+    keys = list(INPUT_PATH_KEYS)
+    if t.config.get("model_type") in FAMILIES:  # and the family's own files (a byT5 glyph encoder, a T5 tokenizer)
+        family = family_class(t.config["model_type"])
+        keys += [k for k in (*family.required_paths(), *family.optional_path_keys) if k not in keys]
+    paths = [(k, t.config[k]) for k in keys if isinstance(t.config.get(k), str) and t.config[k]]
     paths += dataset_folders(blueprint)
     missing = list(dict.fromkeys(f"{k} = {p}" for k, p in paths if not os.path.exists(p)))
     return ("train_lora.py reads it as written" + (f"; not on this machine: {', '.join(missing)}" if missing else ""))
