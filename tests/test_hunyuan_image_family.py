@@ -81,7 +81,8 @@ def test_a_dataset_off_the_32px_grid_is_refused_before_caching(tiny_set, tmp_pat
 
 
 def inputs(seed=0, length=5, glyph=0):
-    """Latent tokens [1, 6, 64] and one caption's cached text (Qwen states with the mask; glyph states, none: 0 rows)."""
+    """Latent tokens [1, 6, 64] and one caption's cached text (Qwen states with the mask; glyph states: 0 rows for
+    none)."""
     g = torch.Generator().manual_seed(seed)
     text = {"embeds": torch.randn(1, length, TEXT, generator=g), "mask": torch.ones(1, length, dtype=torch.bool),
             "glyph": torch.randn(1, glyph, GLYPH, generator=g), "glyph_mask": torch.ones(1, glyph, dtype=torch.bool)}
@@ -157,30 +158,39 @@ def test_converted_loras_load_in_comfy_names_and_diffusers_with_our_output(tiny_
 
 
 @torch.no_grad()
-def test_sampling_equals_diffusers_hunyuan_image_pipeline(tiny_set):
-    """diffusers' HunyuanImagePipeline with the same weights, our text (a glyph in the prompt, none in the negative)
-    and noise: FlowMatchEulerDiscreteScheduler at the release's shift 5, classifier-free guidance 3.5 (its guider
-    given as diffusers' ClassifierFreeGuidance): our latents. At shift 1 they differ."""
-    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanImagePipeline
+@pytest.mark.parametrize("glyph", [0, 4], ids=["plain", "quoted"])
+def test_sampling_equals_diffusers_hunyuan_image_pipeline(tiny_set, glyph):
+    """diffusers' HunyuanImagePipeline with the same weights, our text (a prompt with or without glyph text, a negative
+    without) and noise, FlowMatchEulerDiscreteScheduler at the release's shift 5 and the release's guiders
+    (AdaptiveProjectedMixGuidance: CFG 3.5, then adaptive projected guidance from step 5; its ocr_guider from step 38
+    for the quoted prompt), 8 steps: our latents. At shift 1, or with plain CFG throughout, the plain prompt's
+    differ."""
+    from diffusers import (
+        AdaptiveProjectedMixGuidance, ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanImagePipeline,
+    )
 
     from library.models.hunyuan_image.vae import load_hunyuan_image_vae
 
     family = family_of(tiny_set)
     model = family.load_transformer(torch.float32)
-    (_, text), (_, negative) = inputs(2, 6, glyph=4), inputs(3, 2)
-    steps, guidance, size = 3, 3.5, (64, 96)  # a 2 x 3 latent grid
+    (_, text), (_, negative) = inputs(2, 6, glyph=glyph), inputs(3, 2)
+    steps, guidance, size = 8, 3.5, (64, 96)  # a 2 x 3 latent grid
     ours = family.sample_latents(model, text, size[1], size[0], steps, seed=7, guidance=guidance,
                                  negative_text=negative)
 
     def glyph_of(t):  # the pipeline's zeros with an all-False mask where nothing is quoted
         return (t["glyph"], t["glyph_mask"]) if t["glyph"].shape[1] else (torch.zeros(1, 1, GLYPH),
                                                                           torch.zeros(1, 1, dtype=torch.long))
+    release = dict(guider=AdaptiveProjectedMixGuidance(guidance_scale=guidance),
+                   ocr_guider=AdaptiveProjectedMixGuidance(guidance_scale=guidance,
+                                                           adaptive_projected_guidance_start_step=38))
     diffs = {}
-    for shift in (5.0, 1.0):
+    for name, shift, guiders in (("release", 5.0, release), ("shift 1", 1.0, release),
+                                 ("plain cfg", 5.0, dict(guider=ClassifierFreeGuidance(guidance_scale=guidance)))):
         pipe = HunyuanImagePipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=shift),
                                     vae=load_hunyuan_image_vae(tiny_set["hunyuan_image_vae_single"]).vae,
                                     text_encoder=None, tokenizer=None, text_encoder_2=None, tokenizer_2=None,
-                                    transformer=diffusers_twin(model), guider=ClassifierFreeGuidance(guidance_scale=3.5))
+                                    transformer=diffusers_twin(model), **guiders)
         (g, gm), (ng, ngm) = glyph_of(text), glyph_of(negative)
         (theirs,) = pipe(prompt_embeds=text["embeds"], prompt_embeds_mask=text["mask"].long(), prompt_embeds_2=g,
                          prompt_embeds_mask_2=gm.long(), negative_prompt_embeds=negative["embeds"],
@@ -188,9 +198,11 @@ def test_sampling_equals_diffusers_hunyuan_image_pipeline(tiny_set):
                          negative_prompt_embeds_mask_2=ngm.long(), height=size[0], width=size[1],
                          num_inference_steps=steps, generator=torch.Generator().manual_seed(7), output_type="latent",
                          return_dict=False)
-        diffs[shift] = (ours - theirs).abs().max().item()
-    print("HunyuanImagePipeline vs ours, max abs diff:", diffs)
-    assert diffs[5.0] <= 1e-5 and diffs[1.0] > 1e-2, diffs
+        diffs[name] = (ours - theirs).abs().max().item()
+    print(f"HunyuanImagePipeline vs ours ({'quoted' if glyph else 'plain'}), max abs diff:", diffs)
+    assert diffs["release"] <= 1e-5 and diffs["shift 1"] > 1e-2, diffs
+    if not glyph:  # adaptive projected guidance from step 5: steps 6 and 7 of 8
+        assert diffs["plain cfg"] > 1e-3, diffs
 
 
 @torch.no_grad()
@@ -228,7 +240,8 @@ def test_merge_lora_into_the_single_file_equals_the_runtime_lora(tiny_set, train
     assert merge_lora.main(["--model", base_file, "--lora", f"{lora}:0.7", "--save_to", merged,
                             "--save_precision", "fp32"]) == 0
     with safe_open(merged, "pt") as f:
-        key = "model.diffusion_model.double_blocks.0.img_mlp.0.weight" if comfy else "double_blocks.0.img_mlp.fc1.weight"
+        key = ("model.diffusion_model.double_blocks.0.img_mlp.0.weight" if comfy
+               else "double_blocks.0.img_mlp.fc1.weight")
         assert key in f.keys()  # the layout kept
     family = family_of(tiny_set)
     model = family.load_transformer(torch.float32)

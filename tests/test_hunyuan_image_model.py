@@ -76,7 +76,8 @@ def diffusers_velocity(reference: HunyuanImageTransformer2DModel, x: dict, **ext
 @pytest.mark.parametrize("glyphs", [(4, 0), None])
 def test_hunyuan_image_matches_diffusers_fp32(grid, glyphs):
     """Square and non-square grids; captions of 3 and 7 real tokens; glyph text in row 0 only, or in none (glyph=None
-    against the pipeline's zeros with an all-False mask). A sigma fed unscaled (not x 1000) differs: the test can fail."""
+    against the pipeline's zeros with an all-False mask). A sigma fed unscaled (not x 1000) differs: the test can
+    fail."""
     model = random_model(HunyuanImageConfig(**TINY))
     reference = diffusers_twin(model)
     x = inputs(model.config, *grid, glyphs=glyphs)
@@ -109,7 +110,8 @@ def test_rows_of_different_lengths_match_each_alone():
 
 
 def test_no_glyph_equals_all_masked_glyph():
-    """glyph=None is exactly a glyph input whose mask is all False (the pipeline's zeros for a prompt without quotes)."""
+    """glyph=None is exactly a glyph input whose mask is all False (the pipeline's zeros for a prompt without
+    quotes)."""
     model = random_model(HunyuanImageConfig(**TINY))
     x = inputs(model.config, 3, 4, glyphs=None)
     with torch.no_grad():
@@ -119,7 +121,8 @@ def test_no_glyph_equals_all_masked_glyph():
 
 
 def test_distilled_guidance_and_meanflow_match_diffusers():
-    """The distilled release's guidance_in (scale x 1000) and time_r_in (MeanFlow: the mean of t's and r's embeddings)."""
+    """The distilled release's guidance_in (scale x 1000) and time_r_in (MeanFlow: the mean of t's and r's
+    embeddings)."""
     config = HunyuanImageConfig(**{**TINY, "guidance_embeds": True, "use_meanflow": True})
     model = random_model(config)
     x = inputs(config, 3, 4)

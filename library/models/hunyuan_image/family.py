@@ -11,9 +11,10 @@ nothing); a batch pads to its longest (collate) and the transformer masks the re
 does alone. A batch whose captions all quote nothing runs without glyph tokens, as the pipeline's all-False glyph mask.
 
 Inference: the release's constant shift 5 (sd-scripts' flow_shift, the diffusers repo's scheduler), 50 steps (the
-pipeline's), classifier-free guidance 3.5 with the empty negative prompt. The release guides with adaptive projected
-guidance (diffusers' AdaptiveProjectedMixGuidance, sd-scripts' APG from step 5); ours is plain CFG, the pipeline's
-without its guider.
+pipeline's), guidance 3.5 with the empty negative prompt, mixed as the release guides (diffusers'
+AdaptiveProjectedMixGuidance, run as it is: sample_latents): classifier-free guidance at --g for the first steps, then
+adaptive projected guidance (scale 10, momentum -0.5, rescale 10, eta 0) from step 5, or from step 38 for a prompt
+with quoted text (the pipeline's ocr_guider; sd-scripts' apg_start_step_general / _ocr).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from library.models.hunyuan_image.spec import SPEC
 from library.models.latents import from_tokens, to_tokens
 
 RELEASE = "hunyuan-image-2.1"  # model_version (sd-scripts' modelspec hunyuan_image 2.1)
+APG_START_STEP, APG_START_STEP_QUOTED = 5, 38  # the release's guider / ocr_guider (sd-scripts' apg_start_step_*)
 
 
 class HunyuanImageFamily(DiffusionFamily):
@@ -165,3 +167,37 @@ class HunyuanImageFamily(DiffusionFamily):
                      txt_mask=None if mask is None else mask.to(device).bool(),
                      glyph=None if glyph is None else glyph.to(device),
                      glyph_mask=None if glyph_mask is None else glyph_mask.to(device).bool())
+
+    # -- sampling: the release's guidance mix ---------------------------------------------------
+    @torch.no_grad()
+    def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None,
+                       flow_shift=None):
+        """DiffusionFamily.sample_latents with the release's guider for this prompt (guided_velocity takes it step by
+        step): its ocr_guider where the prompt quotes text (its glyph states are not all zero), else its guider."""
+        from diffusers import AdaptiveProjectedMixGuidance
+        from diffusers.guiders.adaptive_projected_guidance_mix import MomentumBuffer
+
+        quoted = "glyph" in text and text["glyph"].shape[1] > 0 and bool(text["glyph"].abs().sum() > 0)
+        guider = AdaptiveProjectedMixGuidance(guidance_scale=guidance or 1.0, adaptive_projected_guidance_start_step=(
+            APG_START_STEP_QUOTED if quoted else APG_START_STEP))
+        guider.momentum_buffer = MomentumBuffer(guider.adaptive_projected_guidance_momentum)  # its prepare_inputs' at 0
+        self._guiding = [guider, 0, steps]
+        try:
+            return super().sample_latents(model, text, width, height, steps, seed, guidance, negative_text, control,
+                                          flow_shift)
+        finally:
+            self._guiding = None
+
+    def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
+        """The conditional velocity (float32); with a negative prompt and guidance above 1, the release's guider's
+        mix of it and the negative's at this step (sample_latents'); outside sample_latents plain CFG."""
+        cond = self.predict(model, x, s, text, h, w, guidance).float()
+        if negative_text is None or guidance is None or guidance <= self.cfg_above:
+            return cond
+        uncond = self.predict(model, x, s, negative_text, h, w, guidance).float()
+        if getattr(self, "_guiding", None) is None:
+            return uncond + guidance * (cond - uncond)
+        guider, step, steps = self._guiding
+        guider.set_state(step=step, num_inference_steps=steps, timestep=1000 * s[0])
+        self._guiding[1] += 1
+        return guider.forward(cond, uncond).pred

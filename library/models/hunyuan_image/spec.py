@@ -76,7 +76,8 @@ LORA_FILES = S.LoRAFiles(
     info_markers=(("tencent", r"(_img_mlp_fc[12]|_img_mod_linear|single_blocks_\d+_modulation_linear|"
                               r"individual_token_refiner|byt5_in_fc)"),
                   ("diffusers", r"(context_embedder_2_|token_refiner_refiner_blocks_|time_guidance_embed_)")),
-    info_blocks=(("double", r"double_blocks_(\d+)_"), ("single", r"single_blocks_(\d+)_|single_transformer_blocks_(\d+)_"),
+    info_blocks=(("double", r"double_blocks_(\d+)_"),
+                 ("single", r"single_blocks_(\d+)_|single_transformer_blocks_(\d+)_"),
                  ("double", r"(?<!single_)transformer_blocks_(\d+)_")),
     width_modules=(r"_attn_qkv|_attn_proj|_linear1|_modulation_lin(ear)?|_mod_lin(ear)?|_mlp_(0|fc1)|attn_to_[qkv]|"
                    r"attn_add_[qkv]_proj|norm1?(_context)?_linear|proj_mlp"),
@@ -212,7 +213,7 @@ SPEC = S.ArchSpec(
     default_config="hunyuan_image.toml",
     config_keys=CONFIG_KEYS,
     # HunyuanImagePipeline's 50 steps; guidance 3.5 with the empty negative prompt (sd-scripts' sample default, the
-    # diffusers repo's guider scale), as plain CFG (family.py: the release's adaptive projected guidance is not ours)
+    # release's guider's scale), mixed with adaptive projected guidance as the release's guiders (family.py)
     sample_steps={"hunyuan-image-2.1": 50},
     sample_guidance={"hunyuan-image-2.1": 3.5},
     modelspec=MODELSPEC,
