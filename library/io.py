@@ -317,6 +317,44 @@ class RowSplitView:
         return self._fused[1][part * rows : (part + 1) * rows].clone()  # its own memory: the fused tensor is let go
 
 
+class RowJoinView:
+    """A CheckpointReader (a diffusers folder) seen under a family's own names, where one of our fused tensors is the
+    file's parts concatenated by rows (to_q / to_k / to_v read as our qkv): parts_of(our key) -> the file's keys, in
+    row order. A file key none of ours takes keeps its own name (the key check names it); `transform(our key,
+    tensor)` is a subclass's last step (a layer whose halves the file stores swapped)."""
+
+    def __init__(self, reader: CheckpointReader, our_keys, parts_of: Callable[[str], tuple[str, ...]]):
+        self.reader, self.path, self.files, self.metadata = reader, reader.path, reader.files, reader.metadata
+        names_of = {key: parts_of(key) for key in our_keys}
+        self.sources = {key: names for key, names in names_of.items() if all(n in reader for n in names)}
+        taken = {name for names in self.sources.values() for name in names}
+        self.sources.update({name: (name,) for name in reader.keys() if name not in taken})
+
+    def keys(self) -> list[str]:
+        return list(self.sources)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self.sources
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        shapes = [self.reader.shape(name) for name in self.sources[key]]
+        return (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else shapes[0]
+
+    def dtype_name(self, key: str) -> str:
+        return self.reader.dtype_name(self.sources[key][0])
+
+    def file_of(self, key: str) -> str:
+        return f"{self.reader.file_of(self.sources[key][0])} ('{self.sources[key][0]}')"
+
+    def transform(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def get(self, key: str) -> torch.Tensor:
+        names = self.sources[key]
+        tensor = torch.cat([self.reader.get(n) for n in names]) if len(names) > 1 else self.reader.get(names[0])
+        return self.transform(key, tensor)
+
+
 def _few(keys) -> str:
     keys = sorted(keys)
     return ", ".join(keys[:5]) + (f" ... ({len(keys)} in all)" if len(keys) > 5 else "")

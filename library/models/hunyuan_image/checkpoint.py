@@ -38,8 +38,8 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, save_diffusers_folder,
-    save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, RowJoinView, RowSplitView, check_keys_and_shapes, component_folder,
+    save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import (
     block_count, diffusers_config_json, fill_meta_model, marked_prefix, stated_config,
@@ -181,36 +181,14 @@ def _renamed_module(name: str, ours_of: dict[str, str]) -> str:
     return f"{ours[: -len('.weight')]}.{leaf}" if ours else name
 
 
-class _DiffusersView:
+class _DiffusersView(RowJoinView):
     """A diffusers transformer folder under our names: a fused tensor is its parts concatenated by rows, the final
-    adaLN's halves swapped back; a diffusers key we have no name for keeps its own (the key check names it)."""
+    adaLN's halves swapped back."""
 
     def __init__(self, reader: CheckpointReader, our_keys):
-        self.reader, self.path, self.files, self.metadata = reader, reader.path, reader.files, reader.metadata
-        names_of = {key: diffusers_keys(key) for key in our_keys}
-        self.sources = {key: names for key, names in names_of.items() if all(n in reader for n in names)}
-        taken = {name for names in self.sources.values() for name in names}
-        self.sources.update({name: (name,) for name in reader.keys() if name not in taken})
+        super().__init__(reader, our_keys, diffusers_keys)
 
-    def keys(self) -> list[str]:
-        return list(self.sources)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.sources
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        shapes = [self.reader.shape(name) for name in self.sources[key]]
-        return (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else shapes[0]
-
-    def dtype_name(self, key: str) -> str:
-        return self.reader.dtype_name(self.sources[key][0])
-
-    def file_of(self, key: str) -> str:
-        return f"{self.reader.file_of(self.sources[key][0])} ('{self.sources[key][0]}')"
-
-    def get(self, key: str) -> torch.Tensor:
-        names = self.sources[key]
-        tensor = torch.cat([self.reader.get(n) for n in names]) if len(names) > 1 else self.reader.get(names[0])
+    def transform(self, key: str, tensor: torch.Tensor) -> torch.Tensor:
         return swap_halves(tensor) if key.startswith(FINAL_MODULATION + ".") else tensor
 
 

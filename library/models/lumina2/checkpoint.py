@@ -40,8 +40,8 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, metadata_config,
-    save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, RowJoinView, check_keys_and_shapes, component_folder,
+    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, marked_prefix
 from library.models.lumina2.model import Lumina2, Lumina2Config
@@ -97,41 +97,6 @@ def to_diffusers_state_dict(sd: dict[str, torch.Tensor], config: Lumina2Config) 
         parts = value.split(rows, dim=0) if len(names) == 3 else (value,)
         out.update({name: part.contiguous() for name, part in zip(names, parts)})
     return out
-
-
-class _DiffusersView:
-    """A diffusers transformer folder as a reader under our names: a fused qkv is its to_q / to_k / to_v
-    concatenated by rows; a diffusers key we have no name for keeps its own (the key check names it)."""
-
-    def __init__(self, reader: CheckpointReader, our_keys):
-        self.reader, self.path, self.files, self.metadata = reader, reader.path, reader.files, reader.metadata
-        self.sources = {}
-        for key in our_keys:
-            names = diffusers_keys(key)
-            if all(name in reader for name in names):
-                self.sources[key] = names
-        taken = {name for names in self.sources.values() for name in names}
-        self.sources.update({name: (name,) for name in reader.keys() if name not in taken})
-
-    def keys(self) -> list[str]:
-        return list(self.sources)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self.sources
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        shapes = [self.reader.shape(name) for name in self.sources[key]]
-        return (sum(s[0] for s in shapes), *shapes[0][1:]) if len(shapes) > 1 else shapes[0]
-
-    def dtype_name(self, key: str) -> str:
-        return self.reader.dtype_name(self.sources[key][0])
-
-    def file_of(self, key: str) -> str:
-        return f"{self.reader.file_of(self.sources[key][0])} ('{self.sources[key][0]}')"
-
-    def get(self, key: str) -> torch.Tensor:
-        names = self.sources[key]
-        return torch.cat([self.reader.get(n) for n in names]) if len(names) > 1 else self.reader.get(names[0])
 
 
 # ----------------------------------------------------------------------------------------------
@@ -270,7 +235,7 @@ def _diffusers_source(path: str, reader: CheckpointReader, config: Lumina2Config
         config = config_from_diffusers(diffusers_json, os.path.join(path, "config.json"))
     with torch.device("meta"):
         our_keys = Lumina2(config or _skeleton(reader)).state_dict().keys()
-    view = _DiffusersView(reader, our_keys)
+    view = RowJoinView(reader, our_keys, diffusers_keys)  # a fused qkv: its to_q / to_k / to_v rows
     config = config or config_from_shapes({k: view.shape(k) for k in view.keys()}, path)
     return config, view, (lambda key: key), None
 
