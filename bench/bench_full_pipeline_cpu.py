@@ -19,9 +19,11 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
         # measured with --train-steps 1 --sample-steps 2: 2 steps and a 4-step sample take ~80 min on 2 busy cores
     python bench/bench_full_pipeline_cpu.py --family anima --work /tmp/fullanima         # Anima, ~5.3 GB
     python bench/bench_full_pipeline_cpu.py --family lumina2 --work /tmp/fulllumina2     # Lumina Image 2.0, ~10 GB
+    python bench/bench_full_pipeline_cpu.py --family hunyuan_image --work /tmp/fullhunyuan --hunyuan-blocks 4,8
+        # HunyuanImage-2.1 at full width, 4 of 20 double and 8 of 40 single blocks; ~20 GB (13 drawn)
 
-The writers of the generic files and of FLUX.3's, ERNIE-Image's, Nucleus-Image's, Anima's and Lumina 2's are in
-bench/full_size_files.py.
+The writers of the generic files and of FLUX.3's, ERNIE-Image's, Nucleus-Image's, Anima's, Lumina 2's and
+HunyuanImage-2.1's are in bench/full_size_files.py.
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -71,10 +73,11 @@ from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer, 
 from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 
 from bench.full_size_files import (  # noqa: E402, F401 (meta_shapes, write_random: bench_planner_cpu.py's)
-    ANIMA_FILE, ANIMA_TEXT_FILE, ERNIE_IMAGE_FILE, FLUX3_FILE, LUMINA2_FILE, LUMINA2_TEXT_FILE, GiB, QWEN3_VL_8B_TEXT,
+    ANIMA_FILE, ANIMA_TEXT_FILE, ERNIE_IMAGE_FILE, FLUX3_FILE, HUNYUAN_IMAGE_FILE, HUNYUAN_IMAGE_GLYPH_FILE,
+    HUNYUAN_IMAGE_TEXT_FILE, HUNYUAN_IMAGE_VAE_FILE, LUMINA2_FILE, LUMINA2_TEXT_FILE, GiB, QWEN3_VL_8B_TEXT,
     QWEN3_VL_8B_VISION, meta_shapes, qwen3_vl_4b, random_tensor, write_anima_files, write_ernie_image_files,
-    write_flux2_vae, write_flux3_files, write_flux_vae, write_lumina2_files, write_nucleus_image_files,
-    write_qwen3_vl_folder, write_qwen_image_vae, write_random, write_random_sharded)
+    write_flux2_vae, write_flux3_files, write_flux_vae, write_hunyuan_image_files, write_lumina2_files,
+    write_nucleus_image_files, write_qwen3_vl_folder, write_qwen_image_vae, write_random, write_random_sharded)
 PHASES = (("vae caching", "latents:"), ("text caching", "captions:"), ("transformer load", "training:"),
           ("training", "_lr.png"), ("sample + save", "saved "))
 
@@ -405,6 +408,11 @@ def write_run_config(work: str, family: str = "flux", single_file: bool = False,
             f.write(f"a red square --ci {images}/0.png --w 256 --h 256 --s 4 --d 7\n")
     if references:
         write_references(work, images, references)
+    if family == "hunyuan_image":  # image 0's caption and the sample quote a sign: byT5 encodes it; image 1's none
+        with open(os.path.join(images, "0.txt"), "w") as f:
+            f.write('a red square on a plain background with a sign that reads "OPEN", studio photo')
+        with open(os.path.join(work, "prompts.txt"), "w") as f:
+            f.write('a red square with the word "OPEN" --w 256 --h 256 --s 4 --d 7\n')
     transformer = f"{work}/z_image_turbo_bf16.safetensors" if single_file else work  # work: the repo layout
     models = {  # what differs between the families; the run settings below are shared
         "qwen_image": f'''model_type = "qwen_image"
@@ -482,6 +490,13 @@ ae = "{work}/vae/ae.safetensors"
 text_encoder = "{work}/{LUMINA2_TEXT_FILE}"
 output_name = "full_lumina2"
 ''',
+        "hunyuan_image": f'''model_type = "hunyuan_image"
+pretrained_model_name_or_path = "{work}/{HUNYUAN_IMAGE_FILE}"
+ae = "{work}/{HUNYUAN_IMAGE_VAE_FILE}"
+text_encoder = "{work}/{HUNYUAN_IMAGE_TEXT_FILE}"
+byt5 = "{work}/{HUNYUAN_IMAGE_GLYPH_FILE}"
+output_name = "full_hunyuan_image"
+''',
         "qwen_image21": f'''model_type = "qwen_image21"
 pretrained_model_name_or_path = "{work}"
 ae = "{work}/vae"
@@ -504,13 +519,15 @@ output_name = "full_flux"
         f.write(prompts.replace(" --s 4 ", f" --s {sample_steps} "))
     if family == "ideogram4" or bf16_base:  # ideogram4's released files are pre-quantized (BFL fp8r): as stored
         settings = settings.replace("fp8_base = true\nfp8_scaled = true\n", "fp8_base = false\n")
+    # Qwen2.5-VL-7B in scaled fp8 as configs/hunyuan_image.toml caches it (bf16: 13 GB); the others' encoders bf16
+    text_precision = "fp8_scaled" if family == "hunyuan_image" else "bf16"
     config = os.path.join(work, "train.toml")
     with open(config, "w") as f:
         f.write(models[family] + f"""dataset_config = "{work}/dataset.toml"
 sample_prompts = "{work}/prompts.txt"
 sample_bf16_reference = false
 output_dir = "{work}/out"
-text_encoder_precision = "bf16"
+text_encoder_precision = "{text_precision}"
 """ + settings)
     return config
 
@@ -593,17 +610,21 @@ def main(argv=None):
     p.add_argument("--skip-write", action="store_true")
     p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2",
                                         "ideogram4", "qwen_image_layered", "flux3", "ernie_image", "nucleus_image",
-                                        "anima", "lumina2"],
+                                        "anima", "lumina2", "hunyuan_image"],
                    default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
                         "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, "
                         "whole; krea2: Krea 2 Raw, whole; ideogram4: Ideogram 4 (fp8r), whole; qwen_image_layered: "
                         "--qwen-blocks of 60, RGBA VAE, 2 layers; flux3: FLUX.3 [klein] base, whole; ernie_image: "
                         "ERNIE-Image, whole; nucleus_image: Nucleus-Image, whole; anima: Anima, whole; "
-                        "lumina2: Lumina Image 2.0, whole")
+                        "lumina2: Lumina Image 2.0, whole; hunyuan_image: HunyuanImage-2.1, --hunyuan-blocks of "
+                        "20,40")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
+    p.add_argument("--hunyuan-blocks", default="4,8",
+                   help="HunyuanImage-2.1 double,single blocks written (of 20,40): the whole 17 B base would take ~1 h "
+                        "a step on 2 cores")
     p.add_argument("--mixed-precision", choices=["bf16", "no"], default="bf16",
                    help="the transformer's compute dtype; 'no' (float32) on a CPU without native bf16, where bf16 "
                         "matmuls run ~5x slower than float32 (the text encoder stays bf16 either way)")
@@ -644,6 +665,9 @@ def main(argv=None):
             write_anima_files(args.work)
         elif args.family == "lumina2":
             write_lumina2_files(args.work)
+        elif args.family == "hunyuan_image":
+            double, single = (int(n) for n in args.hunyuan_blocks.split(","))
+            write_hunyuan_image_files(args.work, double, single)
         else:
             write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)

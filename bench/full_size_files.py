@@ -1,7 +1,7 @@
 """Random-weight files at the released sizes, tensor by tensor, for bench/bench_full_pipeline_cpu.py (which
 imports them; bench/bench_planner_cpu.py too): the generic writers (one file, sharded, a Qwen3-VL folder, FLUX.1's,
-FLUX.2's and Qwen-Image's VAEs) and the per-family writers of FLUX.3 [klein], ERNIE-Image, Nucleus-Image, Anima and
-Lumina Image 2.0.
+FLUX.2's and Qwen-Image's VAEs) and the per-family writers of FLUX.3 [klein], ERNIE-Image, Nucleus-Image, Anima,
+Lumina Image 2.0 and HunyuanImage-2.1.
 
 Weights are N(0, 0.02), norm scales 1 (random_tensor); writing never holds a model (each tensor drawn and written
 one at a time by tools/merge_lora.write_safetensors_streaming). Tensors a run never reads can be written as holes
@@ -374,3 +374,134 @@ def write_lumina2_files(work: str):
                  metadata={}, dtype=torch.float16, extra={"spiece_model": spiece})
     save_gemma_tokenizer(build_gemma_tokenizer(), os.path.join(work, "tokenizer"))
     write_flux_vae(os.path.join(work, "vae"))
+
+
+# ----------------------------------------------------------------------------------------------
+# HunyuanImage-2.1
+
+# The files configs/hunyuan_image.toml names: tencent/HunyuanImage-2.1's dit/ and Comfy-Org/HunyuanImage_2.1_ComfyUI's
+# split_files (text_encoders/, vae/); Qwen2.5-VL's tokenizer in tokenizer/ beside text_encoders/
+HUNYUAN_IMAGE_FILE = "dit/hunyuanimage2.1.safetensors"
+HUNYUAN_IMAGE_FP8_FILE = "dit/hunyuanimage2.1_fp8_scaled.safetensors"  # our fp8_scaled layout of the same weights
+HUNYUAN_IMAGE_TEXT_FILE = "text_encoders/qwen_2.5_vl_7b.safetensors"
+HUNYUAN_IMAGE_GLYPH_FILE = "text_encoders/byt5_small_glyphxl_fp16.safetensors"
+HUNYUAN_IMAGE_VAE_FILE = "vae/hunyuan_image_2.1_vae_fp16.safetensors"
+# Qwen2.5-VL-7B's vision tower as ComfyUI's file holds it (`visual.*`; never read by a text-to-image run: a hole)
+QWEN2_5_VL_7B_VISION = {"depth": 32, "hidden_size": 1280, "intermediate_size": 3420, "num_heads": 16,
+                        "out_hidden_size": 3584, "patch_size": 14, "spatial_merge_size": 2, "temporal_patch_size": 2,
+                        "window_size": 112, "fullatt_block_indexes": [7, 15, 23, 31]}
+
+
+def write_random_with_holes(path: str, shapes: dict[str, tuple[int, ...]], holes: dict[str, tuple[int, ...]],
+                            seed: int, dtype: torch.dtype = torch.bfloat16):
+    """One file as a released single file lists its tensors: `shapes` drawn by random_tensor in `dtype`, then `holes`
+    (tensors no loader of the run reads) whose bytes are the file's sparse tail (write_holes' trick: no disk)."""
+    generator = torch.Generator().manual_seed(seed)
+    drawn = [Entry(k, dtype, tuple(s)) for k, s in shapes.items()]
+    entries = drawn + [Entry(k, dtype, tuple(s)) for k, s in holes.items()]
+    head = safetensors_header(entries, {})
+    with open(path + ".tmp", "wb") as f:
+        f.write(head)
+        for e in drawn:
+            f.write(random_tensor(e.key, e.shape, generator, dtype=dtype).reshape(-1).view(torch.uint8).numpy().data)
+        f.truncate(len(head) + sum(e.nbytes for e in entries))
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}: {sum(e.nbytes for e in drawn) / GiB:.2f} GiB drawn, "
+          f"{sum(e.nbytes for e in entries[len(drawn):]) / GiB:.2f} GiB as a hole (never read)", flush=True)
+
+
+def write_fp8_scaled_random(path: str, shapes: dict[str, tuple[int, ...]], seed: int, quantized) -> None:
+    """A transformer single file pre-quantized in our fp8_scaled layout (what merge_lora --save_precision fp8_scaled
+    writes): each Linear weight `quantized(key)` accepts drawn in bf16, then stored as e4m3 codes with its bf16
+    `<Linear>.weight_scale` [out, in/64] (fp8.quantize_weight); every other tensor bf16. No metadata."""
+    from library.precision.fp8 import FP8_DTYPE, SCALE_DTYPE, quantize_weight, scale_shape
+
+    generator = torch.Generator().manual_seed(seed)
+    entries = []
+    for key, shape in shapes.items():
+        if quantized(key):
+            entries += [Entry(key, FP8_DTYPE, shape), Entry(key[: -len("weight")] + "weight_scale", SCALE_DTYPE,
+                                                             scale_shape(*shape))]
+        else:
+            entries.append(Entry(key, torch.bfloat16, shape))
+
+    def tensors():
+        for key, shape in shapes.items():
+            tensor = random_tensor(key, shape, generator)
+            if quantized(key):
+                codes, scale = quantize_weight(tensor, "fp8_scaled")
+                yield key, codes
+                yield key[: -len("weight")] + "weight_scale", scale
+            else:
+                yield key, tensor
+
+    write_safetensors_streaming(path + ".tmp", entries, tensors(), {})
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}: {sum(e.nbytes for e in entries) / GiB:.2f} GiB (fp8_scaled)", flush=True)
+
+
+def write_hunyuan_image_files(work: str, double_blocks: int = 20, single_blocks: int = 40, fp8_scaled: bool = False):
+    """HunyuanImage-2.1 in the single files people download (configs/hunyuan_image.toml's paths):
+    dit/hunyuanimage2.1.safetensors (Tencent's names, no prefix, bf16, no metadata: the loader reads the config from
+    the shapes; HUNYUAN_IMAGE at full width with `double_blocks` of 20 and `single_blocks` of 40; with fp8_scaled,
+    dit/hunyuanimage2.1_fp8_scaled.safetensors instead: our pre-quantized layout, the Linears fp8_scaled quantizes),
+    text_encoders/qwen_2.5_vl_7b.safetensors (ComfyUI's keys: `model.*` = Qwen2ForCausalLM's language model with
+    Qwen2.5-7B's shapes, `lm_head.weight`, `visual.*`; bf16, no config.json: read as Qwen2.5-VL-7B; the embeddings
+    and decoder layers 0-25 drawn, layers 26-27, the final norm, lm_head and the vision tower a sparse hole, as
+    hidden_states[-3] never reads them), text_encoders/byt5_small_glyphxl_fp16.safetensors (byT5-small's encoder with
+    the glyph vocabulary, `shared.weight` + `encoder.*`, fp16, shaped by its tensors), tokenizer/ (the small
+    Qwen2.5-VL-style tokenizer of hunyuan_image/tiny_text.py: valid ids for the 152,064 rows) and
+    vae/hunyuan_image_2.1_vae_fp16.safetensors (the 405.6 M VAE in Tencent's names, fp16, no metadata)."""
+    import dataclasses
+
+    from diffusers import AutoencoderKLHunyuanImage
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2Config, Qwen2ForCausalLM
+    from transformers import T5Config, T5EncoderModel
+
+    from library.models.hunyuan_image.model import HUNYUAN_IMAGE, HunyuanImage
+    from library.models.hunyuan_image.spec import FP8
+    from library.models.hunyuan_image.text_encoder import BYT5_SMALL_GLYPH_CONFIG
+    from library.models.hunyuan_image.vae import HUNYUAN_IMAGE_VAE_CONFIG, diffusers_to_single_file
+    from library.models.llm import QWEN2_5_7B
+    from library.models.tiny_files import build_qwen_tokenizer
+    from library.precision.fp8 import is_high_precision
+
+    for folder in ("dit", "text_encoders", "vae"):
+        os.makedirs(os.path.join(work, folder), exist_ok=True)
+    config = dataclasses.replace(HUNYUAN_IMAGE, depth=double_blocks, depth_single=single_blocks)
+    dit = meta_shapes(lambda: HunyuanImage(config))
+    if fp8_scaled:
+        linears = {f"{n}.weight" for n, m in meta_modules(lambda: HunyuanImage(config))
+                   if isinstance(m, torch.nn.Linear)}
+        write_fp8_scaled_random(os.path.join(work, HUNYUAN_IMAGE_FP8_FILE), dit, 1,
+                                lambda k: k in linears and not is_high_precision(k[: -len(".weight")], FP8))
+    else:
+        write_random(os.path.join(work, HUNYUAN_IMAGE_FILE), dit, 1, metadata={})
+
+    tokenizer = build_qwen_tokenizer(vision_templates=())
+    hf = {**QWEN2_5_7B.to_hf(), "eos_token_id": tokenizer.eos_token_id, "pad_token_id": tokenizer.pad_token_id}
+    llm = meta_shapes(lambda: Qwen2ForCausalLM(Qwen2Config(**{k: v for k, v in hf.items() if k != "architectures"})))
+    read = re.compile(r"model\.(embed_tokens\.|layers\.([0-9]|1[0-9]|2[0-5])\.)")  # hidden_states[-3] of 28
+    vision = Qwen2_5_VLConfig(vision_config=QWEN2_5_VL_7B_VISION)
+    visual = {"visual." + k.removeprefix("model.visual."): v for k, v in
+              meta_shapes(lambda: Qwen2_5_VLForConditionalGeneration(vision)).items() if k.startswith("model.visual.")}
+    drawn = {k: v for k, v in llm.items() if read.match(k)}
+    write_random_with_holes(os.path.join(work, HUNYUAN_IMAGE_TEXT_FILE), drawn,
+                            {**{k: v for k, v in llm.items() if k not in drawn}, **visual}, 3)
+    save_tokenizer(tokenizer, os.path.join(work, "tokenizer"))
+
+    byt5 = meta_shapes(lambda: T5EncoderModel(T5Config(**BYT5_SMALL_GLYPH_CONFIG)))
+    write_random(os.path.join(work, HUNYUAN_IMAGE_GLYPH_FILE),
+                 {k: v for k, v in byt5.items() if k != "encoder.embed_tokens.weight"}, 4, metadata={},
+                 dtype=torch.float16)
+    with torch.device("meta"):
+        vae = AutoencoderKLHunyuanImage(**HUNYUAN_IMAGE_VAE_CONFIG).state_dict()
+    write_random(os.path.join(work, HUNYUAN_IMAGE_VAE_FILE),
+                 {k: tuple(v.shape) for k, v in diffusers_to_single_file(vae, HUNYUAN_IMAGE_VAE_CONFIG).items()}, 2,
+                 metadata={}, dtype=torch.float16)
+
+
+def meta_modules(build) -> list[tuple[str, torch.nn.Module]]:
+    with torch.device("meta"):
+        module = build()
+    return list(module.named_modules())
