@@ -84,7 +84,7 @@ def test_effect_kept_is_the_effect_projected_on_the_bf16_effect_noise_is_error_n
     noise -= (noise * ref[0]).sum() / ref[0].pow(2).sum() * ref[0]  # orthogonal to the bf16 effect
 
     def cell(effect):
-        return precision_matrix.cell_metrics([base[0] + effect], base, [base[0] + ref[0]], base, data, (8, 8))
+        return precision_matrix.cell_metrics([base[0] + effect], base, [base[0] + ref[0]], base, data, (4, 4), 2)
 
     noisy = cell(ref[0] + noise)
     assert noisy["effect_kept"] == pytest.approx(1.0, abs=1e-6)
@@ -319,7 +319,8 @@ EFFECT_ERROR_BOUND = {"nucleus_image": 0.45}
 
 
 @pytest.mark.parametrize("family, dtype", [("zimage", "bf16"), ("chroma", "bf16"), ("krea2", "bf16"),
-                                           ("flux3", "fp32"), ("ernie_image", "bf16"), ("nucleus_image", "fp32")])
+                                           ("flux3", "fp32"), ("ernie_image", "bf16"), ("nucleus_image", "fp32"),
+                                           ("hunyuan_image", "bf16")])  # patch 1: the family packs its own tokens
 def test_a_tiny_matrix_runs_on_the_families_tiny_set(tiny_set, tmp_path, family, dtype):
     """Every deploy column for one given LoRA (random, rank 4: no training) on the family's tiny set at
     128 px, one image, one sigma: the config comes from the family's spec (TINY.config_files) through

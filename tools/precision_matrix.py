@@ -345,15 +345,16 @@ def _dot(tensors, others) -> float:
     return sum(float((t.double() * o.double()).sum()) for t, o in zip(tensors, others))
 
 
-def cell_metrics(preds, base_preds, ref_preds, ref_base_preds, data, grid) -> dict:
+def cell_metrics(preds, base_preds, ref_preds, ref_base_preds, data, grid, patch: int) -> dict:
+    """grid: the token grid (latent rows, columns // the family's patch) of the images the error maps are laid on."""
     effect = [p - b for p, b in zip(preds, base_preds)]
     ref_effect = [p - b for p, b in zip(ref_preds, ref_base_preds)]
     ref_size = _norm(ref_effect)
-    same_grid = [i for i, (_, lat, *_) in enumerate(data) for _ in (0,) if tuple(lat.shape[-2:]) == grid]
+    same_grid = [i for i, (_, lat, *_) in enumerate(data) for _ in (0,)
+                 if (lat.shape[-2] // patch, lat.shape[-1] // patch) == grid]
     per = len(preds) // len(data)
     chosen = [i * per + j for i in same_grid for j in range(per)]
-    h, w = grid[0] // 2, grid[1] // 2
-    error_map = precision.token_error_map(torch.cat([preds[k] for k in chosen]), torch.cat([ref_preds[k] for k in chosen]), (h, w))
+    error_map = precision.token_error_map(torch.cat([preds[k] for k in chosen]), torch.cat([ref_preds[k] for k in chosen]), grid)
     ratios = precision.map_ratios(error_map) if float(error_map.max()) > 0 else {"border_centre_ratio": 1.0, "region_ratio": 1.0}
     return {
         "border_centre": ratios["border_centre_ratio"], "region_ratio": ratios["region_ratio"],
@@ -377,6 +378,7 @@ def run_matrix(args, family, bases: Bases, loras: dict[str, str], columns, data,
         del model
     shapes = [tuple(lat.shape[-2:]) for _, lat, *_ in data]
     grid = max(set(shapes), key=shapes.count)
+    grid = (grid[0] // family.patch, grid[1] // family.patch)  # the token grid the error maps are laid on
     rows = []
     for trained_on, path in loras.items():
         probe = bases.load("bf16")
@@ -391,7 +393,8 @@ def run_matrix(args, family, bases: Bases, loras: dict[str, str], columns, data,
             cells[deploy] = (preds, loss, rate)
         ref_preds = cells["bf16+lora"][0]
         for deploy, (preds, loss, rate) in cells.items():
-            metrics = cell_metrics(preds, base_preds[base_of(deploy)], ref_preds, base_preds["bf16"], data, grid)
+            metrics = cell_metrics(preds, base_preds[base_of(deploy)], ref_preds, base_preds["bf16"], data, grid,
+                                   family.patch)
             rows.append({"trained_on": trained_on, "deployed_on": deploy, "val_loss": loss, "concept_rate": rate, **metrics})
             log(f"{trained_on:>11} -> {deploy:<22} val_loss {loss:.5f}  border/centre {metrics['border_centre']:.2f}  "
                 f"regions {metrics['region_ratio']:.2f}  effect kept {metrics['effect_kept']:.3f}"
