@@ -276,3 +276,11 @@ def test_the_distilled_release_is_refused_before_a_weight_is_read(tmp_path):
     save_hunyuan_image_single_file(HunyuanImage(config).state_dict(), path)
     with pytest.raises(CheckpointError, match="distilled"):
         HunyuanImageFamily(path).load_transformer(torch.float32)
+
+
+def test_a_sample_side_off_the_32px_grid_is_rounded_down_with_a_warning(tiny_set):
+    """A sample prompt's --w 48 --h 80 renders at 32 x 64 (the prompt parser's 16-px rounding left it; the latent
+    grid would have floored it without a word)."""
+    with pytest.warns(UserWarning, match="sample width 48 is not a multiple of 32: rendering 32"):
+        width, height, references = family_of(tiny_set).sample_references([], 48, 80)
+    assert (width, height, references) == (32, 64, [])
