@@ -118,4 +118,5 @@ def test_lora_info_says_when_shapes_tell_no_architecture_apart(tmp_path):
                for n in ATTENTION}
     lf.write_peft(weights, str(tmp_path / "attn.safetensors"))
     got = info(tmp_path / "attn.safetensors")
-    assert got["arch"] == "unknown" and got["fits"].startswith("names FLUX.1, Qwen-Image, FLUX.2 or Chroma all have")
+    assert got["arch"] == "unknown" and got["fits"].startswith(
+        "names FLUX.1, Qwen-Image, FLUX.2, Chroma or HunyuanImage-2.1 all have")

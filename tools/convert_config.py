@@ -32,7 +32,6 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 
 from library.training.peers import PEERS, peer_module  # noqa: E402
 from library.training.peers.rules import DROPPED, KEPT, NOT_CARRIED, RENAMED, UNKNOWN, Translation  # noqa: E402
-from library.models.family import FAMILIES, family_class  # noqa: E402
 from tools.cli import Parser, check_command_line, exit_without_collecting  # noqa: E402
 
 
@@ -221,6 +220,8 @@ def check_written(out: str, t: Translation) -> str:
             blueprint = load_dataset_config(args.dataset_config)
     except (ConfigError, ValueError, OSError) as e:
         return " ".join(str(e).split())
+    from library.models.family import FAMILIES, family_class
+
     keys = list(INPUT_PATH_KEYS)
     if t.config.get("model_type") in FAMILIES:  # and the family's own files (a byT5 glyph encoder, a T5 tokenizer)
         family = family_class(t.config["model_type"])
