@@ -15,6 +15,7 @@ import train_lora
 from library.models.anima.family import AnimaFamily
 from library.models.family import stack_text
 from networks.lora import LoRANetwork
+from tests import test_lora_clients as lora_clients
 from tests.test_anima_model import diffusers_forward, diffusers_pair, no_torchvision
 from tests.test_train_lora import read_losses, sample_png
 
@@ -65,12 +66,7 @@ def inputs(seed=0, lengths=(5, 4)):
 
 def random_lora(model, **args) -> LoRANetwork:
     """rank 4, alpha 2, up ~ N(0, 0.5): a delta near the size of the weights, so any mistake shows."""
-    torch.manual_seed(3)
-    net = LoRANetwork(model, "anima", rank=4, alpha=2, network_args=args or None)
-    with torch.no_grad():
-        for m in net.lora_modules():
-            m.lora_up.weight.normal_(0, 0.5)
-    return net
+    return lora_clients.random_lora(model, "anima", up_std=0.5, **args)
 
 
 @torch.no_grad()

@@ -16,6 +16,7 @@ from library.data.dataset import _pad_stack
 from library.models.family import stack_text
 from library.models.hunyuan_image.family import HunyuanImageFamily
 from networks.lora import LoRANetwork
+from tests import test_lora_clients as lora_clients
 from tests.test_hunyuan_image_model import diffusers_twin
 from tests.test_train_lora import read_losses, sample_png
 
@@ -91,12 +92,7 @@ def inputs(seed=0, length=5, glyph=0):
 
 def random_lora(model, **args) -> LoRANetwork:
     """rank 4, alpha 2, up ~ N(0, 0.5): a delta near the size of the weights, so any mistake shows."""
-    torch.manual_seed(3)
-    net = LoRANetwork(model, "hunyuan_image", rank=4, alpha=2, network_args=args or None)
-    with torch.no_grad():
-        for m in net.lora_modules():
-            m.lora_up.weight.normal_(0, 0.5)
-    return net
+    return lora_clients.random_lora(model, "hunyuan_image", up_std=0.5, **args)
 
 
 def diffusers_velocity(reference, x, sigma, text) -> torch.Tensor:
