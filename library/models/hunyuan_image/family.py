@@ -84,8 +84,10 @@ class HunyuanImageFamily(DiffusionFamily):
         from library.models.hunyuan_image.text_encoder import GLYPH_MAX_TOKENS
 
         c = model.config
-        return {"embeds": torch.empty(batch, tokens, c.text_dim, device="meta"),
-                "glyph": torch.empty(batch, GLYPH_MAX_TOKENS, c.glyph_dim, device="meta")}
+        text = {"embeds": torch.empty(batch, tokens, c.text_dim, device="meta")}
+        if c.glyph_dim:  # a model without byt5_in takes no glyph states
+            text["glyph"] = torch.empty(batch, GLYPH_MAX_TOKENS, c.glyph_dim, device="meta")
+        return text
 
     @classmethod
     def checkpoint_names(cls, keys, shape):
