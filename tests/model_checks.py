@@ -1,6 +1,6 @@
 """Shared checks of a transformer on the shared core for the families' parity tests: random weights (the references
 zero-init the modulation and the outputs, so a freshly built model would compare zeros) and the gradients with and
-without gradient checkpointing."""
+without gradient checkpointing; a LoRA's runtime output beside that of its converted files read back."""
 
 import torch
 
@@ -26,3 +26,23 @@ def checkpointing_gradients(model: torch.nn.Module, inputs: dict) -> tuple[dict,
         return {name: p.grad.clone() for name, p in model.named_parameters()}
 
     return grads(False), grads(True)
+
+
+@torch.no_grad()
+def lora_read_back(model: torch.nn.Module, arch: str, net, files: dict, predict) -> tuple[torch.Tensor, torch.Tensor,
+                                                                                           dict[str, float]]:
+    """(predict() without a LoRA, with `net` applied at runtime, {"ours_from_<layout>": the max abs difference to the
+    runtime output of each file of `files` (layout -> path) read back by LoRANetwork.from_weights and applied})."""
+    from networks.lora import LoRANetwork
+
+    base = predict()
+    net.apply()
+    want = predict()
+    net.remove()
+    diffs = {}
+    for layout, path in files.items():
+        read = LoRANetwork.from_weights(model, arch, str(path))
+        read.apply()
+        diffs[f"ours_from_{layout}"] = (predict() - want).abs().max().item()
+        read.remove()
+    return base, want, diffs

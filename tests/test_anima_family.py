@@ -16,6 +16,7 @@ from library.models.anima.family import AnimaFamily
 from library.models.family import stack_text
 from networks.lora import LoRANetwork
 from tests import test_lora_clients as lora_clients
+from tests.model_checks import lora_read_back
 from tests.test_anima_model import diffusers_forward, diffusers_pair, no_torchvision
 from tests.test_train_lora import read_losses, sample_png
 
@@ -99,16 +100,9 @@ def test_converted_loras_load_in_diffusers_anima_loader_with_our_output(tiny_set
         assert convert_lora.main([str(tmp_path / "kohya.safetensors"), str(tmp_path / "diffusers.safetensors"),
                                   "--to", "diffusers"]) == 2
         assert "use --to comfy" in capsys.readouterr().err and not (tmp_path / "diffusers.safetensors").exists()
-    base = family.predict(ours, x, sigma, text, H, W, None)
-    net.apply()
-    want = family.predict(ours, x, sigma, text, H, W, None)
-    net.remove()
-    diffs = {}
-    for layout in layouts:
-        read = LoRANetwork.from_weights(ours, "anima", str(tmp_path / f"{layout}.safetensors"))
-        read.apply()
-        diffs[f"ours_from_{layout}"] = (family.predict(ours, x, sigma, text, H, W, None) - want).abs().max().item()
-        read.remove()
+    files = {layout: tmp_path / f"{layout}.safetensors" for layout in layouts}
+    base, want, diffs = lora_read_back(ours, "anima", net, files,
+                                       lambda: family.predict(ours, x, sigma, text, H, W, None))
 
     transformer, conditioner = diffusers_pair(ours)
     call = dict(img=x, qwen=text["qwen"], t5_ids=text["t5_ids"], timesteps=sigma, h=H, w=W,

@@ -17,6 +17,7 @@ from library.models.family import stack_text
 from library.models.hunyuan_image.family import HunyuanImageFamily
 from networks.lora import LoRANetwork
 from tests import test_lora_clients as lora_clients
+from tests.model_checks import lora_read_back
 from tests.test_hunyuan_image_model import diffusers_twin
 from tests.test_train_lora import read_losses, sample_png
 
@@ -135,16 +136,9 @@ def test_converted_loras_load_in_comfy_names_and_diffusers_with_our_output(tiny_
         assert convert_lora.detect_arch(tensors, metadata) == "hunyuan_image", layout
         if layout == "kohya":  # Tencent's names alone say it (a tiny width says nothing)
             assert convert_lora.detect_arch(tensors, {}) == "hunyuan_image"
-    base = family.predict(ours, x, sigma, text, H, W, None)
-    net.apply()
-    want = family.predict(ours, x, sigma, text, H, W, None)
-    net.remove()
-    diffs = {}
-    for layout in ("comfy", "diffusers"):
-        read = LoRANetwork.from_weights(ours, "hunyuan_image", str(tmp_path / f"{layout}.safetensors"))
-        read.apply()
-        diffs[f"ours_from_{layout}"] = (family.predict(ours, x, sigma, text, H, W, None) - want).abs().max().item()
-        read.remove()
+    files = {layout: tmp_path / f"{layout}.safetensors" for layout in ("comfy", "diffusers")}
+    base, want, diffs = lora_read_back(ours, "hunyuan_image", net, files,
+                                       lambda: family.predict(ours, x, sigma, text, H, W, None))
     reference = diffusers_twin(ours)
     assert (diffusers_velocity(reference, x, sigma, text) - base).abs().max() <= 1e-5
     reference.load_lora_adapter(load_file(tmp_path / "diffusers.safetensors"), adapter_name="ours")  # transformer.*

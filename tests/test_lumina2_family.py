@@ -16,6 +16,7 @@ from library.models.family import stack_text
 from library.models.lumina2.family import Lumina2Family
 from networks.lora import LoRANetwork
 from tests import test_lora_clients as lora_clients
+from tests.model_checks import lora_read_back
 from tests.test_lumina2_model import diffusers_twin
 from tests.test_train_lora import read_losses, sample_png
 
@@ -93,16 +94,9 @@ def test_converted_loras_load_in_diffusers_lumina2_loader_with_our_output(tiny_s
                                       "--to", layout]) == 0
         tensors, metadata, _ = lf.read_lora_tensors(str(tmp_path / f"{layout}.safetensors"))
         assert convert_lora.detect_arch(tensors, {}) == "lumina2", layout  # by its shapes, no header
-    base = family.predict(ours, x, sigma, text, H, W, None)
-    net.apply()
-    want = family.predict(ours, x, sigma, text, H, W, None)
-    net.remove()
-    diffs = {}
-    for layout in ("comfy", "diffusers"):
-        read = LoRANetwork.from_weights(ours, "lumina2", str(tmp_path / f"{layout}.safetensors"))
-        read.apply()
-        diffs[f"ours_from_{layout}"] = (family.predict(ours, x, sigma, text, H, W, None) - want).abs().max().item()
-        read.remove()
+    files = {layout: tmp_path / f"{layout}.safetensors" for layout in ("comfy", "diffusers")}
+    base, want, diffs = lora_read_back(ours, "lumina2", net, files,
+                                       lambda: family.predict(ours, x, sigma, text, H, W, None))
 
     reference = diffusers_twin(ours)
     call = dict(img=x, txt=text["embeds"], txt_mask=text["mask"], timesteps=sigma, h=H, w=W)
@@ -216,7 +210,8 @@ def test_generate_renders_with_cfg_and_the_lora(tiny_set, trained, tmp_path):
 
     out = tmp_path / "gen"
     assert generate.main(["--model_type", "lumina2", "--model", tiny_set["lumina2"],
-                          "--ae", tiny_set["flux_vae_single"], "--text_encoder", tiny_set["lumina2_text_encoder"], "--prompt", "a red square --s 2",
+                          "--ae", tiny_set["flux_vae_single"], "--text_encoder", tiny_set["lumina2_text_encoder"],
+                          "--prompt", "a red square --s 2",
                           "--width", "48", "--height", "32", "--dtype", "fp32", "--seed", "0", "--out", str(out),
                           "--lora", f"{trained / 'lumina2.safetensors'}:0.8"]) == 0
     (png,) = out.glob("*.png")
