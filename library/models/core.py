@@ -483,6 +483,19 @@ def timestep_embedding(
         return emb
 
 
+class TimestepMLP(nn.Module):
+    """The MLP over a sinusoidal embedding in the original single files' names: `mlp.0` (freq_dim -> hidden), SiLU,
+    `mlp.2` (hidden -> width); hidden is width unless a release fixes it otherwise."""
+
+    def __init__(self, width: int, hidden: int | None = None, freq_dim: int = 256):
+        super().__init__()
+        hidden = hidden or width
+        self.mlp = nn.Sequential(nn.Linear(freq_dim, hidden), nn.SiLU(), nn.Linear(hidden, width))
+
+    def forward(self, freqs: torch.Tensor) -> torch.Tensor:
+        return self.mlp(freqs)
+
+
 # ----------------------------------------------------------------------------------------------
 # Gradient checkpointing
 

@@ -39,8 +39,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models.core import (
-    LayerNormNoAffine, Modulation, RMSNorm, apply_rope, attention, rope_tables, run_block, split_modulation,
-    timestep_embedding,
+    LayerNormNoAffine, Modulation, RMSNorm, TimestepMLP, apply_rope, attention, rope_tables, run_block,
+    split_modulation, timestep_embedding,
 )
 from library.models.flux1.model import split_heads
 
@@ -96,17 +96,6 @@ HUNYUAN_IMAGE = HunyuanImageConfig()
 
 # ----------------------------------------------------------------------------------------------
 # Layers
-
-
-class TimestepEmbedder(nn.Module):
-    """`mlp.0` (256 -> width), SiLU, `mlp.2`: embeds the float32 sinusoid of t (or guidance), cast first."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(TIME_DIM, width), nn.SiLU(), nn.Linear(width, width))
-
-    def forward(self, freqs: torch.Tensor) -> torch.Tensor:
-        return self.mlp(freqs)
 
 
 class MLP(nn.Module):
@@ -212,7 +201,7 @@ class SingleTokenRefiner(nn.Module):
     def __init__(self, cfg: HunyuanImageConfig):
         super().__init__()
         self.input_embedder = nn.Linear(cfg.text_dim, cfg.hidden_size)
-        self.t_embedder = TimestepEmbedder(cfg.hidden_size)
+        self.t_embedder = TimestepMLP(cfg.hidden_size)
         self.c_embedder = TextProjection(cfg.text_dim, cfg.hidden_size)
         self.individual_token_refiner = IndividualTokenRefiner(cfg)
 
@@ -385,9 +374,9 @@ class HunyuanImage(nn.Module):
         self.byt5_in = ByT5Mapper(cfg) if cfg.glyph_dim else None
         self.img_in = PatchEmbed(cfg.in_channels, h)
         self.txt_in = SingleTokenRefiner(cfg)
-        self.time_in = TimestepEmbedder(h)
-        self.time_r_in = TimestepEmbedder(h) if cfg.use_meanflow else None
-        self.guidance_in = TimestepEmbedder(h) if cfg.guidance_embeds else None
+        self.time_in = TimestepMLP(h)
+        self.time_r_in = TimestepMLP(h) if cfg.use_meanflow else None
+        self.guidance_in = TimestepMLP(h) if cfg.guidance_embeds else None
         self.double_blocks = nn.ModuleList(MMDoubleStreamBlock(cfg) for _ in range(cfg.depth))
         self.single_blocks = nn.ModuleList(MMSingleStreamBlock(cfg) for _ in range(cfg.depth_single))
         self.final_layer = FinalLayer(cfg)

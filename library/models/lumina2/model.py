@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-from library.models.core import RMSNorm, apply_rope, attention, rope_tables, run_block, timestep_embedding
+from library.models.core import RMSNorm, TimestepMLP, apply_rope, attention, rope_tables, run_block, timestep_embedding
 from library.models.zimage.model import FeedForward, FinalLayer, from_patch_order, split_scale_gate, to_patch_order
 
 TIME_DIM = 256  # sinusoidal timestep embedding width (frequency_embedding_size)
@@ -154,17 +154,6 @@ class Lumina2Block(nn.Module):
         return x + ffn.gated(self.ffn_norm2(self.feed_forward(ffn.modulate(self.ffn_norm1(x)))))
 
 
-class TimestepEmbedder(nn.Module):
-    """The sinusoid's MLP: `mlp.0` (256 -> width), SiLU, `mlp.2` (width -> width); width = min(dim, 1024)."""
-
-    def __init__(self, width: int):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(TIME_DIM, width), nn.SiLU(), nn.Linear(width, width))
-
-    def forward(self, freqs: torch.Tensor) -> torch.Tensor:
-        return self.mlp(freqs)
-
-
 # ----------------------------------------------------------------------------------------------
 # Positions
 
@@ -200,7 +189,7 @@ class Lumina2(nn.Module):
         self.block_swap = None  # a BlockSwap once enable_block_swap() is called
 
         self.x_embedder = nn.Linear(cfg.patch_dim, cfg.dim)
-        self.t_embedder = TimestepEmbedder(cfg.adaln_dim)
+        self.t_embedder = TimestepMLP(cfg.adaln_dim, freq_dim=TIME_DIM)  # 256 -> width -> width = min(dim, 1024)
         self.cap_embedder = nn.Sequential(RMSNorm(cfg.cap_feat_dim, cfg.norm_eps), nn.Linear(cfg.cap_feat_dim, cfg.dim))
         self.noise_refiner = nn.ModuleList(Lumina2Block(cfg, modulation=True) for _ in range(cfg.n_refiner_layers))
         self.context_refiner = nn.ModuleList(Lumina2Block(cfg, modulation=False) for _ in range(cfg.n_refiner_layers))

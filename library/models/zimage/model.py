@@ -36,7 +36,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from library.models.core import LayerNormNoAffine, RMSNorm, apply_rope, attention, rope_tables, run_block, timestep_embedding
+from library.models.core import (
+    LayerNormNoAffine, RMSNorm, TimestepMLP, apply_rope, attention, rope_tables, run_block, timestep_embedding,
+)
 
 SEQ_MULTIPLE = 32  # each modality's token count is padded to a multiple of this (diffusers' SEQ_MULTI_OF)
 TIME_DIM = 256  # sinusoidal timestep embedding width (diffusers' frequency_embedding_size)
@@ -202,17 +204,6 @@ class ZImageBlock(nn.Module):
         return x + ffn.gated(self.ffn_norm2(self.feed_forward(ffn.modulate(self.ffn_norm1(x)))))
 
 
-class TimestepEmbedder(nn.Module):
-    """MLP over the sinusoidal embedding: `mlp.0` (256 -> 1024), SiLU, `mlp.2` (1024 -> adaln_dim)."""
-
-    def __init__(self, out_dim: int):
-        super().__init__()
-        self.mlp = nn.Sequential(nn.Linear(TIME_DIM, TIME_HIDDEN), nn.SiLU(), nn.Linear(TIME_HIDDEN, out_dim))
-
-    def forward(self, freqs: torch.Tensor) -> torch.Tensor:
-        return self.mlp(freqs)
-
-
 class FinalLayer(nn.Module):
     """LayerNorm (no affine, eps 1e-6) scaled by 1 + adaLN(SiLU(t)), then the patch projection."""
 
@@ -274,7 +265,7 @@ class ZImage(nn.Module):
         self.block_swap = None  # a BlockSwap once enable_block_swap() is called
 
         self.all_x_embedder = nn.ModuleDict({cfg.patch_key: nn.Linear(cfg.patch_dim, cfg.dim)})
-        self.t_embedder = TimestepEmbedder(cfg.adaln_dim)
+        self.t_embedder = TimestepMLP(cfg.adaln_dim, TIME_HIDDEN, TIME_DIM)  # 256 -> 1024 -> adaln_dim
         self.cap_embedder = nn.Sequential(RMSNorm(cfg.cap_feat_dim, cfg.norm_eps), nn.Linear(cfg.cap_feat_dim, cfg.dim))
         self.x_pad_token = nn.Parameter(torch.zeros(1, cfg.dim))
         self.cap_pad_token = nn.Parameter(torch.zeros(1, cfg.dim))
