@@ -1,4 +1,5 @@
-"""Text encoders: CLIP-L and T5-XXL (transformers models), and the helpers every family's text
+"""Text encoders: CLIP-L, a CLIP text tower with projection read at its second-to-last layer (CLIP-L or
+OpenCLIP's bigG, "CLIP-G") and T5-XXL (transformers models), and the helpers every family's text
 encoder uses (configs, tokenizer lookup, precisions). A family's prompt handling (templates, which
 outputs it takes) lives in its folder (library/models/<family>/text_encoder.py); the LLM text
 encoders run on our LLM core (library/models/llm.py).
@@ -21,9 +22,13 @@ import os
 
 import torch
 from accelerate import init_empty_weights
-from transformers import AutoTokenizer, CLIPTextConfig, CLIPTextModel, T5Config, T5EncoderModel
+from transformers import (
+    AutoTokenizer, CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection, T5Config, T5EncoderModel,
+)
 
-from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, read_json_file
+from library.io import (
+    CheckpointError, CheckpointReader, PrefixedReader, component_folder, load_streaming, read_json_file,
+)
 from library.models.llm import QWEN2_5_7B, QWEN3_VL_4B, QWEN3_VL_8B, LLMConfig
 from library.models.spec import FP8Rules, TextWeights
 
@@ -66,6 +71,24 @@ T5_XXL_CONFIG = {
     "tie_word_embeddings": False,
     "pad_token_id": 0,
     "eos_token_id": 1,
+}
+
+# The OpenCLIP ViT-bigG/14 text tower (laion/CLIP-ViT-bigG-14-laion2B-39B-b160k; "CLIP-G"): a diffusers pipeline's
+# text_encoder_2/config.json (CLIPTextModelWithProjection) and ComfyUI's clip_config_bigg.json. Its ids are CLIP-L's
+# vocabulary; eos_token_id 2 is the legacy value, as CLIP-L's: pooling takes the argmax token (EOT, the highest id).
+CLIP_G_CONFIG = {
+    "vocab_size": 49408,
+    "hidden_size": 1280,
+    "intermediate_size": 5120,
+    "projection_dim": 1280,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 20,
+    "max_position_embeddings": 77,
+    "hidden_act": "gelu",
+    "layer_norm_eps": 1e-5,
+    "bos_token_id": 0,
+    "eos_token_id": 2,
+    "pad_token_id": 1,
 }
 
 CLIP_MAX_LENGTH = 77
@@ -329,6 +352,13 @@ def _clip_key(key: str) -> str | None:
     return key.removeprefix("text_model.")
 
 
+def bundled_prefix(reader: CheckpointReader, name: str) -> str:
+    """`text_encoders.<name>.transformer.` when `reader` is a ComfyUI full checkpoint holding the text encoder `name`
+    (clip_l, clip_g, t5xxl: comfy/sd.py's names; llm.py BUNDLED_TEXT_ENCODERS), else '' (the encoder's own file)."""
+    prefix = f"text_encoders.{name}.transformer."
+    return prefix if any(k.startswith(prefix) for k in reader.keys()) else ""
+
+
 def _t5_key(key: str) -> str | None:
     # encoder.embed_tokens is tied to `shared`; it is filled from `shared.weight` (see _tie_t5).
     return None if key == "encoder.embed_tokens.weight" else key
@@ -369,6 +399,61 @@ class T5TextEncoder:
         return self.model(ids.to(self.model.device)).last_hidden_state.float()
 
 
+class CLIPPenultimateEncoder:
+    """A CLIP text tower with its projection (transformers' CLIPTextModelWithProjection) + tokenizer, read as the
+    pipelines that take CLIP's second-to-last layer do. encode(prompts) -> (hidden_states[-2] [B, 77, D] float32: the
+    last layer's input, no final norm; text_embeds [B, P] float32: the EOT token's final state through the
+    projection). Prompts are padded to max_length with the tokenizer's own pad token and run without a mask."""
+
+    def __init__(self, model: CLIPTextModelWithProjection, tokenizer, max_length: int = CLIP_MAX_LENGTH):
+        self.model, self.tokenizer, self.max_length = model.eval().requires_grad_(False), tokenizer, max_length
+
+    @torch.no_grad()
+    def encode(self, prompts: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        ids = self.tokenizer(
+            prompts, padding="max_length", max_length=self.max_length, truncation=True, return_tensors="pt"
+        ).input_ids
+        out = self.model(ids.to(self.model.device), output_hidden_states=True)  # weights' dtype
+        return out.hidden_states[-2].float(), out.text_embeds.float()
+
+
+def load_clip_with_projection(path: str, tokenizer: str, dtype: torch.dtype = torch.float32, config: dict | None = None,
+                              prefix: str = "", identity_projection: bool = False) -> CLIPPenultimateEncoder:
+    """A CLIP text tower with projection from an HF folder or a single file (`text_model.*` + `text_projection.weight`,
+    HF's Linear orientation [P, D]: clip_g.safetensors, a diffusers text_encoder_2/) or the part of a ComfyUI full
+    checkpoint under `prefix` (bundled_prefix). config: the tower's (a dict; None: config.json in or beside `path`,
+    which must exist); tokenizer: its folder (tokenizer_folder). identity_projection: the projection is the identity
+    (P == D) whatever the file holds, for a model whose conditioning took the unprojected pooled output."""
+    cfg = CLIPTextConfig(**(config if config is not None else _read_config(path, None, {})))
+    if not cfg.hidden_size or (identity_projection and cfg.projection_dim != cfg.hidden_size):
+        raise CheckpointError(f"{path}: CLIP config hidden_size {cfg.hidden_size} / projection_dim "
+                              f"{cfg.projection_dim}: an identity projection needs both equal")
+    with init_empty_weights():  # parameters on meta; the position_ids buffer stays real
+        model = CLIPTextModelWithProjection(cfg)
+    reader = CheckpointReader(path)
+    reader = PrefixedReader(reader, prefix) if prefix else reader
+    load_streaming(model.text_model, reader, _clip_key, dtype=dtype)  # every key but the projection's
+    if identity_projection:
+        projection = torch.eye(cfg.hidden_size, dtype=dtype)
+    elif "text_projection.weight" not in reader:
+        raise CheckpointError(f"{path}: no '{prefix}text_projection.weight': not a CLIP text tower with projection")
+    else:
+        projection = reader.get("text_projection.weight").to(dtype)
+    if tuple(projection.shape) != (cfg.projection_dim, cfg.hidden_size):
+        raise CheckpointError(f"{path}: '{prefix}text_projection.weight' has shape {tuple(projection.shape)}, the "
+                              f"model expects {(cfg.projection_dim, cfg.hidden_size)}")
+    model.text_projection.weight = torch.nn.Parameter(projection, requires_grad=False)
+    return CLIPPenultimateEncoder(model, AutoTokenizer.from_pretrained(tokenizer, local_files_only=True))
+
+
+def clip_with_projection_weights(config: dict) -> TextWeights:
+    """What load_clip_with_projection keeps of a tower of `config`, counted on meta: the text model and its
+    projection (never fp8: the CLIP towers stay in the compute dtype)."""
+    with init_empty_weights():
+        model = CLIPTextModelWithProjection(CLIPTextConfig(**config))
+    return module_text_weights(model)
+
+
 def load_clip_l(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None) -> CLIPTextEncoder:
     """CLIP-L from an HF folder, a diffusers pipeline repo (text_encoder/, tokenizer/) or clip_l.safetensors."""
     path = component_folder(path, "text_encoder")
@@ -380,17 +465,20 @@ def load_clip_l(path: str, tokenizer: str | None = None, dtype: torch.dtype = to
 
 
 def load_t5(path: str, tokenizer: str | None = None, dtype: torch.dtype = torch.float32, config=None,
-            fp8: str | None = None) -> T5TextEncoder:
+            fp8: str | None = None, prefix: str = "") -> T5TextEncoder:
     """T5 encoder from an HF folder, a diffusers pipeline repo (text_encoder_2/, tokenizer_2/) or
     t5xxl_*.safetensors (load_t5_model), with its tokenizer."""
     path = component_folder(path, "text_encoder_2")
-    model = load_t5_model(path, dtype, config, fp8)
+    model = load_t5_model(path, dtype, config, fp8, prefix)
     return T5TextEncoder(model, _load_tokenizer(path, tokenizer, "tokenizer_2", "T5"))
 
 
-def load_t5_model(path: str, dtype: torch.dtype = torch.float32, config=None, fp8: str | None = None) -> T5EncoderModel:
+def load_t5_model(path: str, dtype: torch.dtype = torch.float32, config=None, fp8: str | None = None,
+                  prefix: str = "") -> T5EncoderModel:
     """transformers' T5EncoderModel from an HF folder, a diffusers pipeline repo (text_encoder_2/) or a single file
-    (config: a dict, else config.json in or beside it, else T5-XXL's). In float16 the feed-forward output projections
+    (config: a dict, else config.json in or beside it, else T5-XXL's); prefix: only the keys under it, named without
+    it (a ComfyUI full checkpoint's `text_encoders.t5xxl.transformer.`: bundled_prefix). In float16 the feed-forward
+    output projections
     (`wo`) stay float32, as transformers keeps them (T5 activations overflow fp16 there). fp8 ("fp8" / "fp8_scaled"):
     every Linear stored as FP8Linear, quantized from the file's dtype as it is read, run in `dtype`.
     ComfyUI's scaled fp8 file (t5xxl_fp8_e4m3fn_scaled) is never quantized again: with fp8 (either) its
@@ -403,6 +491,7 @@ def load_t5_model(path: str, dtype: torch.dtype = torch.float32, config=None, fp
     with init_empty_weights():
         model = T5EncoderModel(cfg)
     reader = CheckpointReader(path)
+    reader = PrefixedReader(reader, prefix) if prefix else reader
     stored = scaled_fp8_converter(model, reader, path, T5_FP8 if fp8 else None, dtype, rename=_t5_key)
     fp16 = dtype == torch.float16
     convert = _tie_t5 if stored is None else _Chain(_tie_t5, stored)
@@ -447,10 +536,11 @@ def module_text_weights(model: torch.nn.Module, fp8_rules: FP8Rules | None = Non
                        fp32_in_fp16=sum(p.numel() for name, p in params.items() if float32_in_fp16(name)))
 
 
-def t5_text_weights(path: str | None = None) -> TextWeights:
-    """T5 as load_t5 builds it from `path` (its config; None: T5-XXL's), on meta: `shared` tied to the
-    encoder's embedding, T5_FP8 under fp8, `wo` float32 in fp16."""
-    config = _read_config(component_folder(path, "text_encoder_2"), None, T5_XXL_CONFIG) if path else T5_XXL_CONFIG
+def t5_text_weights(path: str | None = None, config: dict | None = None) -> TextWeights:
+    """T5 as load_t5 builds it from `path` (its config; None: T5-XXL's) or from `config`, on meta: `shared` tied
+    to the encoder's embedding, T5_FP8 under fp8, `wo` float32 in fp16."""
+    if config is None:
+        config = _read_config(component_folder(path, "text_encoder_2"), None, T5_XXL_CONFIG) if path else T5_XXL_CONFIG
     with init_empty_weights():
         model = T5EncoderModel(T5Config(**config))
     model.encoder.embed_tokens.weight = model.shared.weight  # one tensor, as _tie_t5 loads it

@@ -314,13 +314,13 @@ def write_clip_l(folder: str, seed: int, offset: int) -> None:
     save_tokenizer(tokenizer, folder)
 
 
-def write_t5_encoder(folder: str, seed: int, offset: int) -> None:
-    """A T5EncoderModel HF folder of width TINY['t5_d_model'], with its tokenizer."""
+def write_t5_encoder(folder: str, seed: int, offset: int, d_model: int | None = None) -> None:
+    """A T5EncoderModel HF folder of width `d_model` (None: TINY['t5_d_model']), with its tokenizer."""
     from transformers import T5Config, T5EncoderModel
 
     tokenizer = build_t5_tokenizer()
     seed_component(seed, offset)
-    d = TINY["t5_d_model"]
+    d = TINY["t5_d_model"] if d_model is None else d_model
     config = T5Config(
         vocab_size=len(tokenizer), d_model=d, d_kv=8, d_ff=2 * d, num_layers=2, num_heads=4,
         feed_forward_proj="gated-gelu", tie_word_embeddings=False, pad_token_id=0, eos_token_id=1,
