@@ -7,6 +7,9 @@ model takes the scheduler's timestep 1000 sigma, and returns the flow velocity v
 step x + (sigma_next - sigma) v goes from noise to the image) in pack_latents' token layout."""
 
 import numpy as np
+import logging
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -92,7 +95,7 @@ def test_the_crop_moved_by_one_changes_the_output():
         out = ours(**kwargs)
         top, left = M.crop_offset(config, 5, 7)
         centred = M.cropped_pos_embed
-        M.cropped_pos_embed = lambda cfg, h, w, device=None: centred(cfg, h, w, device, (top + 1, left))
+        M.cropped_pos_embed = lambda cfg, h, w, device=None, table=None: centred(cfg, h, w, device, (top + 1, left))
         try:
             moved = ours(**kwargs)
         finally:
@@ -246,9 +249,10 @@ def test_other_families_files_are_refused_in_one_line(tmp_path):
         load_sd3(str(folder))
 
 
-def test_a_file_whose_position_table_differs_is_refused(tmp_path):
-    """The loader checks the file's pos_embed against the computed table and names the grid it found (here diffusers'
-    own init grid, position i * 64 / N, which a released file does not hold)."""
+def test_a_file_whose_position_table_differs_keeps_its_own(tmp_path):
+    """The loader compares the file's pos_embed with the computed table: ours where they agree to bf16 rounding; a file
+    holding another grid (here diffusers' own init grid, position i * 64 / N) runs its own table, as the references do,
+    with one warning naming the grid it found; the model's output is then the file's positions'."""
     path = write_sd3(str(tmp_path), seed=0)["sd3"]
     file = load_file(path)
     config = tiny_config()
@@ -258,8 +262,26 @@ def test_a_file_whose_position_table_differs_is_refused(tmp_path):
     table = torch.cat((axis[None].expand(n, n, -1), axis[:, None].expand(n, n, -1)), dim=-1).reshape(1, n * n, -1)
     other = tmp_path / "other.safetensors"
     save_file({**file, "model.diffusion_model.pos_embed": table.to(torch.bfloat16)}, str(other))
+    assert load_sd3(path).stored_pos_embed is None
+    records = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("library.models.sd3.checkpoint")
+    logger.addHandler(handler)
+    try:
+        model = load_sd3(str(other))
+    finally:
+        logger.removeHandler(handler)
     # (bf16 reads the last column as 61.79: the lowest frequency's sin rounded)
-    with pytest.raises(CheckpointError, match=r"key 'model.diffusion_model.pos_embed' is not the SD3 position table "
-                                              r".*the file.s columns run from position 0 to 6[12].*, ours from 4 to "
-                                              r"11.75"):
-        load_sd3(str(other))
+    assert re.search(r"key 'model.diffusion_model.pos_embed' is not the position table .*its columns run from "
+                     r"position 0 to 6[12].*, ours from 4 to 11.75", records[0].getMessage())
+    assert torch.equal(model.stored_pos_embed, table[0].to(torch.bfloat16))
+    h, w = 5, 7
+    top, left = M.crop_offset(config, h, w)
+    window = table[0].to(torch.bfloat16).float().view(n, n, -1)[top: top + h, left: left + w].reshape(1, h * w, -1)
+    assert torch.equal(M.cropped_pos_embed(config, h, w, table=model.stored_pos_embed), window)
+    g = torch.Generator().manual_seed(0)
+    inputs = dict(img=torch.randn(1, h * w, 64, generator=g), txt=torch.randn(1, 3, config.context_dim, generator=g),
+                  pooled=torch.randn(1, config.pooled_dim, generator=g), timesteps=torch.tensor([0.5]), h=h, w=w)
+    with torch.no_grad():
+        assert (model(**inputs) - load_sd3(path)(**inputs)).abs().max() > 1e-3  # the file's positions are used

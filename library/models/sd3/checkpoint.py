@@ -14,9 +14,11 @@ modulation rows are in SAI's order in both (AdaLayerNormZero and SD35AdaLayerNor
 x 2 (x 3) as SAI does).
 
 `pos_embed` (the file's [1, N^2, width] position table; diffusers' persistent pos_embed.pos_embed buffer) is not a
-weight of ours: the model computes it (model.pos_embed_table). The loader reads N from its shape and checks the
-file's values against the computed table (one CheckpointError naming the key and the grid the file's table holds
-where they differ by more than a 16-bit rounding).
+weight of ours: the model computes it (model.pos_embed_table) from the grid sd-scripts names as SD3.5's. The loader
+reads N from its shape and compares the file's values with the computed table: within a 16-bit rounding the exact
+float32 table is used; a file holding another grid (the released files could not be read here) keeps its own table,
+as diffusers, ComfyUI and sd-scripts run it (model.stored_pos_embed, in the file's dtype on the CPU, never cast with
+the model), with one warning naming the grids.
 
 Pre-quantized single files (ComfyUI's scaled fp8 / comfy_quant, our fp8 layouts, city96's GGUF) load as stored through
 precision/stored_layouts.py. A diffusers folder is read in full precision only (its fused tensors are built from parts).
@@ -24,6 +26,7 @@ precision/stored_layouts.py. A diffusers folder is read in full precision only (
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import re
@@ -39,6 +42,8 @@ from library.models.checkpoint_files import block_count, diffusers_config_json, 
     stated_config
 from library.models.sd3.model import HEAD_DIM, PATCH, SD3, SD3Config, pos_embed_table, sincos_1d, table_positions
 from library.precision.stored_layouts import read_stored_layout, stored_extras
+
+logger = logging.getLogger(__name__)
 
 CLASS_NAME = "SD3Transformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # SAI's release / ComfyUI's UNet-only, plain
@@ -242,25 +247,32 @@ def _file_column_positions(table: torch.Tensor, width: int) -> tuple[float, floa
     return float(angle[0] / omega), float(angle[-1] / omega)
 
 
-def check_pos_embed(table: torch.Tensor, config: SD3Config, where: str, key: str) -> float:
-    """The max abs difference of the file's table [1, N^2, width] (any float dtype) to ours; one CheckpointError naming
-    the key and the grids where it is over POS_TOLERANCE. Compared in row bands (a 384^2 table is 0.45 GB in bf16)."""
+def pos_embed_difference(table: torch.Tensor, config: SD3Config) -> float:
+    """The max abs difference of the file's table [1, N^2, width] (any float dtype) to ours. Compared in row bands (a
+    384^2 table is 0.45 GB in bf16)."""
     n, width = config.pos_embed_max_size, config.hidden_size
     table = table.reshape(n, n, width)
-    positions = table_positions(config)
-    axis = sincos_1d(positions, width // 2).float()  # [N, width / 2]
+    axis = sincos_1d(table_positions(config), width // 2).float()  # [N, width / 2]
     worst = 0.0
     for top in range(0, n, 32):
         rows = axis[top: top + 32]
         ours = torch.cat((axis[None].expand(len(rows), n, -1), rows[:, None].expand(-1, n, -1)), dim=-1)
         worst = max(worst, float((table[top: top + 32].float() - ours).abs().max()))
-    if worst > POS_TOLERANCE:
-        first, last = _file_column_positions(table.reshape(n * n, width), width)
-        raise CheckpointError(
-            f"{where}: key '{key}' is not the SD3 position table this trainer computes (max abs diff {worst:.3g}): the "
-            f"file's columns run from position {first:.4g} to {last:.4g}, ours from {float(positions[0]):.4g} to "
-            f"{float(positions[-1]):.4g}")
     return worst
+
+
+def file_pos_embed(table: torch.Tensor, config: SD3Config, where: str, key: str) -> torch.Tensor | None:
+    """None where the file's table is ours within POS_TOLERANCE (the computed float32 table runs); else the file's
+    table [N^2, width] as stored, with one warning naming the grids (module docstring)."""
+    worst = pos_embed_difference(table, config)
+    if worst <= POS_TOLERANCE:
+        return None
+    first, last = _file_column_positions(table.reshape(-1, config.hidden_size), config.hidden_size)
+    positions = table_positions(config)
+    logger.warning(f"{where}: key '{key}' is not the position table this trainer computes (max abs diff {worst:.3g}: "
+                   f"its columns run from position {first:.4g} to {last:.4g}, ours from {float(positions[0]):.4g} to "
+                   f"{float(positions[-1]):.4g}); the file's own table is used, as its dtype holds it")
+    return table.reshape(-1, config.hidden_size).detach().clone()
 
 
 # ----------------------------------------------------------------------------------------------
@@ -346,16 +358,18 @@ def load_sd3(
     with torch.device("meta"):
         model = SD3(config)
     check_keys_and_shapes(source, model.state_dict(), config, stored_extras(stored))
+    stored_table = None
     if pos_key is not None:
         side = config.pos_embed_max_size
         want = (1, side * side, config.hidden_size)
         if tuple(reader.shape(pos_key)) != want:
             raise CheckpointError(f"{path}: key '{pos_key}' has shape {tuple(reader.shape(pos_key))}, expected {want}")
-        if read_weights:
-            check_pos_embed(reader.get(pos_key), config, path, pos_key)
-    return fill_meta_model(model, source, lambda key: key, path, dtype, stored=stored,
+        stored_table = file_pos_embed(reader.get(pos_key), config, path, pos_key) if read_weights else None
+    model = fill_meta_model(model, source, lambda key: key, path, dtype, stored=stored,
                            keep_rules=_fp8_rules() if stored else None, prepare=prepare, convert=convert,
                            read_weights=read_weights, loader="load_sd3")
+    model.stored_pos_embed = stored_table
+    return model
 
 
 # ----------------------------------------------------------------------------------------------

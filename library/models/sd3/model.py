@@ -50,8 +50,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models.core import (
-    LayerNormNoAffine, Modulation, RMSNorm, TimestepMLP, angle_dtype, attention, run_block, split_modulation,
-    timestep_embedding,
+    LayerNormNoAffine, Modulation, RMSNorm, TimestepMLP, angle_dtype, attention, rope_tables, run_block,
+    split_modulation, timestep_embedding,
 )
 from library.precision.autocast import autocast_off
 
@@ -163,19 +163,26 @@ def crop_offset(config: SD3Config, h: int, w: int) -> tuple[int, int]:
     return (n - h) // 2, (n - w) // 2
 
 
-def cropped_pos_embed(config: SD3Config, h: int, w: int, device=None, offset: tuple[int, int] | None = None):
+def cropped_pos_embed(config: SD3Config, h: int, w: int, device=None, offset: tuple[int, int] | None = None,
+                      table: torch.Tensor | None = None):
     """float32 [1, h*w, width]: the table's h x w window at `offset` (default the centred crop), row-major.
-    Computed from the window's own positions (float64), not by slicing a cached N x N table."""
+    Computed from the window's own positions (float64), not by slicing a cached N x N table; `table` [N^2, width]: a
+    file's own table (SD3.stored_pos_embed), its window read as stored and widened to float32."""
     device = torch.device("cpu") if device is None else torch.device(device)
     top, left = crop_offset(config, h, w) if offset is None else offset
-    positions = table_positions(config)
-    with autocast_off(device.type):
-        dtype = angle_dtype(device)
-        half = config.hidden_size // 2
-        rows = sincos_1d(positions[top: top + h].to(device=device, dtype=dtype), half)  # [h, width / 2]
-        cols = sincos_1d(positions[left: left + w].to(device=device, dtype=dtype), half)  # [w, width / 2]
-        table = torch.cat((cols[None, :, :].expand(h, w, -1), rows[:, None, :].expand(h, w, -1)), dim=-1)
-        return table.reshape(1, h * w, -1).float()
+    if table is not None:
+        n = config.pos_embed_max_size
+        window = table.view(n, n, -1)[top: top + h, left: left + w]
+        return window.reshape(1, h * w, -1).to(device=device, dtype=torch.float32)
+    # core.rope_tables' cos / sin of the window's (column, row) positions, axes of width / 2 each: its frequencies
+    # theta^(-2j / (width / 2)) are the sin-cos table's (sincos_1d), and the precision doctor audits its calls
+    grid = table_positions(config).to(device)
+    rows, cols = grid[top: top + h], grid[left: left + w]
+    positions = torch.stack((cols[None, :].expand(h, w), rows[:, None].expand(h, w)), dim=-1).reshape(h * w, 2)
+    half = config.hidden_size // 2
+    cos, sin = rope_tables(positions, (half, half), POS_EMBED_THETA)  # float32 [h*w, width / 2] each
+    q = half // 2
+    return torch.cat((sin[:, :q], cos[:, :q], sin[:, q:], cos[:, q:]), dim=-1)[None]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -320,6 +327,9 @@ class SD3(nn.Module):
         self.compute_dtype = torch.float32
         self.gradient_checkpointing = False
         self.block_swap = None  # a BlockSwap once enable_block_swap() is called
+        # A file's own position table [N^2, width] where it holds another grid than ours (checkpoint.file_pos_embed):
+        # a plain attribute, not a buffer, so model.to(dtype / device) leaves it as stored on the CPU
+        self.stored_pos_embed: torch.Tensor | None = None
 
         self.x_embedder = PatchEmbed(cfg.in_channels, width)
         self.t_embedder = TimestepMLP(width)
@@ -341,7 +351,8 @@ class SD3(nn.Module):
         cfg, dtype = self.config, self.compute_dtype
         if img.shape[1] != h * w:
             raise ValueError(f"SD3: {img.shape[1]} image tokens do not fit a {h} x {w} patch grid")
-        pos = cropped_pos_embed(cfg, h, w, img.device)  # float32 [1, h*w, width]; checks the grid size
+        # float32 [1, h*w, width]; checks the grid size
+        pos = cropped_pos_embed(cfg, h, w, img.device, table=self.stored_pos_embed)
 
         # Patches + positions: the embedding rounded to compute_dtype, the sum in float32, one rounding back.
         x = (self.x_embedder(img.to(dtype)).float() + pos).to(dtype)
@@ -367,16 +378,15 @@ class SD3(nn.Module):
 
 def random_inputs(config: SD3Config, h: int, w: int, text_len: int, generator: torch.Generator):
     """The conditioning of one forward at an h x w patch grid with random text (tools/precision_doctor.py): context
-    and pooled states N(0, 1). SD3 has no RoPE: its positions reach no core.rope_tables call. What we pass as the
-    expected positions are the crop's grid positions (int64 table indices [1, h*w, 2], (row, column)) with axes
-    (width / 2, width / 2) and theta 10000: the frequencies the sin-cos table uses (the doctor's position audit,
-    which records rope_tables calls, sees none for this family)."""
+    and pooled states N(0, 1). The expected positions are the centred crop's (column, row) grid positions, float64
+    quarters [1, h*w, 2], which cropped_pos_embed hands core.rope_tables with axes (width / 2, width / 2)."""
     from library.models.spec import RandomInputs
 
     fixed = dict(txt=torch.randn(1, text_len, config.context_dim, generator=generator),
                  pooled=torch.randn(1, config.pooled_dim, generator=generator), h=h, w=w)
     top, left = crop_offset(config, h, w)
-    rows, cols = torch.meshgrid(torch.arange(top, top + h), torch.arange(left, left + w), indexing="ij")
-    positions = torch.stack((rows.reshape(-1), cols.reshape(-1)), dim=-1)[None]
+    grid = table_positions(config)
+    rows, cols = grid[top: top + h], grid[left: left + w]
+    positions = torch.stack((cols[None, :].expand(h, w), rows[:, None].expand(h, w)), dim=-1).reshape(1, h * w, 2)
     half = config.hidden_size // 2
     return RandomInputs(fixed, positions, (half, half), POS_EMBED_THETA)
