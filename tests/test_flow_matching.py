@@ -191,6 +191,24 @@ def test_qwen_image_inference_sigmas_match_diffusers_scheduler(steps, tokens):
     assert float(ours[-2]) == pytest.approx(0.02, abs=1e-6)  # shift_terminal
 
 
+@pytest.mark.parametrize("steps", [1, 8, 28, 40])
+@pytest.mark.parametrize("shift", [None, 1.0, 6.0])
+def test_a_scheduler_spaced_schedule_is_set_timesteps_without_sigmas(steps, shift):
+    """A pipeline that passes no sigmas (StableDiffusion3Pipeline: FlowMatchEulerDiscreteScheduler(shift=3), no dynamic
+    shifting) runs the scheduler's own spacing, linspace(1, its shifted 1/1000, steps) shifted, not FLUX.1's
+    linspace(1, 1/steps, steps) (0.03 apart at 8 steps): a --fs k is that scheduler built with shift k."""
+    from library.models.spec import Sampling
+
+    sampling = Sampling(method="shift", shift=3.0, scheduler_spacing=True)
+    scheduler = FlowMatchEulerDiscreteScheduler(shift=3.0 if shift is None else shift)
+    scheduler.set_timesteps(steps)
+    ours = fm.inference_sigmas(steps, 4096, "flux", sampling=sampling, shift=shift)  # the family's call
+    assert float((ours - scheduler.sigmas).abs().max()) < 1e-6, (ours, scheduler.sigmas)
+    if steps == 8 and shift is None:
+        flux_spacing = fm.inference_sigmas(steps, 4096, "flux", shift=3.0)
+        assert float((flux_spacing - scheduler.sigmas).abs().max()) > 1e-2
+
+
 def test_one_step_is_sigma_one_then_zero_where_the_schedule_stretches_to_a_terminal():
     """shift_terminal's stretch divided 0 by 0 at one step (as diffusers' does): an all-NaN Qwen-Image sample."""
     for arch in ("qwen_image", "flux"):

@@ -158,7 +158,7 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 
 def loss_weighting(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
-    """Per-sample weights, float32 [B], as sd-scripts / diffusers compute_loss_weighting_for_sd3:
+    """Per-sample weights, float32 [B], as sd-scripts' and diffusers' compute_loss_weighting (training_utils):
     none -> 1, sigma_sqrt -> s^-2, cosmap -> 2 / (pi (1 - 2 s + 2 s^2)).
 
     sigma_sqrt takes s no smaller than SIGMA_SQRT_FLOOR: the peers draw s from the 1000 sigmas of a
@@ -206,7 +206,7 @@ def inference_sigmas(steps: int, image_seq_len: int, arch: str, *, dynamic_shift
                      sampling: Sampling | None = None, grid: list[float] | None = None,
                      shift: float | None = None) -> torch.Tensor:
     """The sigma schedule the architecture's diffusers pipeline runs with FlowMatchEulerDiscreteScheduler:
-    linspace(1, 1/steps, steps), time-shifted with its mu for this token count (and step count,
+    linspace(1, 1/steps, steps) (or the scheduler's own spacing, sampling.scheduler_spacing), time-shifted with its mu for this token count (and step count,
     where mu depends on it) or its constant shift, stretched to end at its shift_terminal where it has
     one, then a final 0. dynamic_shift=False: no shift (a distilled model whose scheduler has none).
     sampling: a release's own schedule where it differs from the architecture's (the family's
@@ -219,6 +219,10 @@ def inference_sigmas(steps: int, image_seq_len: int, arch: str, *, dynamic_shift
         raise ValueError(f"a sigma grid of {len(grid)} values for {steps} steps")
     # the linspace in float64 math, a grid in float32 as the scheduler takes it; float32 results
     sigmas = np.linspace(1.0, 1.0 / steps, steps) if grid is None else np.array(grid, dtype=np.float32)
+    if grid is None and sampling.scheduler_spacing:  # set_timesteps' linspace(sigma_max, sigma_min), its training
+        k = shift if shift is not None else sampling.shift  # sigmas' ends: 1 and 1/1000, shifted when it shifts
+        last = 1e-3 if k is None else k * 1e-3 / (1.0 + (k - 1.0) * 1e-3)
+        sigmas = np.linspace(1.0, last, steps)
     if shift is not None or dynamic_shift:
         if shift is not None:  # the scheduler's own shift set, its dynamic shifting off (musubi-tuner's --fs)
             sigmas = shift * sigmas / (1.0 + (shift - 1.0) * sigmas)

@@ -208,6 +208,9 @@ class Sampling:
     train_mu_steps: int | None = None
     shift_terminal: float | None = None  # the inference schedule is stretched to end here (None: no stretch)
     guidance_scale: float | None = None  # guidance fed to a guidance-distilled model in training (None: none)
+    # the pipeline leaves the spacing to FlowMatchEulerDiscreteScheduler.set_timesteps (it passes no sigmas):
+    # linspace(1, the scheduler's shifted 1/1000, steps), not the linspace(1, 1/steps, steps) most pipelines pass
+    scheduler_spacing: bool = False
 
 
 # ----------------------------------------------------------------------------------------------
