@@ -51,7 +51,11 @@ def base_arch_of_names(keys) -> str:
         if hit:
             found[arch] = hit
     title = {arch: " / ".join(titles) for arch, (_, titles) in groups.items()}
-    if len(found) > 1:
+    if len(found) > 1:  # names two groups' markers hit (a diffusers attn2.to_k of a cross-attention model and of one
+        # with a second self-attention): the group whose architectures hold every module named, where one does
+        bases = {lora_files()[a].names_of or a for a in archs_holding(list(dict.fromkeys(map(module_of_key, keys))))}
+        if len(holding := [arch for arch in found if arch in bases]) == 1:
+            return holding[0]
         (a, ka), (b, kb) = list(found.items())[:2]
         raise CheckpointError(f"LoRA names both {title[a]} ('{ka}') and {title[b]} ('{kb}') modules")
     if not found:

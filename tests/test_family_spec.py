@@ -74,6 +74,8 @@ def _releases() -> dict[str, dict[str, str]]:
         "anima": {"anima": "anima-preview/lora"},  # sd-scripts' (ARCH_ANIMA_PREVIEW; ai-toolkit writes none)
         "lumina2": {"lumina2": "lumina-2/lora"},  # sd-scripts' (ARCH_LUMINA_2)
         "hunyuan_image": {"hunyuan-image-2.1": "hunyuan-image-2.1/lora"},  # sd-scripts' (ARCH_HUNYUAN_IMAGE_2_1)
+        "sd3": {"sd3-medium": "stable-diffusion-3-medium/lora", "sd3.5-medium": "stable-diffusion-3-5-medium/lora",
+                "sd3.5-large": "stable-diffusion-3-5-large/lora"},  # sd-scripts' (ARCH_SD3_M + its model_type)
     }
 
 

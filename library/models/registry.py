@@ -45,6 +45,7 @@ FAMILIES = {
     "qwen_image21": "library.models.qwen_image21.family:QwenImage21Family",
     "anima": "library.models.anima.family:AnimaFamily",
     "hunyuan_image": "library.models.hunyuan_image.family:HunyuanImageFamily",
+    "sd3": "library.models.sd3.family:SD3Family",
 }
 
 # How the frozen base is stored (config base_precision): the compute dtype, fp8 (library/precision/fp8.py),

@@ -13,8 +13,9 @@ from library.training.peers.rules import (KEPT, RENAMED, Line, Rule, Translation
                                           ignored, implied, is_off, renamed, unsupported)
 
 PEER = "ai-toolkit"
-# the older model switches -> ai-toolkit's arch (toolkit/config_modules.py ModelConfig): is_<arch> for the rest
-LEGACY_ARCHS = {"is_v2": "sd2", "is_v3": "sd3", "is_xl": "sdxl"}
+# the older model switches -> ai-toolkit's arch (toolkit/config_modules.py ModelConfig): is_v<N> -> sd<N>, is_xl ->
+# sdxl, is_<arch> for the rest
+LEGACY_VERSION = re.compile(r"is_v(\d)")
 SAVE_EVERY = 1000  # ai-toolkit's save.save_every where the key is left out
 
 
@@ -88,7 +89,10 @@ def _arch_name(model: dict) -> str:
     if model.get("arch"):
         return str(model["arch"]).split(":")[0]
     on = [k for k, v in model.items() if k.startswith("is_") and k != "is_v_pred" and v is True]
-    return LEGACY_ARCHS.get(on[0], on[0][len("is_"):]) if on else "sd1"
+    if not on:
+        return "sd1"
+    version = LEGACY_VERSION.fullmatch(on[0])
+    return f"sd{version.group(1)}" if version else "sdxl" if on[0] == "is_xl" else on[0][len("is_"):]
 
 
 def _model_switch(t: Job, key: str, value: Any) -> None:

@@ -78,7 +78,7 @@ def title(t: Translation) -> str:
 
 # sd-scripts' LoRA training scripts (tools/convert_config.py tells the peer of a --command by them); the others
 # than the specs' train models we do not, and model_of refuses them in one line.
-SCRIPTS = (*models.scripts(), "train_network.py", "sdxl_train_network.py", "sd3_train_network.py")
+SCRIPTS = (*models.scripts(), "train_network.py", "sdxl_train_network.py")
 
 
 def script_of_config(flat: dict, script: str | None, source: str) -> str:

@@ -1,0 +1,167 @@
+"""Stable Diffusion 3 / 3.5 (Stability AI's MMDiT: SD3-Medium 2 B, SD3.5-Medium 2.5 B with a second self-attention in
+its first 13 blocks (MMDiT-X), SD3.5-Large 8 B of 38 blocks at width 2432; patch 2 on a 16-channel 8x VAE; text:
+CLIP-L + CLIP-G states joined by channels, then T5-XXL's, and both CLIPs' pooled outputs): the architecture's facts
+(library/models/spec.py).
+
+sd-scripts trains it (sd3_train_network.py, networks.lora_sd3); diffusers runs it (StableDiffusion3Pipeline) and
+ComfyUI. Our modules keep SAI's released names (joint_blocks.0.x_block.attn.qkv, context_block.mlp.fc1,
+x_block.adaLN_modulation.1), which sd-scripts' kohya files use and ComfyUI reads as they are (its key map takes every
+`lora_unet_` + model name). A LoRA in diffusers' names has FLUX.1's double-block names (transformer_blocks.0.attn.to_q,
+ff_context.net.0.proj) and no single blocks: it is told by its width (2432 or 1536; FLUX.1's 3072: recognise).
+"""
+
+from library.models import spec as S
+from library.models.flux1.spec import T5_XXL_TEXT
+
+# -- LoRA targets and key names (networks/)
+# sd-scripts' networks.lora_sd3 trains every Linear of the joint blocks by default (its SD3_TARGET_REPLACE_MODULE
+# "SingleDiTBlock": attention, MLP and adaLN modulation of both streams, MMDiT-X's attn2): ours too
+# (modulation_default). Its type ranks are context_/x_ attn / mlp / mod (x_attn covers attn2: its name test is "attn"
+# in the module name); its emb_dims rank the embedders and the final layer (ours: their _dim). The patch embedding is
+# a 2x2 convolution in the file (x_embedder.proj): sd-scripts gives it a LoRA only with conv_dim; ours none.
+_BLOCK = r"joint_blocks\.(?P<joint>\d+)\."
+LORA = S.LoRATargets(
+    targets={
+        "context_attn": _BLOCK + r"context_block\.attn\.(qkv|proj)",
+        "context_mlp": _BLOCK + r"context_block\.mlp\.(fc1|fc2)",
+        "context_mod": _BLOCK + r"context_block\.adaLN_modulation\.1",
+        "x_attn": _BLOCK + r"x_block\.attn2?\.(qkv|proj)",
+        "x_mlp": _BLOCK + r"x_block\.mlp\.(fc1|fc2)",
+        "x_mod": _BLOCK + r"x_block\.adaLN_modulation\.1",
+        "context_embedder": r"context_embedder",
+        "t_embedder": r"t_embedder\.mlp\.(0|2)",
+        "y_embedder": r"y_embedder\.mlp\.(0|2)",
+        "final_layer": r"final_layer\.(linear|adaLN_modulation\.1)",
+    },
+    block_args={"train_block_indices": "joint"},
+    kohya_prefix="lora_unet",  # sd-scripts' LORA_PREFIX_SD3: lora_unet_joint_blocks_0_x_block_attn_qkv
+    modulation_types=("context_mod", "x_mod"),
+    modulation_default=True,
+    in_dim_types=("context_embedder", "t_embedder", "y_embedder", "final_layer"),
+    type_groups={"attn": ("context_attn", "x_attn"), "mlp": ("context_mlp", "x_mlp"),
+                 "mod": ("context_mod", "x_mod")},
+    refused_args={
+        "split_qkv": "sd-scripts saves split q/k/v adapters as one block-diagonal LoRA of rank 3r with the alpha "
+                     "of rank r, so every loader applies 1/3 of the trained qkv delta; train the fused qkv LoRA "
+                     "(the default) instead",
+    },
+    diffusers_module_map="library.models.sd3.lora_files:module_map_of_config",
+    diffusers_blocks=("transformer_blocks.", "context_embedder", "time_text_embed.", "norm_out.", "proj_out"),
+)
+
+
+# -- LoRA files: converters' and inspectors' key tables (tools/)
+# Only SAI's names have joint_blocks with x_block / context_block; diffusers' names are FLUX.1's double blocks (told
+# by the width: recognise, or the header, or --model_type).
+LORA_FILES = S.LoRAFiles(
+    markers=("joint_blocks_", "_x_block_", "_context_block_"),
+    names_of="flux",
+    recognise="library.models.sd3.lora_files:has_sd3_shapes",
+    # ours and sd-scripts' modelspec stable-diffusion-3(.5)-* (sai_model_spec), ai-toolkit's sd3
+    model_versions=("sd3", "stable-diffusion-3"),
+    block_pattern=r"(joint_blocks|transformer_blocks)[._](\d+)[._]",
+    module_paths="library.models.sd3.lora_files:module_paths",
+    module_map="library.models.sd3.lora_files:module_map_of_lora",
+    layouts=("kohya", "diffusers", "comfy"),
+    info_markers=(("sai", r"joint_blocks_\d+_(x|context)_block_"),
+                  ("diffusers", r"transformer_blocks_\d+_attn2_to_[qkv]")),
+    info_blocks=(("joint", r"joint_blocks_(\d+)_"), ("joint", r"(?<!single_)transformer_blocks_(\d+)_")),
+    width_modules=r"attn2?_qkv|attn2?_to_[qkv]|attn_add_[qkv]_proj|adaLN_modulation_1|norm1(_context)?_linear|mlp_fc1",
+    releases=(S.Release("SD3.5-Large", 2432, {"joint": 38}),
+              S.Release("SD3-Medium / SD3.5-Medium", 1536, {"joint": 24})),
+)
+
+
+# -- fp8: modules kept in high precision (library/precision/fp8.py)
+# The embedders (context, timestep, pooled text) and the final layer stay bf16, as FLUX.1's; x_embedder is a 2x2
+# convolution (never quantized); the positional table is computed, not a weight (model.py). The per-block adaLN
+# Linears (6 x width rows) are quantized while fp8.QUANTIZE_MODULATION says so, as every family's.
+FP8 = S.FP8Rules(
+    keep=(r"context_embedder", r"t_embedder\..*", r"y_embedder\..*", r"final_layer\..*"),
+    modulation=(r".*\.adaLN_modulation\.1",),
+    stored={"sai": S.STORED_FP8},
+)
+
+
+# -- timestep sampling and shift defaults (library/models/flow_matching.py)
+# The released schedulers (FlowMatchEulerDiscreteScheduler, scheduler_config.json of SD3-Medium, SD3.5-Medium and
+# -Large) shift every schedule by k = 3.0, no resolution shift. Training draws sigmoid(randn) shifted by the same k:
+# diffusers' train_dreambooth_lora_sd3.py (logit-normal u indexing the shifted scheduler's sigmas) and the SD3
+# paper's 1024 px shift. sd-scripts' default draw is uniform without a shift (its training_shift 1.0).
+# StableDiffusion3Pipeline passes no sigmas: the scheduler spaces them, linspace(1, 3e-3 / 1.002, steps) shifted
+# (scheduler_spacing; FLUX.1's pipelines pass linspace(1, 1 / steps, steps)).
+SAMPLING = S.Sampling(method="sd3_shift", shift=3.0, scheduler_spacing=True)
+
+
+# -- memory planner shapes and presets
+# The context is CLIP's 77 tokens then T5's 256 (the pipeline's max_sequence_length; text_on_meta adds the 77).
+# The text encoders as their loaders read them (library/models/sd3/text_encoder.py): CLIP-L and CLIP-G with their
+# projections (bf16 under fp8; 123.7 M and 694.7 M on meta), T5-XXL's encoder.
+_CLIP_L = S.TextWeights(123_650_304)
+_CLIP_G = S.TextWeights(694_659_840)
+_TEXT = {"clip_l": _CLIP_L, "clip_g": _CLIP_G, "t5xxl": T5_XXL_TEXT}  # T5-XXL as FLUX.1 reads it
+_T5_256 = {"t5_max_length": 256}
+PLANNER = S.Planner(
+    transformer="library.models.sd3.model:SD3",
+    text_tokens=256,
+    presets={"sd3.5-large": S.PlannerPreset("sd3", "library.models.sd3.model:SD35_LARGE", _TEXT, _T5_256),
+             "sd3.5-medium": S.PlannerPreset("sd3", "library.models.sd3.model:SD35_MEDIUM", _TEXT, _T5_256),
+             "sd3-medium": S.PlannerPreset("sd3", "library.models.sd3.model:SD3_MEDIUM", _TEXT, _T5_256)},
+)
+
+
+# -- tiny models (tests, quickstart)
+TINY = S.TinySpec(
+    writers=("library.models.sd3.tiny:write_sd3",
+             "library.models.sd3.tiny_vae:write_sd3_vae",
+             "library.models.sd3.tiny_text:write_sd3_text_encoders"),
+    transformer="sd3",
+    config_files={"ae": "sd3_vae", "clip_l": "sd3_clip_l", "clip_g": "sd3_clip_g", "t5xxl": "sd3_t5xxl"},
+    config_values={"t5xxl_max_token_length": 32},
+    sized="library.models.sd3.tiny:write_sized_sd3",
+)
+
+
+# -- the training config's keys of its text files (library/training/config.py)
+CONFIG_KEYS = (
+    S.ConfigKey("clip_l", str, "CLIP-L (SAI's text_encoders/clip_l.safetensors, the diffusers repo's text_encoder/, "
+                               "or the all-in-one checkpoint itself)"),
+    S.ConfigKey("clip_g", str, "CLIP-G (SAI's text_encoders/clip_g.safetensors, the diffusers repo's "
+                               "text_encoder_2/, or the all-in-one checkpoint itself)"),
+    S.ConfigKey("t5xxl", str, "T5-XXL (SAI's text_encoders/t5xxl_fp16.safetensors, the diffusers repo's "
+                              "text_encoder_3/, or the all-in-one checkpoint itself)"),
+    S.ConfigKey("t5xxl_max_token_length", int, "T5 tokens per caption, at most 512 (default 256, as "
+                                               "StableDiffusion3Pipeline and sd-scripts)", renders=True),
+)
+
+
+# -- ModelSpec names of its LoRAs (training/saves.py lora_metadata): sd-scripts' sai_model_spec (ARCH_SD3_M
+# "stable-diffusion-3" + "-" + its MMDiT's model_type: "medium", "5-medium", "5-large"; IMPL_STABILITY_AI)
+_SAI = "https://github.com/Stability-AI/generative-models"
+MODELSPEC = {
+    "sd3-medium": S.ModelSpecNames("stable-diffusion-3-medium", _SAI),
+    "sd3.5-medium": S.ModelSpecNames("stable-diffusion-3-5-medium", _SAI),
+    "sd3.5-large": S.ModelSpecNames("stable-diffusion-3-5-large", _SAI),
+}
+
+
+SPEC = S.ArchSpec(
+    arch="sd3",
+    title="SD3 / SD3.5",
+    names=(r"sd[-_ ]?3(?![0-9])", r"stable[-_ ]?diffusion[-_ ]?3", r"mmdit"),
+    lora=LORA,
+    lora_files=LORA_FILES,
+    fp8=FP8,
+    sampling=SAMPLING,
+    transformer=S.TransformerHooks(load="library.models.sd3.checkpoint:load_sd3",
+                                   random_inputs="library.models.sd3.model:random_inputs"),
+    planner=PLANNER,
+    tiny=TINY,
+    default_config="sd3.toml",
+    config_keys=CONFIG_KEYS,
+    # the model cards' steps and guidance (diffusers' examples): SD3.5-Large 28 at 3.5, SD3.5-Medium 40 at 4.5,
+    # SD3-Medium 28 at 7.0; the empty negative prompt (StableDiffusion3Pipeline's)
+    sample_steps={"sd3.5-large": 28, "sd3.5-medium": 40, "sd3-medium": 28},
+    sample_guidance={"sd3.5-large": 3.5, "sd3.5-medium": 4.5, "sd3-medium": 7.0},
+    modelspec=MODELSPEC,
+)
