@@ -121,7 +121,7 @@ def test_converted_loras_load_in_comfy_names_and_diffusers_with_our_output(tiny_
     ours = family.load_transformer(torch.float32)
     x, text = inputs(glyph=3)
     sigma = torch.tensor([0.4])
-    net = random_lora(ours, refiner_dim=4, txt_in_dim=4, byt5_in_dim=4, time_in_dim=4)
+    net = random_lora(ours, refiner_dim=4, txt_in_dim=4, byt5_in_dim=4, time_in_dim=4, final_layer_dim=4)
     net.save(str(tmp_path / "kohya.safetensors"))
     for layout in ("comfy", "diffusers"):
         assert convert_lora.main([str(tmp_path / "kohya.safetensors"), str(tmp_path / f"{layout}.safetensors"),

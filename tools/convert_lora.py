@@ -296,6 +296,11 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
             weights = diffusers_to_bfl(weights, module_map)
         elif to == "diffusers" and bfl_named:
             weights = bfl_to_diffusers(weights, module_map)
+        elif to == "diffusers":  # already diffusers' names, each of them (one left in ours was written as it was)
+            theirs = {name for parts in module_map.values() for name, _, _ in parts}
+            if unmapped := [p for p in weights if p not in theirs]:
+                raise ValueError(f"--to diffusers: {src}: module '{unmapped[0]}' has no diffusers name in the "
+                                 f"{arch_spec(model_type).title} module map ({len(unmapped)} such)")
     weights = with_alpha(weights, alpha) if alpha else weights
     if to == "comfy" and files.comfy_names:  # ComfyUI's model renames ours: its key map takes its own names only
         rename = load_symbol(files.comfy_names)

@@ -9,7 +9,8 @@ files use (`lora_unet_double_blocks_0_img_mlp_fc1`). Two other namings:
   as ours (comfy_module_map). One module each: a rename, no rows split.
 - diffusers splits the fused qkv (and a single block's linear1 into q, k, v and the MLP input) by rows and renames
   the rest (checkpoint.diffusers_modules): {ours: [(diffusers, row0, row1)]}, in the format of FLUX.1's row maps.
-  The final layer's adaLN is left out: diffusers swaps its two halves, which no row range says.
+  The final layer's adaLN, whose two halves diffusers stores swapped, maps as two row ranges of norm_out.linear in
+  its order (lora_module_map stacks a module's ranges as listed).
 
 A LoRA in ComfyUI's or diffusers' names has FLUX.1's names: it is HunyuanImage's by its width 3584 (the released one;
 FLUX.1's is 3072) or its header, else --model_type says so.
@@ -36,6 +37,8 @@ def _split(path: str, rows: int, width: int) -> list[tuple[str, int, int]]:
     """[(diffusers module, row0, row1)] of our module `path` with `rows` output rows at model width `width`: q, k, v
     of `width` rows each, then a single block's MLP input (the rest)."""
     names = diffusers_modules(path)
+    if path == FINAL_MODULATION:  # (shift, scale) rows; diffusers' (scale, shift)
+        return [(names[0], rows // 2, rows), (names[0], 0, rows // 2)]
     if len(names) == 1:
         return [(names[0], 0, rows)]
     starts = [0, width, 2 * width, 3 * width, rows][: len(names)] + [rows]
@@ -43,9 +46,8 @@ def _split(path: str, rows: int, width: int) -> list[tuple[str, int, int]]:
 
 
 def module_map_of_config(cfg: HunyuanImageConfig) -> RowMap:
-    """Ours <-> diffusers module map of a model built from `cfg` (the final adaLN left out)."""
-    return {name: _split(name, rows, cfg.hidden_size) for name, rows in _linears(cfg).items()
-            if name != FINAL_MODULATION}
+    """Ours <-> diffusers module map of a model built from `cfg`."""
+    return {name: _split(name, rows, cfg.hidden_size) for name, rows in _linears(cfg).items()}
 
 
 def _config_of_counts(counts: dict[str, int]) -> HunyuanImageConfig:
