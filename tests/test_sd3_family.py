@@ -90,10 +90,12 @@ def diffusers_twin(model):
 
 @torch.no_grad()
 def test_converted_loras_load_in_diffusers_with_our_output(tiny_set, tmp_path):
-    """Our kohya file (sd-scripts' names; every kind of module but the two swapped adaLNs) -> convert_lora --to
-    diffusers (q / k / v rows split): ours reads it back as the kohya one; diffusers' SD3Transformer2DModel
-    load_lora_adapter loads it with our runtime output. Each file is SD3's, not FLUX.1's: the kohya one by its names,
+    """Our kohya file (sd-scripts' names; every kind of module, the two adaLNs diffusers swaps too) -> convert_lora --to
+    diffusers (q / k / v rows split): ours reads it back as the kohya one; StableDiffusion3Pipeline.load_lora_weights
+    loads it with our runtime output. Each file is SD3's, not FLUX.1's: the kohya one by its names,
     the diffusers one (FLUX.1's double-block names) by its header (a released width would tell it too)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, StableDiffusion3Pipeline
+
     from networks import lora_files as lf
     from tools import convert_lora
 
@@ -102,7 +104,7 @@ def test_converted_loras_load_in_diffusers_with_our_output(tiny_set, tmp_path):
     x, text = inputs()
     sigma = torch.tensor([0.4])
     net = lora_clients.random_lora(ours, "sd3", up_std=0.5, context_embedder_dim=4, t_embedder_dim=4,
-                                   y_embedder_dim=4)
+                                   y_embedder_dim=4, final_layer_dim=4)
     net.save(str(tmp_path / "kohya.safetensors"), metadata={"ss_base_model_version": "sd3.5-medium"})  # as we write
     assert convert_lora.main([str(tmp_path / "kohya.safetensors"), str(tmp_path / "diffusers.safetensors"),
                               "--to", "diffusers"]) == 0
@@ -111,7 +113,9 @@ def test_converted_loras_load_in_diffusers_with_our_output(tiny_set, tmp_path):
             "transformer.transformer_blocks.0.attn2.to_v.lora_B.weight",
             "transformer.transformer_blocks.1.attn.add_k_proj.lora_A.weight",
             "transformer.transformer_blocks.1.ff_context.net.0.proj.lora_A.weight",
-            "transformer.time_text_embed.text_embedder.linear_1.lora_A.weight"} <= keys
+            "transformer.time_text_embed.text_embedder.linear_1.lora_A.weight",
+            "transformer.transformer_blocks.2.norm1_context.linear.lora_B.weight",
+            "transformer.norm_out.linear.lora_B.weight"} <= keys
     for layout in ("kohya", "diffusers"):
         tensors, metadata, _ = lf.read_lora_tensors(str(tmp_path / f"{layout}.safetensors"))
         assert convert_lora.detect_arch(tensors, metadata) == "sd3", layout
@@ -121,8 +125,10 @@ def test_converted_loras_load_in_diffusers_with_our_output(tiny_set, tmp_path):
                                        lambda: family.predict(ours, x, sigma, text, H, W, None))
     reference = diffusers_twin(ours)
     assert (diffusers_velocity(reference, x, sigma, text) - base).abs().max() <= 1e-5
-    reference.load_lora_adapter(load_file(tmp_path / "diffusers.safetensors"), prefix="transformer",
-                                adapter_name="ours")
+    pipe = StableDiffusion3Pipeline(scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0), vae=None, text_encoder=None,
+                                    tokenizer=None, text_encoder_2=None, tokenizer_2=None, text_encoder_3=None,
+                                    tokenizer_3=None, transformer=reference)
+    pipe.load_lora_weights(str(tmp_path / "diffusers.safetensors"), adapter_name="ours")  # SD3LoraLoaderMixin
     diffs["diffusers"] = (diffusers_velocity(reference, x, sigma, text) - want).abs().max().item()
     print("SD3 LoRA, max abs diff:", diffs, "effect", (want - base).abs().max().item())
     assert (want - base).abs().max() > 1e-2 and max(diffs.values()) <= 1e-5, diffs
