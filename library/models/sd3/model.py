@@ -21,7 +21,8 @@ JointTransformerBlock; sd-scripts' create_sd3_mmdit; ComfyUI's comfy/ldm/modules
   SD3-Medium and SD3.5-Large, 384 for SD3.5-Medium), centre-cropped to the h x w patch grid (diffusers'
   PatchEmbed.cropped_pos_embed) and added to the embedded patches. Channels: [sin, cos] of the column position,
   then [sin, cos] of the row position, frequencies 10000^(-j / (width / 4)) (diffusers' get_2d_sincos_pos_embed:
-  "w goes first"). See pos_embed_table for the position grid.
+  "w goes first"). See table_positions for the position grid (sd-scripts' note on SD3.5's; a file holding another
+  keeps its own table: checkpoint.file_pos_embed).
 - Time: the pipeline feeds the scheduler's t = 1000 sigma (FlowMatchEulerDiscreteScheduler, shift 3.0), embedded
   as is (sinusoid of 256, cos half first); the output is the flow velocity noise - x0 (the scheduler steps
   x + (sigma_next - sigma) v).
@@ -34,8 +35,9 @@ Skip-layer guidance (SD3.5-Medium's sampling trick, diffusers' skip_layers) is n
 it.
 
 Precision (shared/DESIGN.md): inputs are cast to `compute_dtype` at entry; the timestep is embedded in float32 and
-then cast (diffusers' `.to(pooled dtype)`); the position table is computed from int64 indices in float64, kept
-float32 and never a module buffer (model.to(dtype) cannot round it), and added in float32 to the embedded patches,
+then cast (diffusers' `.to(pooled dtype)`); the position window is computed by core.rope_tables from float64
+positions (exact quarters), kept float32 and never a module buffer (model.to(dtype) cannot round it; a file's own
+table, where it differs, stays as stored on the CPU), and added in float32 to the embedded patches,
 then rounded once to compute_dtype (diffusers keeps its buffer float32 - _skip_layerwise_casting_patterns - and adds
 it to the bf16 patches in float32: `(latent + pos_embed).to(latent.dtype)`). Modulation and gates run in
 compute_dtype, as in diffusers and sd-scripts' `modulate`.
