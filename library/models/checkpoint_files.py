@@ -74,6 +74,26 @@ def stated_config(
     return from_shapes()
 
 
+# A family's name table: (compiled regex of our module path, its module in the other naming, or a tuple of the
+# modules a fused one's rows come from in row order), backreferences allowed (r"transformer_blocks.\1.attn.to_q")
+NameTable = tuple[tuple[re.Pattern, str | tuple[str, ...]], ...]
+
+
+def renamed_modules(table: NameTable, module: str) -> tuple[str, ...]:
+    """Our module path -> its module in the table's naming, or the modules a fused one's rows come from (in row
+    order); a path no entry matches keeps its name."""
+    for pattern, theirs in table:
+        if m := pattern.fullmatch(module):
+            return tuple(m.expand(t) for t in theirs) if isinstance(theirs, tuple) else (m.expand(theirs),)
+    return (module,)
+
+
+def renamed_keys(table: NameTable, key: str) -> tuple[str, ...]:
+    """Our tensor key -> its key(s) in the table's naming (renamed_modules of its module, the leaf kept)."""
+    module, _, leaf = key.rpartition(".")
+    return tuple(f"{name}.{leaf}" for name in renamed_modules(table, module))
+
+
 def block_count(keys, prefix: str) -> int:
     """How many blocks `keys` hold under `prefix` ("layers.", "transformer_blocks."): the highest index + 1, 0 for
     none (a missing block in between is the key check's to name)."""

@@ -42,7 +42,7 @@ from library.io import (
     save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import (
-    block_count, diffusers_config_json, fill_meta_model, marked_prefix, stated_config,
+    block_count, diffusers_config_json, fill_meta_model, marked_prefix, renamed_keys, renamed_modules, stated_config,
 )
 from library.models.hunyuan_image.model import HunyuanImage, HunyuanImageConfig
 from library.precision.stored_layouts import read_stored_layout, stored_extras
@@ -122,15 +122,11 @@ _DIFFUSERS = tuple((re.compile(ours), theirs) for ours, theirs in (
 
 def diffusers_modules(module: str) -> tuple[str, ...]:
     """Our module path -> its diffusers module, or the modules a fused one's rows come from (in row order)."""
-    for pattern, theirs in _DIFFUSERS:
-        if m := pattern.fullmatch(module):
-            return tuple(m.expand(t) for t in theirs) if isinstance(theirs, tuple) else (m.expand(theirs),)
-    return (module,)
+    return renamed_modules(_DIFFUSERS, module)
 
 
 def diffusers_keys(key: str) -> tuple[str, ...]:
-    module, _, leaf = key.rpartition(".")
-    return tuple(f"{name}.{leaf}" for name in diffusers_modules(module))
+    return renamed_keys(_DIFFUSERS, key)
 
 
 def split_rows(key: str, rows: int, config: HunyuanImageConfig) -> tuple[int, ...]:

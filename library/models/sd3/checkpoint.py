@@ -38,8 +38,9 @@ from library.io import (
     CheckpointError, CheckpointReader, RowJoinView, RowSplitView, check_keys_and_shapes, component_folder,
     save_diffusers_folder, save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, marked_prefix, \
-    stated_config
+from library.models.checkpoint_files import (
+    block_count, diffusers_config_json, fill_meta_model, marked_prefix, renamed_keys, renamed_modules, stated_config,
+)
 from library.models.sd3.model import HEAD_DIM, PATCH, SD3, SD3Config, pos_embed_table, sincos_1d, table_positions
 from library.precision.stored_layouts import read_stored_layout, stored_extras
 
@@ -86,16 +87,12 @@ _DIFFUSERS = tuple((re.compile(ours), theirs) for ours, theirs in (
 
 
 def diffusers_modules(module: str) -> tuple[str, ...]:
-    """Our module path -> its diffusers module, or the modules a fused qkv's rows come from (q, k, v)."""
-    for pattern, theirs in _DIFFUSERS:
-        if m := pattern.fullmatch(module):
-            return tuple(m.expand(t) for t in theirs) if isinstance(theirs, tuple) else (m.expand(theirs),)
-    return (module,)
+    """Our module path -> its diffusers module, or the modules a fused one's rows come from (in row order)."""
+    return renamed_modules(_DIFFUSERS, module)
 
 
 def diffusers_keys(key: str) -> tuple[str, ...]:
-    module, _, leaf = key.rpartition(".")
-    return tuple(f"{name}.{leaf}" for name in diffusers_modules(module))
+    return renamed_keys(_DIFFUSERS, key)
 
 
 def swapped_modules(depth: int) -> tuple[str, str]:
