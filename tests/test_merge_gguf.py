@@ -41,16 +41,21 @@ CITY96_UNQUANTIZED = {
     "flux": ("txt_in.", "img_in.", "time_in.", "vector_in.", "guidance_in.", "final_layer.",
              "single_stream_modulation.", "double_stream_modulation_"),
     "lumina2": ("t_embedder.", "x_embedder.", "final_layer.", "cap_embedder.", "context_refiner.", "noise_refiner."),
+    "sd3": ("final_layer.", "time_text_embed.", "context_embedder.", "t_embedder.", "y_embedder.", "x_embedder.",
+            "proj_out.weight", "pos_embed"),
 }
-CITY96_HIPREC = {"flux": (), "lumina2": ("x_pad_token", "cap_pad_token")}
-# convert.py's detect_arch (keys_detect: :26-29 ModelFlux, :149-151 ModelLumina2) and loader.py:12 IMG_ARCH_LIST
+CITY96_HIPREC = {"flux": (), "lumina2": ("x_pad_token", "cap_pad_token"), "sd3": ()}
+# convert.py's detect_arch (keys_detect: :26-29 ModelFlux, :34-40 ModelSD3, :149-151 ModelLumina2) and loader.py:12
+# IMG_ARCH_LIST
 CITY96_DETECT = {"flux": ("double_blocks.0.img_attn.proj.weight",),
-                 "lumina2": ("cap_embedder.1.weight", "context_refiner.0.attention.qkv.weight")}
+                 "lumina2": ("cap_embedder.1.weight", "context_refiner.0.attention.qkv.weight"),
+                 "sd3": ("joint_blocks.0.x_block.attn.qkv.weight",)}
 COMFYUI_GGUF_IMG_ARCHS = {"flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosmos", "ltxv", "hyvid", "wan", "lumina2",
                           "qwen_image"}
+SAI_PREFIX = "model.diffusion_model."  # SAI's single files' (convert.py strips it before detecting the arch)
 # family -> (its tiny single file, ComfyUI-GGUF's arch for it)
 CITY96_FAMILIES = {"flux": ("flux_bfl", "flux"), "chroma": ("chroma_bfl", "flux"), "flux2": ("flux2_tiny", "flux"),
-                   "zimage": ("zimage", "lumina2"), "lumina2": ("lumina2", "lumina2")}
+                   "zimage": ("zimage", "lumina2"), "lumina2": ("lumina2", "lumina2"), "sd3": ("sd3", "sd3")}
 
 
 def city96_type(name: str, shape: tuple, source: str, qtype: str, arch: str) -> str:
@@ -123,10 +128,11 @@ def test_each_familys_tensor_types_are_what_city96s_tools_write(tiny_set, family
     detects from the keys and what ComfyUI-GGUF's loader accepts."""
     key, arch = CITY96_FAMILIES[family]
     layout, reader = arch_spec(family).gguf, CheckpointReader(tiny_set[key])
-    assert layout.arch == arch and arch in COMFYUI_GGUF_IMG_ARCHS and set(CITY96_DETECT[arch]) <= set(reader.keys())
+    names = {k.removeprefix(SAI_PREFIX): k for k in reader.keys()}  # convert.py's strip_prefix (SAI's files)
+    assert layout.arch == arch and arch in COMFYUI_GGUF_IMG_ARCHS and set(CITY96_DETECT[arch]) <= set(names)
     seen = set()
-    for name in reader.keys():
-        shape = tuple(reader.shape(name))
+    for name, key in names.items():
+        shape = tuple(reader.shape(key))
         for source in ("F32", "BF16", "F16"):
             for qtype in WRITE_TYPES:
                 got = output_type(name, shape, source, qtype, layout)
@@ -155,7 +161,7 @@ def test_convert_py_itself_gives_our_float_types_and_arch(tiny_set, family):
     convert = city96_convert_py()
     if convert is None:
         pytest.skip(f"no ComfyUI-GGUF mirror at {CITY96_MIRROR}")
-    sd = load_file(tiny_set[CITY96_FAMILIES[family][0]])
+    sd = convert.strip_prefix(load_file(tiny_set[CITY96_FAMILIES[family][0]]))  # as its load_state_dict
     layout = arch_spec(family).gguf
     template = convert.detect_arch(sd)
     assert template.arch == layout.arch

@@ -200,3 +200,29 @@ def test_cached_text_is_the_joint_context_and_pooled(tiny_set):
     cached = family_of(tiny_set).load_text_encoder("fp32", t5_max_length=32)(["a red circle", "a blue square"])
     assert all(set(c) == {"context", "pooled"} for c in cached)
     assert cached[0]["context"].shape == (77 + 32, CONTEXT) and cached[0]["pooled"].shape == (POOLED,)
+
+
+@torch.no_grad()
+def test_merge_lora_writes_a_comfyui_gguf_our_loader_reads(tiny_set, trained, tmp_path):
+    """--save_precision gguf_q8_0: ComfyUI-GGUF's "sd3" layout (SAI's names without the prefix; the blocks Q8_0, the
+    embedders, final layer and position table as city96's patch leaves them), which our loader reads back to the
+    runtime LoRA's output within Q8_0's rounding."""
+    import gguf
+
+    from tools import merge_lora
+
+    lora, out = str(trained / "sd3.safetensors"), str(tmp_path / "merged.gguf")
+    assert merge_lora.main(["--model", tiny_set["sd3"], "--lora", lora, "--save_to", out,
+                            "--save_precision", "gguf_q8_0"]) == 0
+    reader = gguf.GGUFReader(out)
+    types = {t.name: t.tensor_type.name for t in reader.tensors}
+    assert bytes(reader.fields["general.architecture"].parts[-1]).decode() == "sd3"
+    assert types["joint_blocks.0.x_block.attn.qkv.weight"] == "Q8_0" and types["pos_embed"] in ("F32", "BF16")
+    assert types["context_embedder.weight"] != "Q8_0" and types["final_layer.linear.weight"] != "Q8_0"
+    family = family_of(tiny_set)
+    model = family.load_transformer(torch.float32)
+    x, text = inputs(4)
+    LoRANetwork.from_weights(model, "sd3", lora).apply()
+    want = family.predict(model, x, torch.tensor([0.6]), text, H, W, None)
+    got = family.predict(SD3Family(out).load_transformer(torch.float32), x, torch.tensor([0.6]), text, H, W, None)
+    assert 0 < ((got - want).norm() / want.norm()).item() < 0.01

@@ -83,6 +83,14 @@ FP8 = S.FP8Rules(
 )
 
 
+# -- GGUF (merge_lora --save_precision gguf_*): ComfyUI-GGUF's "sd3" (tools/convert.py ModelSD3 detects SAI's
+# joint_blocks.0.x_block.attn.qkv.weight); its llama.cpp patch (tools/lcpp.patch, LLM_ARCH_SD3) leaves final_layer.,
+# time_text_embed., context_embedder., t_embedder., y_embedder., x_embedder., proj_out.weight and pos_embed unquantized;
+# no keys_hiprec
+GGUF = S.GgufLayout("sd3", unquantized=("final_layer.", "time_text_embed.", "context_embedder.", "t_embedder.",
+                                        "y_embedder.", "x_embedder.", "proj_out.weight", "pos_embed"))
+
+
 # -- timestep sampling and shift defaults (library/models/flow_matching.py)
 # The released schedulers (FlowMatchEulerDiscreteScheduler, scheduler_config.json of SD3-Medium, SD3.5-Medium and
 # -Large) shift every schedule by k = 3.0, no resolution shift. Training draws sigmoid(randn) shifted by the same k:
@@ -152,6 +160,7 @@ SPEC = S.ArchSpec(
     lora=LORA,
     lora_files=LORA_FILES,
     fp8=FP8,
+    gguf=GGUF,
     sampling=SAMPLING,
     transformer=S.TransformerHooks(load="library.models.sd3.checkpoint:load_sd3",
                                    random_inputs="library.models.sd3.model:random_inputs"),
