@@ -297,8 +297,9 @@ def test_anima_toml_reads_its_scripts_defaults(tiny_set, tmp_path, capsys):
                                   "x.toml")
     assert cached.config["model_type"] == "anima" and "network_args" not in cached.config
     assert {line.key: line.verdict for line in cached.lines}["network_args loraplus_text_encoder_lr_ratio"] == "dropped"
-    with pytest.raises(ValueError, match=r"^x\.toml: clip_l \(flux_train_network\.py's\), qwen3 \(anima_train_"):
-        sd_scripts.translate({"qwen3": "q", "clip_l": "c"}, "x.toml")
+    # (guidance_scale: the FLUX.1 script's alone; clip_l is sd3_train_network.py's too)
+    with pytest.raises(ValueError, match=r"^x\.toml: guidance_scale \(flux_train_network\.py's\), qwen3 \(anima_tr"):
+        sd_scripts.translate({"qwen3": "q", "guidance_scale": 1.0}, "x.toml")
     with pytest.raises(ValueError, match="^x.toml: sd-scripts' anima_train_network.py trains model_type 'anima', but "
                                          "--model_type flux"):
         sd_scripts.translate({"qwen3": "q"}, "x.toml", model_type="flux")

@@ -462,6 +462,14 @@ class SdScriptsModels:
     fp8_args: dict[str, str] = field(default_factory=dict)
     makes_text_lora: bool = True  # its LoRA module makes a text encoder LoRA where the script trains one
     timestep_feed: str = ""  # how its script feeds the drawn timestep where ours feeds it otherwise (a note)
+    # its model-file arguments that default to pretrained_model_name_or_path where not given (its loader reads them
+    # from an all-in-one checkpoint; ours' loaders take that checkpoint as each key's path)
+    files_in_model: tuple[str, ...] = ()
+    # A draw of its own (its script takes no timestep_sampling): the arguments that draw the timestep and weigh the
+    # loss, and "module:function" ({each of draw_args: the config's value, else its default}) -> {the report's line
+    # key (an argument, or "<argument> (<part>)"): (verdict, text, {our key: value})} that says what each became
+    draw_args: tuple[str, ...] = ()
+    draw: str = ""
 
 
 # ----------------------------------------------------------------------------------------------

@@ -153,6 +153,64 @@ MODELSPEC = {
 }
 
 
+# -- sd-scripts' names (library/training/peers/sd_scripts.py, sd_scripts_script.py): sd3_train_network.py (its
+# setup_parser: train_network's, add_dit_training_arguments and sd3_train_utils.add_sd3_training_arguments; sd-scripts
+# 48d368f) with networks.lora_sd3. Its parser lacks the FLUX.1 script's --ae, guidance, ControlNet, model_type,
+# split_mode and its draw arguments (timestep_sampling, sigmoid_scale, discrete_flow_shift, model_prediction_type); it
+# has --clip_l, --t5xxl, --t5xxl_max_token_length (default 256, ours') and --apply_t5_attn_mask by the FLUX.1 script's
+# names, its own --clip_g, and reads the VAE from --vae. Where --clip_l / --clip_g / --t5xxl / --vae are not given it
+# reads them from the model file (an all-in-one checkpoint's text_encoders.* and first_stage_model.*: sd3_utils.load_*)
+# and so does ours, given that file as each path (files_in_model). (Where the checkpoint holds CLIP-G or T5-XXL,
+# sd3_utils.load_clip_g / load_t5xxl read its copy even where --clip_g / --t5xxl name another file; ours reads the
+# file named.) Its draw and loss are weighting_scheme's and training_shift's (sd_scripts_draw.py); its LoRA module
+# trains every joint-block Linear by default, ours' default (sd_scripts_lora.py says its emb_dims).
+_ENCODER_MASK = ("the padding mask goes to the {which}'s own attention{effect}, and the transformer still attends to "
+                 "every row unmasked (its TODO); ours encodes as StableDiffusion3Pipeline, which passes no mask")
+_PER_ENCODER_DROPOUT = ("with this probability sd-scripts zeroes {what} of a sample (a per-encoder dropout to zeros); "
+                        "ours drops whole captions to the empty caption's encoding (a subset's caption_dropout_rate)")
+_NOT_WORKING = "sd-scripts' help: [DOES NOT WORK], its script reads nothing of it"
+SD_SCRIPTS = S.SdScriptsModels(
+    script="sd3_train_network.py", lora_module="networks.lora_sd3", models={}, model_type="sd3",
+    lacks=("model_type", "ae", "controlnet_model_name_or_path", "guidance_scale", "timestep_sampling", "sigmoid_scale",
+           "model_prediction_type", "discrete_flow_shift", "split_mode"),
+    files={"vae": "ae"},
+    same_args=("clip_g",),
+    files_in_model=("clip_l", "clip_g", "t5xxl", "vae"),
+    defaults={"weighting_scheme": "uniform", "training_shift": 1.0},
+    draw_args=("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "training_shift", "min_timestep",
+               "max_timestep"),
+    draw="library.models.sd3.sd_scripts_draw:sd3_draw",
+    ignored_args={**dict.fromkeys(("save_clip", "save_t5xxl", "t5xxl_device", "t5xxl_dtype"), _NOT_WORKING)},
+    refused_args={
+        # measured on the tiny CLIP and T5 (tests/test_sd3_convert_config.py): CLIP's rows up to the caption's end
+        # and its pooled vector are the same with the mask (its attention is causal), T5's every row differs
+        "apply_lg_attn_mask": _ENCODER_MASK.format(which="CLIP-L and CLIP-G", effect=" (causal: only the padding "
+                                                   "rows after the caption change; the caption's rows and the pooled "
+                                                   "vectors are the same)"),
+        "apply_t5_attn_mask": _ENCODER_MASK.format(which="T5-XXL", effect=" (every row changes: T5 attends both ways)"),
+        "clip_l_dropout_rate": _PER_ENCODER_DROPOUT.format(what="CLIP-L's states and pooled half"),
+        "clip_g_dropout_rate": _PER_ENCODER_DROPOUT.format(what="CLIP-G's states and pooled half"),
+        "t5_dropout_rate": _PER_ENCODER_DROPOUT.format(what="T5-XXL's states"),
+        "pos_emb_random_crop_rate": "with this probability sd-scripts adds a randomly placed window of the position "
+                                    "table (SD3.5-Medium's training); ours takes the centred window always, as "
+                                    "StableDiffusion3Pipeline",
+        "enable_scaled_pos_embed": "sd-scripts then adds sin-cos tables rescaled to each bucket's size (its "
+                                   "get_scaled_2d_sincos_pos_embed) in place of the file's; ours takes the centred "
+                                   "window of the file's table, as StableDiffusion3Pipeline",
+    },
+    # its create_network's kwargs (networks.lora_sd3 48d368f: no network_reg_dims / _lrs, ggpo or train_blocks)
+    lora_module_args=("conv_dim", "conv_alpha", "context_attn_dim", "context_mlp_dim", "context_mod_dim", "x_attn_dim",
+                      "x_mlp_dim", "x_mod_dim", "emb_dims", "train_block_indices", "rank_dropout", "module_dropout",
+                      "split_qkv", "train_t5xxl", "verbose", "loraplus_lr_ratio", "loraplus_unet_lr_ratio",
+                      "loraplus_text_encoder_lr_ratio"),
+    lora_args="library.models.sd3.sd_scripts_lora:network_args_of",
+    # CLIP-L and CLIP-G LoRAs unless network_train_unet_only; with cached outputs it caches T5 alone and encodes
+    # CLIP each step (is_partial): no stop
+    text_lora_when_cached=True,
+    one_block_kind=True,  # its joint blocks: its N swaps N of them, as ours
+)
+
+
 SPEC = S.ArchSpec(
     arch="sd3",
     title="SD3 / SD3.5",
@@ -173,4 +231,8 @@ SPEC = S.ArchSpec(
     sample_steps={"sd3.5-large": 28, "sd3.5-medium": 40, "sd3-medium": 28},
     sample_guidance={"sd3.5-large": 3.5, "sd3.5-medium": 4.5, "sd3-medium": 7.0},
     modelspec=MODELSPEC,
+    # ai-toolkit's model.arch "sd3" (or its older is_v3: true); its bucket divisibility (get_bucket_divisibility:
+    # 2^3 of the VAE's 4 levels, x 2 for the patch, x 2)
+    peer_bucket_steps={"ai-toolkit": 32},
+    peer_models={"ai-toolkit": {"sd3": {"model_type": "sd3"}}, "sd-scripts": SD_SCRIPTS},
 )

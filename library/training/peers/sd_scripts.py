@@ -556,11 +556,24 @@ def carry_defaults(t: Translation, flat: dict, rules: dict[str, Rule]) -> None:
     for key in dict.fromkeys((*DEFAULTS_CARRIED, *models.entry(script).defaults)):
         if key in flat or key not in rules or (key == "learning_rate" and "unet_lr" in flat):
             continue
-        first = len(t.lines)
-        apply_rule(t, key, their_default(key, script), rules[key])
-        for line in t.lines[first:]:
-            line.key = f"{line.key} (default)"
-        t.lines[first:] = [line for line in t.lines[first:] if line.verdict != DROPPED]
+        _apply_default(t, key, their_default(key, script), rules[key])
+    model = flat.get("pretrained_model_name_or_path")
+    for key in models.entry(script).files_in_model:  # read from an all-in-one checkpoint where not given
+        if key not in flat and isinstance(model, str) and model:
+            _apply_default(t, key, model, rules[key], "the model file itself: sd-scripts reads this part of an "
+                                                       "all-in-one checkpoint where it is not given; ours' loader "
+                                                       "takes the checkpoint as its path too")
+
+
+def _apply_default(t: Translation, key: str, value: Any, rule: Rule, why: str = "") -> None:
+    """One left-out key translated at the value sd-scripts runs with, its lines marked `(default)` (a default that
+    asks for what we do is left out); why: a note on each line kept."""
+    first = len(t.lines)
+    apply_rule(t, key, value, rule)
+    for line in t.lines[first:]:
+        line.key = f"{line.key} (default)"
+        line.note = line.note or why
+    t.lines[first:] = [line for line in t.lines[first:] if line.verdict != DROPPED]
 
 
 def fit_schema(t: Translation) -> None:

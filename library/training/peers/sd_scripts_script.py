@@ -1,9 +1,9 @@
 """The rules of an sd-scripts script of its own (one that takes no --model_type: its spec's SdScriptsModels lists
 no `models` and says the model it trains): sd_scripts.RULES, the first script's, less the arguments its parser
 lacks, with its own arguments' rules from the spec's fields (model files, parser defaults, tokenizer lengths,
-arguments ours reads nothing of or does not carry, fp8, block swap). sd_scripts.py builds each such script's rules
-here; the keys of train_network's parser keep RULES' rules (their "does not read it either" lines name this script's
-models). No torch."""
+arguments ours reads nothing of or does not carry, fp8, block swap, a draw of its own). sd_scripts.py builds each
+such script's rules here; the keys of train_network's parser keep RULES' rules (their "does not read it either"
+lines name this script's models). No torch."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from library.models.registry import spec_of
 from library.models.spec import SdScriptsModels, load_symbol
 from library.training.peers import sd_scripts_models as models
 from library.training.peers.rules import (
-    DROPPED, NOT_CARRIED, RENAMED, Rule, Translation, custom, ignored, is_off, is_true, same,
+    DROPPED, KEPT, NOT_CARRIED, RENAMED, Rule, Translation, custom, ignored, is_off, is_true, same,
 )
 from library.training.peers.sd_scripts_defaults import note, text_encoder_lr_zero, their
 
@@ -34,6 +34,7 @@ def rules_of(script: str, first_rules: dict[str, Rule]) -> dict[str, Rule]:
     rules.update({"fp8_base": custom(_fp8_base), "fp8_base_unet": custom(_fp8_base),
                   "blocks_to_swap": custom(_blocks_to_swap), "network_train_unet_only": custom(_unet_only),
                   "text_encoder_lr": custom(_text_encoder_lr)})
+    rules.update({key: custom(_own_draw) for key in entry.draw_args})
     return rules
 
 
@@ -58,9 +59,27 @@ def _token_length(t: Translation, key: str, value: Any) -> None:
 
 def _refused(t: Translation, key: str, value: Any) -> None:
     if is_off(value):
-        t.drop(key, value, "empty")
+        t.drop(key, value, "empty" if value in ("", None, []) else "off")
     else:
         t.refuse(key, value, entry_of(t).refused_args[key])
+
+
+def _own_draw(t: Translation, key: str, value: Any) -> None:
+    """An argument of its own draw (the spec's draw_args): the lines its `draw` hook says for it, read with the
+    draw's other arguments (the config's values, else its script's defaults); a carried line sets ours' keys."""
+    entry = entry_of(t)
+    lines = load_symbol(entry.draw)({name: their(t, name) for name in entry.draw_args})
+    for line_key, (verdict, text, ours) in lines.items():
+        if line_key != key and not line_key.startswith(key + " ("):
+            continue
+        if verdict not in (KEPT, RENAMED):
+            (t.drop if verdict == DROPPED else t.refuse)(line_key, value, text)
+            continue
+        first = len(t.lines)
+        for name, ours_value in ours.items():  # one line; t.set names a key two arguments set apart
+            t.set(name, ours_value, line_key, value, verdict)
+        del t.lines[first + 1:]
+        note(t, text)
 
 
 def _fp8_switch(t: Translation, key: str, value: Any) -> None:

@@ -1,0 +1,104 @@
+"""sd-scripts' timestep draw and loss of sd3_train_network.py read into ours (the spec's SD_SCRIPTS.draw, which
+library/training/peers/sd_scripts_script.py calls): its code (48d368f), and the keys of ours that train the same.
+
+Its script takes no timestep_sampling. sd3_train_utils.get_noisy_model_input_and_timesteps draws
+  u ~ the density of `weighting_scheme` (compute_density_for_timestep_sampling: sigmoid(N(logit_mean, logit_std)) for
+      logit_normal, 1 - v - mode_scale (cos^2(pi v / 2) - 1 + v) for mode, U[0, 1) for the rest),
+  u' = k u / (1 + (k - 1) u), k = training_shift (default 1: none),
+  t = floor(u' (max_timestep - min_timestep) + min_timestep) (default 0 and 1000: a whole timestep), sigma = t / 1000,
+and noises with that sigma (so the network is fed the same whole-number t). Its prediction is x0 (model_pred x (-sigma)
++ noisy input) against the latents: sigma (v_pred - v) for velocities v, a loss of sigma^2 |v_pred - v|^2, times
+compute_loss_weighting_for_sd3(weighting_scheme): sigma^-2 for sigma_sqrt, 2 / (pi (1 - 2 sigma + 2 sigma^2)) for
+cosmap, 1 for the rest. So `weighting_scheme` says both the draw and the loss weight, and only sigma_sqrt trains
+ours' velocity loss (ours: library/models/flow_matching.py, the velocity error weighted by none / sigma_sqrt /
+cosmap). Ours draws sigma continuously in (0, 1] (never 0: sd-scripts' sigma 0 is a loss of exactly 0, and with
+sigma_sqrt 0 x 1/0, a NaN, in about 0.1 % / k of its samples).
+"""
+
+from __future__ import annotations
+
+KEPT, RENAMED, DROPPED, NOT_CARRIED = "kept", "renamed", "dropped", "not carried"  # library/training/peers/rules.py
+ARGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "training_shift", "min_timestep", "max_timestep")
+UNIFORM_DENSITY = ("uniform", "none", "sigma_sqrt", "cosmap")  # its density for these: U[0, 1)
+FLOOR = "sd-scripts floors 1000 sigma to a whole timestep (0 included); ours draws sigma continuously"
+# U(0, 1) against sigmoid(1.7 randn): their CDFs are within 0.0096 (the logistic's closest normal), the shift keeps the
+# distance, its floor to 1/1000 adds 0.0017 at k = 3: 0.0113 (tests/test_sd3_convert_config.py measures it)
+UNIFORM_CLOSEST = 1.7
+# its mode density at its default mode_scale 1.29 against sigmoid(s randn): closest at s = 0.84, 0.055 in CDF
+MODE_CLOSEST = (1.29, 0.84, 0.055)
+
+
+def _draw(values: dict) -> tuple[dict | None, str]:
+    """Ours' draw keys of the same law as its draw ({timestep_sampling, sigmoid_scale, discrete_flow_shift}), or
+    (None, why ours has none, with the closest)."""
+    scheme, k = values["weighting_scheme"], float(values["training_shift"])
+    if scheme in UNIFORM_DENSITY:
+        if k == 1:
+            return {"timestep_sampling": "uniform"}, ""
+        return None, (f"u ~ U[0, 1) shifted by training_shift {k:g}: ours has no uniform draw shifted so; the closest, "
+                      f"timestep_sampling = \"shift\" with sigmoid_scale = {UNIFORM_CLOSEST} and discrete_flow_shift = "
+                      f"{k:g}, draws sigmas whose CDF is within 0.012 of its at every sigma (its floor included)")
+    if scheme == "logit_normal":
+        mean, std = float(values["logit_mean"]), float(values["logit_std"])
+        if mean != 0:
+            return None, f"sigmoid(N({mean:g}, {std:g})): ours' sigmoid draw is centred (logit_mean 0)"
+        if k == 1:
+            return {"timestep_sampling": "sigmoid", "sigmoid_scale": std}, ""
+        return {"timestep_sampling": "shift", "sigmoid_scale": std, "discrete_flow_shift": k}, ""
+    scale, closest, distance = MODE_CLOSEST
+    near = (f"; at its mode_scale {scale} the closest, timestep_sampling = \"sigmoid\" with sigmoid_scale = {closest} "
+            f"(and training_shift as discrete_flow_shift), is {distance} away in CDF"
+            if float(values["mode_scale"]) == scale else "")
+    return None, f"its `mode` density (mode_scale {float(values['mode_scale']):g}): ours has no such draw{near}"
+
+
+def _loss(scheme: str) -> tuple[str, str, dict]:
+    """Its loss weight as ours' weighting_scheme: sigma_sqrt's sigma^-2 cancels its x0 loss's sigma^2."""
+    if scheme == "sigma_sqrt":
+        return RENAMED, ("weighting_scheme = \"none\": its x0 loss, sigma^2 x the velocity loss, times sigma^-2 is "
+                         "ours' velocity loss"), {"weighting_scheme": "none"}
+    weight = "2 / (pi (1 - 2 sigma + 2 sigma^2)) (cosmap)" if scheme == "cosmap" else "1"
+    return NOT_CARRIED, (f"sd-scripts' loss is the x0 error, sigma^2 x the velocity error, times {weight}; ours weighs "
+                         f"the velocity error by none / sigma_sqrt / cosmap, never by sigma^2 (its weighting_scheme "
+                         f"sigma_sqrt trains ours' loss)"), {}
+
+
+def sd3_draw(values: dict) -> dict[str, tuple[str, str, dict]]:
+    """{the report's line key: (verdict, text, {our key: value})} for its draw arguments (ARGS) at `values`."""
+    scheme = values["weighting_scheme"]
+    if scheme not in (*UNIFORM_DENSITY, "logit_normal", "mode"):
+        choices = ", ".join((*UNIFORM_DENSITY, "logit_normal", "mode"))
+        raise ValueError(f"weighting_scheme {scheme!r}: expected one of {choices} (sd-scripts' choices)")
+    keys, why = _draw(values)
+    k = float(values["training_shift"])
+    if keys is None:
+        lines = {"weighting_scheme (draw)": (NOT_CARRIED, why, {})}
+    else:
+        extra = ", ".join(f"{name} = {value:g}" for name, value in keys.items() if name != "timestep_sampling")
+        lines = {"weighting_scheme (draw)": (RENAMED, f"timestep_sampling = \"{keys['timestep_sampling']}\""
+                                             + (f" with {extra}" if extra else "") + f" (the same law; {FLOOR})", keys)}
+    lines["weighting_scheme (loss)"] = _loss(scheme)
+    carried = "goes with its draw (weighting_scheme), not carried: said there"
+    if keys is None:
+        lines["training_shift"] = (DROPPED, "1: no shift" if k == 1 else carried, {})
+    else:
+        lines["training_shift"] = ((RENAMED, "discrete_flow_shift", {"discrete_flow_shift": k}) if k != 1
+                                   else (DROPPED, "1: no shift", {}))
+    for name, density in (("logit_mean", "logit_normal"), ("logit_std", "logit_normal"), ("mode_scale", "mode")):
+        if scheme != density:
+            lines[name] = (DROPPED, f"read only with weighting_scheme {density}", {})
+        elif name == "logit_mean":
+            lines[name] = ((DROPPED, "0: ours' sigmoid draw is centred too", {}) if float(values[name]) == 0 else
+                           (NOT_CARRIED, "ours' sigmoid draw is centred (mean 0)", {}))
+        elif name == "logit_std" and keys is not None:
+            lines[name] = (RENAMED, "sigmoid_scale", {"sigmoid_scale": float(values[name])})
+        else:
+            lines[name] = (DROPPED, carried, {})
+    bounds = {"min_timestep": 0, "max_timestep": 1000}
+    for name, whole in bounds.items():
+        given = values[name]
+        whole_range = given is None or int(given) == whole
+        lines[name] = ((DROPPED, f"{whole}: its draw's whole range, as ours", {}) if whole_range else
+                       (NOT_CARRIED, "sd-scripts draws 1000 sigma in [min_timestep, max_timestep) (u (max - min) "
+                                     "+ min, floored); ours draws sigma over all of (0, 1]", {}))
+    return lines
