@@ -58,8 +58,8 @@ def sd3_command(model: str, dataset: str, out: str, *extra: str) -> str:
 
 def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path, capsys):
     """The files kept (vae -> ae), blocks_to_swap 32 of one block kind; its default draw uniform (ours "uniform"),
-    its x0 loss not carried; the encoder masks, per-encoder dropout and random crop of the positions not carried, its
-    [DOES NOT WORK] switches dropped, the FLUX.1 script's draw keys unknown (its parser has none)."""
+    its x0 loss as weighting_scheme sigma_sq; the encoder masks, per-encoder dropout and random crop of the positions
+    not carried, its [DOES NOT WORK] switches dropped, the FLUX.1 script's draw keys unknown (its parser has none)."""
     dataset = their_dataset(tmp_path, tiny_set["image_dir"])
     command = sd3_command(
         tiny_set["sd3"], dataset, str(tmp_path / "run"), f'--clip_l="{tiny_set["sd3_clip_l_single"]}"',
@@ -74,7 +74,8 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
         ("kept", ""), ("kept", ""), ("kept", ""), ("renamed", "ae"))
     assert rows["weighting_scheme (draw)"][0] == "renamed" and 'timestep_sampling = "uniform"' in rows[
         "weighting_scheme (draw)"][1]
-    assert rows["weighting_scheme (loss)"][0] == "not carried" and "sigma^2" in rows["weighting_scheme (loss)"][1]
+    assert rows["weighting_scheme (loss)"] == ("renamed", 'weighting_scheme = "sigma_sq": its x0 loss (weight 1) is '
+                                                          'sigma^2 x the velocity loss')
     assert rows["blocks_to_swap"][0] == "kept" and rows["fp8_base"] == ("renamed", 'base_precision = "fp8" (the plain '
                                                                        'cast, as sd-scripts; "fp8_scaled" is ours '
                                                                        'with per-block scales)')
@@ -120,15 +121,16 @@ def draw(**config) -> tuple[dict, dict]:
 
 
 @pytest.mark.parametrize("config, ours, draw_verdict, loss_verdict", [
-    ({}, {"timestep_sampling": "uniform"}, RENAMED, NOT_CARRIED),
+    ({}, {"timestep_sampling": "uniform", "weighting_scheme": "sigma_sq"}, RENAMED, RENAMED),
     ({"weighting_scheme": "sigma_sqrt"}, {"timestep_sampling": "uniform", "weighting_scheme": "none"}, RENAMED,
      RENAMED),
     ({"weighting_scheme": "logit_normal", "logit_std": 1.3, "training_shift": 3.0},
-     {"timestep_sampling": "shift", "sigmoid_scale": 1.3, "discrete_flow_shift": 3.0}, RENAMED, NOT_CARRIED),
-    ({"weighting_scheme": "logit_normal"}, {"timestep_sampling": "sigmoid", "sigmoid_scale": 1.0}, RENAMED,
-     NOT_CARRIED),
-    ({"weighting_scheme": "logit_normal", "logit_mean": 0.5}, {}, NOT_CARRIED, NOT_CARRIED),
-    ({"weighting_scheme": "mode"}, {}, NOT_CARRIED, NOT_CARRIED),
+     {"timestep_sampling": "shift", "sigmoid_scale": 1.3, "discrete_flow_shift": 3.0, "weighting_scheme": "sigma_sq"},
+     RENAMED, RENAMED),
+    ({"weighting_scheme": "logit_normal"}, {"timestep_sampling": "sigmoid", "sigmoid_scale": 1.0,
+                                            "weighting_scheme": "sigma_sq"}, RENAMED, RENAMED),
+    ({"weighting_scheme": "logit_normal", "logit_mean": 0.5}, {"weighting_scheme": "sigma_sq"}, NOT_CARRIED, RENAMED),
+    ({"weighting_scheme": "mode"}, {"weighting_scheme": "sigma_sq"}, NOT_CARRIED, RENAMED),
     ({"weighting_scheme": "cosmap", "training_shift": 3.0}, {}, NOT_CARRIED, NOT_CARRIED),
 ])
 def test_its_draw_and_loss_become_ours_where_the_law_is_the_same(config, ours, draw_verdict, loss_verdict):
@@ -197,7 +199,7 @@ def test_the_draws_are_its_laws_within_the_distances_said():
 def test_its_x0_loss_is_sigma_squared_times_ours_and_sigma_sqrt_cancels_it():
     """Its loss, as sd3_train_network computes it (model_pred x (-sigma) + noisy input against the latents, times
     compute_loss_weighting_for_sd3), against ours' flow_loss on the same prediction: sigma^2 x ours with uniform,
-    ours with sigma_sqrt (max rel. diff < 1e-6); at sigma 0 (its floor draws it) sigma_sqrt's loss is NaN."""
+    ours with sigma_sqrt, ours weighted by sigma_sq with uniform (max rel. diff < 1e-6); at sigma 0 (its floor draws it) sigma_sqrt's loss is NaN."""
     g = torch.Generator().manual_seed(0)
     x0, noise, pred = (torch.randn(4, 16, 8, 8, generator=g, dtype=torch.float64) for _ in range(3))
     sigmas = torch.tensor([0.001, 0.25, 0.5, 0.999], dtype=torch.float64)
@@ -210,6 +212,7 @@ def test_its_x0_loss_is_sigma_squared_times_ours_and_sigma_sqrt_cancels_it():
 
     ours = ((pred - fm.flow_target(x0, noise).double()) ** 2).mean(dim=(1, 2, 3))
     assert torch.allclose(theirs("uniform"), sigmas ** 2 * ours, rtol=1e-6, atol=0)
+    assert torch.allclose(theirs("uniform"), fm.loss_weighting(sigmas, "sigma_sq").double() * ours, rtol=1e-6, atol=0)
     assert torch.allclose(theirs("sigma_sqrt"), ours, rtol=1e-6, atol=0)
     zero = torch.zeros(1, 1, 1, 1, dtype=torch.float64)
     assert torch.isnan((((pred[:1] * (-zero) + x0[:1]) - x0[:1]) ** 2 * zero ** -2.0).mean())

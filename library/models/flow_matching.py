@@ -27,7 +27,7 @@ import torch
 from library.models.registry import SAMPLING_METHODS, TIMESTEP_BIASES, arch_specs  # the names the config offers
 from library.models.spec import MuLine, Sampling, load_symbol
 
-WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap")
+WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap", "sigma_sq")
 QUANTILE_EDGE = 1e-6  # a biased quantile's distance from 0 and 1 (erfinv(+-1) is infinite)
 SIGMA_SQRT_FLOOR = 1e-3  # the smallest sigma of a 1000-step scheduler (loss_weighting)
 LOSS_TYPES = ("l2", "huber")
@@ -159,7 +159,9 @@ def flow_target(x0: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
 
 def loss_weighting(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
     """Per-sample weights, float32 [B], as sd-scripts' and diffusers' compute_loss_weighting (training_utils):
-    none -> 1, sigma_sqrt -> s^-2, cosmap -> 2 / (pi (1 - 2 s + 2 s^2)).
+    none -> 1, sigma_sqrt -> s^-2, cosmap -> 2 / (pi (1 - 2 s + 2 s^2)); and sigma_sq -> s^2, the clean-latent
+    error of the velocity error (x0 = x_t - s v): what a script training with preconditioned outputs and weight 1
+    minimises (a family's spec says whose).
 
     sigma_sqrt takes s no smaller than SIGMA_SQRT_FLOOR: the peers draw s from the 1000 sigmas of a
     scheduler (k / 1000), so their weight is at most 1e6; our continuous draw reaches 1e-5 about once in
@@ -172,6 +174,8 @@ def loss_weighting(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
         return s.clamp(min=SIGMA_SQRT_FLOOR) ** -2.0
     if scheme == "cosmap":
         return 2.0 / (math.pi * (1.0 - 2.0 * s + 2.0 * s**2))
+    if scheme == "sigma_sq":
+        return s**2
     raise ValueError(f"weighting_scheme {scheme!r} is not one of {', '.join(WEIGHTING_SCHEMES)}")
 
 

@@ -158,7 +158,8 @@ SCHEMA: dict[str, Arg] = {
     "timestep_bias": A(str, "none", "lean the sigma draw to high or low noise (ai-toolkit's Timestep Bias, "
                                     "content_or_style content / style): its quantile 1 - u^3 or u^3", TIMESTEP_BIASES),
     "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
-    "weighting_scheme": A(str, "none", "loss weighting", ("none", "sigma_sqrt", "cosmap")),
+    "weighting_scheme": A(str, "none", "loss weighting (sigma_sq: the x0 error, as preconditioned outputs train)",
+                          ("none", "sigma_sqrt", "cosmap", "sigma_sq")),
     "loss_type": A(str, "l2", "loss", ("l2", "huber")),
     "huber_c": A(float, 0.1, "huber threshold"),
     "ip_noise_gamma": A(float, 0.0, "input perturbation (sd-scripts'): the model sees (1 - s) x0 + s (noise + "

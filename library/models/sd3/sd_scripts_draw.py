@@ -57,10 +57,12 @@ def _loss(scheme: str) -> tuple[str, str, dict]:
     if scheme == "sigma_sqrt":
         return RENAMED, ("weighting_scheme = \"none\": its x0 loss, sigma^2 x the velocity loss, times sigma^-2 is "
                          "ours' velocity loss"), {"weighting_scheme": "none"}
-    weight = "2 / (pi (1 - 2 sigma + 2 sigma^2)) (cosmap)" if scheme == "cosmap" else "1"
-    return NOT_CARRIED, (f"sd-scripts' loss is the x0 error, sigma^2 x the velocity error, times {weight}; ours weighs "
-                         f"the velocity error by none / sigma_sqrt / cosmap, never by sigma^2 (its weighting_scheme "
-                         f"sigma_sqrt trains ours' loss)"), {}
+    if scheme != "cosmap":
+        return RENAMED, ("weighting_scheme = \"sigma_sq\": its x0 loss (weight 1) is sigma^2 x the velocity loss"), \
+            {"weighting_scheme": "sigma_sq"}
+    return NOT_CARRIED, ("sd-scripts' loss is the x0 error, sigma^2 x the velocity error, times 2 / (pi (1 - 2 sigma "
+                         "+ 2 sigma^2)) (cosmap); ours weighs the velocity error by one of none / sigma_sqrt / cosmap "
+                         "/ sigma_sq, not by their product"), {}
 
 
 def sd3_draw(values: dict) -> dict[str, tuple[str, str, dict]]:

@@ -98,6 +98,9 @@ GGUF = S.GgufLayout("sd3", unquantized=("final_layer.", "time_text_embed.", "con
 # paper's 1024 px shift. sd-scripts' default draw is uniform without a shift (its training_shift 1.0).
 # StableDiffusion3Pipeline passes no sigmas: the scheduler spaces them, linspace(1, 3e-3 / 1.002, steps) shifted
 # (scheduler_spacing; FLUX.1's pipelines pass linspace(1, 1 / steps, steps)).
+# The loss: ours the velocity error (weighting_scheme "none"), the rectified-flow loss of the SD3 paper; sd-scripts'
+# sd3_train_network.py and diffusers' train_dreambooth_lora_sd3.py (precondition_outputs 1) train the x0 error by
+# default, the velocity error weighted by sigma^2: weighting_scheme = "sigma_sq" (flow_matching.loss_weighting).
 SAMPLING = S.Sampling(method="sd3_shift", shift=3.0, scheduler_spacing=True)
 
 
