@@ -21,9 +21,11 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
     python bench/bench_full_pipeline_cpu.py --family lumina2 --work /tmp/fulllumina2     # Lumina Image 2.0, ~10 GB
     python bench/bench_full_pipeline_cpu.py --family hunyuan_image --work /tmp/fullhunyuan --hunyuan-blocks 4,8
         # HunyuanImage-2.1 at full width, 4 of 20 double and 8 of 40 single blocks; ~20 GB (13 drawn)
+    python bench/bench_full_pipeline_cpu.py --family sd3 --work /tmp/fullsd3 --sd3-release medium  # ~16 GB
+        # SD3.5-Medium whole (or --sd3-release large --sd3-blocks N: SD3.5-Large at full width, N of 38 blocks)
 
 The writers of the generic files and of FLUX.3's, ERNIE-Image's, Nucleus-Image's, Anima's, Lumina 2's and
-HunyuanImage-2.1's are in bench/full_size_files.py.
+HunyuanImage-2.1's and SD3.5's are in bench/full_size_files.py.
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -75,9 +77,10 @@ from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 from bench.full_size_files import (  # noqa: E402, F401 (meta_shapes, write_random: bench_planner_cpu.py's)
     ANIMA_FILE, ANIMA_TEXT_FILE, ERNIE_IMAGE_FILE, FLUX3_FILE, HUNYUAN_IMAGE_FILE, HUNYUAN_IMAGE_GLYPH_FILE,
     HUNYUAN_IMAGE_TEXT_FILE, HUNYUAN_IMAGE_VAE_FILE, LUMINA2_FILE, LUMINA2_TEXT_FILE, GiB, QWEN3_VL_8B_TEXT,
-    QWEN3_VL_8B_VISION, meta_shapes, qwen3_vl_4b, random_tensor, write_anima_files, write_ernie_image_files,
-    write_flux2_vae, write_flux3_files, write_flux_vae, write_hunyuan_image_files, write_lumina2_files,
-    write_nucleus_image_files, write_qwen3_vl_folder, write_qwen_image_vae, write_random, write_random_sharded)
+    QWEN3_VL_8B_VISION, SD3_FILES, SD3_TEXT_FILES, meta_shapes, qwen3_vl_4b, random_tensor, write_anima_files,
+    write_ernie_image_files, write_flux2_vae, write_flux3_files, write_flux_vae, write_hunyuan_image_files,
+    write_lumina2_files, write_nucleus_image_files, write_qwen3_vl_folder, write_qwen_image_vae, write_random,
+    write_random_sharded, write_sd3_files)
 PHASES = (("vae caching", "latents:"), ("text caching", "captions:"), ("transformer load", "training:"),
           ("training", "_lr.png"), ("sample + save", "saved "))
 
@@ -385,7 +388,8 @@ def write_references(work: str, images: str, count: int) -> None:
 
 
 def write_run_config(work: str, family: str = "flux", single_file: bool = False, mixed_precision: str = "bf16",
-                     references: int = 0, train_steps: int = 2, sample_steps: int = 4, bf16_base: bool = False) -> str:
+                     references: int = 0, train_steps: int = 2, sample_steps: int = 4, bf16_base: bool = False,
+                     sd3_release: str = "medium") -> str:
     from PIL import Image
 
     images = os.path.join(work, "images")
@@ -497,6 +501,14 @@ text_encoder = "{work}/{HUNYUAN_IMAGE_TEXT_FILE}"
 byt5 = "{work}/{HUNYUAN_IMAGE_GLYPH_FILE}"
 output_name = "full_hunyuan_image"
 ''',
+        "sd3": f'''model_type = "sd3"
+pretrained_model_name_or_path = "{work}/{SD3_FILES[sd3_release]}"
+ae = "{work}"
+clip_l = "{work}/{SD3_TEXT_FILES['clip_l']}"
+clip_g = "{work}/{SD3_TEXT_FILES['clip_g']}"
+t5xxl = "{work}/{SD3_TEXT_FILES['t5xxl']}"
+output_name = "full_sd3"
+''',
         "qwen_image21": f'''model_type = "qwen_image21"
 pretrained_model_name_or_path = "{work}"
 ae = "{work}/vae"
@@ -519,8 +531,8 @@ output_name = "full_flux"
         f.write(prompts.replace(" --s 4 ", f" --s {sample_steps} "))
     if family == "ideogram4" or bf16_base:  # ideogram4's released files are pre-quantized (BFL fp8r): as stored
         settings = settings.replace("fp8_base = true\nfp8_scaled = true\n", "fp8_base = false\n")
-    # Qwen2.5-VL-7B in scaled fp8 as configs/hunyuan_image.toml caches it (bf16: 13 GB); the others' encoders bf16
-    text_precision = "fp8_scaled" if family == "hunyuan_image" else "bf16"
+    # Qwen2.5-VL-7B and T5-XXL in scaled fp8 as configs/hunyuan_image.toml and sd3.toml cache them; the others' bf16
+    text_precision = "fp8_scaled" if family in ("hunyuan_image", "sd3") else "bf16"
     config = os.path.join(work, "train.toml")
     with open(config, "w") as f:
         f.write(models[family] + f"""dataset_config = "{work}/dataset.toml"
@@ -610,7 +622,7 @@ def main(argv=None):
     p.add_argument("--skip-write", action="store_true")
     p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2",
                                         "ideogram4", "qwen_image_layered", "flux3", "ernie_image", "nucleus_image",
-                                        "anima", "lumina2", "hunyuan_image"],
+                                        "anima", "lumina2", "hunyuan_image", "sd3"],
                    default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
                         "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, "
@@ -618,13 +630,17 @@ def main(argv=None):
                         "--qwen-blocks of 60, RGBA VAE, 2 layers; flux3: FLUX.3 [klein] base, whole; ernie_image: "
                         "ERNIE-Image, whole; nucleus_image: Nucleus-Image, whole; anima: Anima, whole; "
                         "lumina2: Lumina Image 2.0, whole; hunyuan_image: HunyuanImage-2.1, --hunyuan-blocks of "
-                        "20,40")
+                        "20,40; sd3: --sd3-release (Large or Medium), --sd3-blocks of it")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
     p.add_argument("--hunyuan-blocks", default="4,8",
                    help="HunyuanImage-2.1 double,single blocks written (of 20,40): the whole 17 B base would take ~1 h "
                         "a step on 2 cores")
+    p.add_argument("--sd3-release", choices=["large", "medium"], default="medium",
+                   help="sd3: SD3.5-Medium (2.5 B, MMDiT-X, the 384^2 table) or SD3.5-Large (8.1 B, the 192^2 table)")
+    p.add_argument("--sd3-blocks", type=int, default=None,
+                   help="sd3: joint blocks written at the release's width (default all: 24 Medium, 38 Large)")
     p.add_argument("--mixed-precision", choices=["bf16", "no"], default="bf16",
                    help="the transformer's compute dtype; 'no' (float32) on a CPU without native bf16, where bf16 "
                         "matmuls run ~5x slower than float32 (the text encoder stays bf16 either way)")
@@ -668,11 +684,14 @@ def main(argv=None):
         elif args.family == "hunyuan_image":
             double, single = (int(n) for n in args.hunyuan_blocks.split(","))
             write_hunyuan_image_files(args.work, double, single)
+        elif args.family == "sd3":
+            write_sd3_files(args.work, args.sd3_release, args.sd3_blocks)
         else:
             write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)
     result = run_trainer(write_run_config(args.work, args.family, args.single_file, args.mixed_precision,
-                                          args.references, args.train_steps, args.sample_steps, args.bf16_base))
+                                          args.references, args.train_steps, args.sample_steps, args.bf16_base,
+                                          args.sd3_release))
     rows = phase_peaks(result)
     print(f"\ntrain_lora.py exit {result['code']} after {result['seconds']:.0f} s")
     print(f"{'phase':18s} {'seconds':>8s} {'VmRSS':>7s} {'RssAnon':>8s} {'RssFile':>8s}  (peak GiB)")

@@ -505,3 +505,101 @@ def meta_modules(build) -> list[tuple[str, torch.nn.Module]]:
     with torch.device("meta"):
         module = build()
     return list(module.named_modules())
+
+
+# ----------------------------------------------------------------------------------------------
+# SD3 / SD3.5
+
+# stabilityai/stable-diffusion-3.5-large's (and -medium's) layout, as configs/sd3.toml names it: the SAI single file at
+# the repo's root, text_encoders/ beside it, the repo's tokenizer*/ and vae/ folders
+SD3_FILES = {"large": "sd3.5_large.safetensors", "medium": "sd3.5_medium.safetensors"}
+SD3_TEXT_FILES = {"clip_l": "text_encoders/clip_l.safetensors", "clip_g": "text_encoders/clip_g.safetensors",
+                  "t5xxl": "text_encoders/t5xxl_fp16.safetensors"}
+
+
+def sd3_release_config(release: str, blocks: int | None = None):
+    """SD35_LARGE or SD35_MEDIUM, with `blocks` of its joint blocks (None: all; MMDiT-X's attn2 blocks kept below
+    the last)."""
+    import dataclasses
+
+    from library.models.sd3.model import SD35_LARGE, SD35_MEDIUM
+
+    config = {"large": SD35_LARGE, "medium": SD35_MEDIUM}[release]
+    if blocks is None or blocks == config.depth:
+        return config
+    dual = tuple(i for i in config.dual_attention_layers if i < blocks - 1)
+    return dataclasses.replace(config, depth=blocks, dual_attention_layers=dual)
+
+
+def write_sd3_files(work: str, release: str = "medium", blocks: int | None = None):
+    """SD3.5-Large or -Medium as people download them (configs/sd3.toml's paths): sd3.5_large.safetensors /
+    sd3.5_medium.safetensors (SAI's names under `model.diffusion_model.`, bf16, no metadata: the loader reads the
+    config from the shapes) with its `pos_embed` [1, N^2, width] as SAI's grid (the table the loader computes, N 192
+    for Large, 384 for Medium: the loader checks it and runs its own float32 window), the qk RMSNorm scales ones;
+    text_encoders/clip_l.safetensors (CLIP-L with projection, `text_model.*` + `text_projection.weight`, fp16),
+    clip_g.safetensors (CLIP-G with projection, fp16) and t5xxl_fp16.safetensors (`shared.weight` + `encoder.*`,
+    fp16), no config.json (the released configs); tokenizer/ (the small CLIP tokenizer, EOT pad), tokenizer_2/ (pad
+    "!" as the released one), tokenizer_3/ (the small T5 tokenizer): valid ids for the released vocabularies; vae/
+    (the 16-channel AutoencoderKL with SD3's factors as a diffusers folder)."""
+    from diffusers import AutoencoderKL
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from library.models.sd3.model import SD3, pos_embed_table
+    from library.models.sd3.vae import SD3_VAE_CONFIG
+    from library.models.text_encoders import CLIP_G_CONFIG, CLIP_L_CONFIG, T5_XXL_CONFIG
+    from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer
+
+    os.makedirs(os.path.join(work, "text_encoders"), exist_ok=True)
+    config = sd3_release_config(release, blocks)
+    prefix = "model.diffusion_model."
+    dit = {prefix + k: v for k, v in meta_shapes(lambda: SD3(config)).items()}
+    table = pos_embed_table(config).to(torch.bfloat16)[None]  # float64 positions -> float32 -> the file's bf16
+    write_random(os.path.join(work, SD3_FILES[release]), dit, 1, metadata={}, ones=("ln_q.weight", "ln_k.weight"),
+                 extra={prefix + "pos_embed": table})
+    del table
+
+    tokenizer_l = build_clip_tokenizer()
+    tokenizer_g = build_clip_tokenizer()
+    tokenizer_g.pad_token = "!"  # the released tokenizer_2/'s pad (id 0)
+    for seed, (name, released, tokenizer, folder) in enumerate((
+            ("clip_l", CLIP_L_CONFIG, tokenizer_l, "tokenizer"), ("clip_g", CLIP_G_CONFIG, tokenizer_g, "tokenizer_2")),
+            start=3):
+        shapes = meta_shapes(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**released)))
+        write_random(os.path.join(work, SD3_TEXT_FILES[name]),
+                     {k: v for k, v in shapes.items() if not k.endswith("position_ids")}, seed, metadata={},
+                     dtype=torch.float16)
+        save_tokenizer(tokenizer, os.path.join(work, folder))
+    t5 = meta_shapes(lambda: T5EncoderModel(T5Config(**T5_XXL_CONFIG)))
+    write_random(os.path.join(work, SD3_TEXT_FILES["t5xxl"]),
+                 {k: v for k, v in t5.items() if k != "encoder.embed_tokens.weight"}, 5, metadata={},
+                 dtype=torch.float16)
+    save_tokenizer(build_t5_tokenizer(), os.path.join(work, "tokenizer_3"))
+
+    with torch.device("meta"):
+        vae = AutoencoderKL(**SD3_VAE_CONFIG)
+    folder = os.path.join(work, "vae")
+    os.makedirs(folder, exist_ok=True)
+    write_random(os.path.join(folder, "diffusion_pytorch_model.safetensors"),
+                 {k: tuple(v.shape) for k, v in vae.state_dict().items()}, 2)
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({"_class_name": "AutoencoderKL", **SD3_VAE_CONFIG}, f, indent=2)
+
+
+def write_sd3_transformer_holes(path: str, release: str = "large") -> None:
+    """The release's whole SAI single file (`model.diffusion_model.`, bf16, no metadata) with its true `pos_embed`
+    drawn first and every weight a sparse hole (zeros, no disk): for measuring the full-depth load's memory (fp8
+    quantization while loading reads every tensor) where drawing 16 GB is not needed."""
+    from library.models.sd3.model import SD3, pos_embed_table
+
+    config = sd3_release_config(release)
+    prefix = "model.diffusion_model."
+    table = pos_embed_table(config).to(torch.bfloat16)[None].contiguous()
+    entries = [Entry(prefix + "pos_embed", torch.bfloat16, tuple(table.shape))]
+    entries += [Entry(prefix + k, torch.bfloat16, v) for k, v in meta_shapes(lambda: SD3(config)).items()]
+    head = safetensors_header(entries, {})
+    with open(path + ".tmp", "wb") as f:
+        f.write(head)
+        f.write(table.reshape(-1).view(torch.uint8).numpy().data)
+        f.truncate(len(head) + sum(e.nbytes for e in entries))
+    os.replace(path + ".tmp", path)
+    print(f"wrote {path}: {sum(e.nbytes for e in entries) / GiB:.2f} GiB, all but pos_embed a hole", flush=True)
