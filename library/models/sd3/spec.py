@@ -63,8 +63,8 @@ LORA_FILES = S.LoRAFiles(
     module_paths="library.models.sd3.lora_files:module_paths",
     module_map="library.models.sd3.lora_files:module_map_of_lora",
     layouts=("kohya", "diffusers", "comfy"),
-    info_markers=(("sai", r"joint_blocks_\d+_(x|context)_block_"),
-                  ("diffusers", r"transformer_blocks_\d+_attn2_to_[qkv]")),
+    # diffusers' names are FLUX.1's double blocks' (attn2, SD3.5-Medium's, is Anima's too): no naming of its own there
+    info_markers=(("sai", r"joint_blocks_\d+_(x|context)_block_"),),
     info_blocks=(("joint", r"joint_blocks_(\d+)_"), ("joint", r"(?<!single_)transformer_blocks_(\d+)_")),
     width_modules=r"attn2?_qkv|attn2?_to_[qkv]|attn_add_[qkv]_proj|adaLN_modulation_1|norm1(_context)?_linear|mlp_fc1",
     releases=(S.Release("SD3.5-Large", 2432, {"joint": 38}),
