@@ -238,4 +238,5 @@ SPEC = S.ArchSpec(
     # 2^3 of the VAE's 4 levels, x 2 for the patch, x 2)
     peer_bucket_steps={"ai-toolkit": 32},
     peer_models={"ai-toolkit": {"sd3": {"model_type": "sd3"}}, "sd-scripts": SD_SCRIPTS},
+    learned="library.models.sd3.learned:LEARNED",  # the learned tiny base (learned.py; learned/sd3/)
 )
