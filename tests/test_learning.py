@@ -33,10 +33,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 7 of 11 kept; 60 steps: 16/18, 6 of 11 kept); flipped, 60 steps: 2/18. Anima (2026-12-02, its base at 187/216),
 # 120 steps: 2/18 before, 14/18 after, 9 of 9 kept (60 steps: 15/18, 6 of 9 kept). Lumina 2 (2026-12-02, its base at
 # 193/216), 60 steps: 0/18 before, 15/18 after, 9 of 10 kept (training seeds 1, 2, 3: 11, 11, 14 after, 9 of 10 kept;
-# 120 steps 10/18, 10 of 10 kept).
+# 120 steps 10/18, 10 of 10 kept). SD3 (2026-12-02, its 1000-step base at 169/216), 60 steps: 0/18 before, 16/18 after,
+# 8 of 10 kept (training seeds 1, 2, 3: 11, 15, 12 after, 8, 8, 9 of 10 kept; 120 steps 17/18, 8 of 10 kept).
 FAST = {"flux": (60, 0.6, 0.7), "qwen_image": (120, 0.35, 0.5), "flux2": (120, 0.3, 0.5), "flux3": (60, 0.6, 0.7),
         "ernie_image": (120, 0.4, 0.5), "nucleus_image": (120, 0.5, 0.5), "anima": (120, 0.5, 0.5),
-        "lumina2": (60, 0.5, 0.7)}
+        "lumina2": (60, 0.5, 0.7), "sd3": (60, 0.5, 0.7)}
 # The share of the trigger prompts the base may render as a purple star before the LoRA (by chance: the base never
 # saw purple or a star): 0.1, and Anima's bf16 base 2 of 18 (its two at seed 42; its fp8_scaled base 0 of 18).
 BEFORE_AT_MOST = {"anima": 2 / 18}
