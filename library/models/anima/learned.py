@@ -64,11 +64,9 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     """The released single file (bf16, "net."); with `diffusers` also the pipeline's transformer/ and
     text_conditioner/ under diffusers/."""
     from library.models.anima.checkpoint import save_anima_diffusers, save_anima_single_file
+    from library.models.tiny_files import save_learned_transformer
 
-    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
-    save_anima_single_file(sd, paths["pretrained_model_name_or_path"], model.config)
-    if diffusers:
-        save_anima_diffusers(sd, model.config, os.path.join(os.path.dirname(paths["ae"]), "diffusers"))
+    save_learned_transformer(model, paths, diffusers, save_anima_single_file, save_anima_diffusers, "")
 
 
 _HERE, _QWEN_IMAGE = "library.models.anima.learned:", "library.models.qwen_image.learned:"

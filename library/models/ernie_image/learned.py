@@ -53,12 +53,9 @@ def new_transformer(text: dict[str, torch.Tensor]):
 
 def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     from library.models.ernie_image.checkpoint import save_ernie_image_diffusers, save_ernie_image_single_file
+    from library.models.tiny_files import save_learned_transformer
 
-    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}  # bf16, as Baidu releases
-    save_ernie_image_single_file(sd, paths["pretrained_model_name_or_path"], model.config)
-    if diffusers:
-        save_ernie_image_diffusers(sd, model.config, os.path.join(os.path.dirname(paths["ae"]), "diffusers",
-                                                                  "transformer"))
+    save_learned_transformer(model, paths, diffusers, save_ernie_image_single_file, save_ernie_image_diffusers)
 
 
 _HERE, _FLUX2 = "library.models.ernie_image.learned:", "library.models.flux2.learned:"

@@ -69,11 +69,9 @@ def new_transformer(text: dict[str, torch.Tensor]):
 
 def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     from library.models.flux2.checkpoint import save_flux2_bfl, save_flux2_diffusers
+    from library.models.tiny_files import save_learned_transformer
 
-    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}  # bf16, as BFL releases
-    save_flux2_bfl(sd, paths["pretrained_model_name_or_path"], model.config)
-    if diffusers:
-        save_flux2_diffusers(sd, model.config, os.path.join(os.path.dirname(paths["ae"]), "diffusers", "transformer"))
+    save_learned_transformer(model, paths, diffusers, save_flux2_bfl, save_flux2_diffusers)
 
 
 _HERE = "library.models.flux2.learned:"

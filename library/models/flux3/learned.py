@@ -46,11 +46,9 @@ def new_transformer(text: dict[str, torch.Tensor]):
 
 def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     from library.models.flux3.checkpoint import save_flux3_bfl, save_flux3_diffusers
+    from library.models.tiny_files import save_learned_transformer
 
-    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}  # bf16, as BFL releases
-    save_flux3_bfl(sd, paths["pretrained_model_name_or_path"], model.config)
-    if diffusers:
-        save_flux3_diffusers(sd, model.config, os.path.join(os.path.dirname(paths["ae"]), "diffusers", "transformer"))
+    save_learned_transformer(model, paths, diffusers, save_flux3_bfl, save_flux3_diffusers)
 
 
 _HERE, _FLUX2 = "library.models.flux3.learned:", "library.models.flux2.learned:"

@@ -59,11 +59,9 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     """The released single file (bf16, the original names); with `diffusers` also diffusers' transformer/ under
     diffusers/."""
     from library.models.lumina2.checkpoint import save_lumina2_diffusers, save_lumina2_single_file
+    from library.models.tiny_files import save_learned_transformer
 
-    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
-    save_lumina2_single_file(sd, paths["pretrained_model_name_or_path"], model.config)
-    if diffusers:
-        save_lumina2_diffusers(sd, model.config, os.path.join(os.path.dirname(paths["ae"]), "diffusers", "transformer"))
+    save_learned_transformer(model, paths, diffusers, save_lumina2_single_file, save_lumina2_diffusers)
 
 
 _HERE, _FLUX1 = "library.models.lumina2.learned:", "library.models.flux1.learned:"

@@ -64,11 +64,9 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     """SAI's single file (bf16, "model.diffusion_model.", pos_embed; our config in the metadata); with `diffusers`
     also diffusers' transformer/ under diffusers/."""
     from library.models.sd3.checkpoint import save_sd3_diffusers, save_sd3_single_file
+    from library.models.tiny_files import save_learned_transformer
 
-    sd = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
-    save_sd3_single_file(sd, paths["pretrained_model_name_or_path"], model.config)
-    if diffusers:
-        save_sd3_diffusers(sd, model.config, os.path.join(os.path.dirname(paths["ae"]), "diffusers", "transformer"))
+    save_learned_transformer(model, paths, diffusers, save_sd3_single_file, save_sd3_diffusers)
 
 
 _HERE, _FLUX1 = "library.models.sd3.learned:", "library.models.flux1.learned:"
