@@ -388,6 +388,28 @@ class GeluMLP(nn.Sequential):
         super().__init__(nn.Linear(dim, hidden, bias=bias), nn.GELU(approximate="tanh"), nn.Linear(hidden, dim, bias=bias))
 
 
+class FcMLP(nn.Module):
+    """fc1 -> activation (GELU tanh unless given) -> fc2: the `fc1` / `fc2` layout some original single files keep
+    (timm's Mlp)."""
+
+    def __init__(self, dim: int, hidden: int, activation=None):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
+        self.activation = activation or functools.partial(F.gelu, approximate="tanh")
+
+    def hidden(self, x: torch.Tensor) -> torch.Tensor:
+        """The activations the output projection `fc2` reads."""
+        return self.activation(self.fc1(x))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(self.hidden(x))
+
+    def gated(self, mod: Modulation, normed: torch.Tensor) -> torch.Tensor:
+        """gate * mlp((1 + scale) * normed + shift) of one (shift, scale, gate) triple: fc2 is the block's projection
+        into the residual (core.residual_projection may skip its base GEMM in checkpointing's recompute)."""
+        return mod.gated_projection(self.fc2, self.hidden(mod.modulate(normed)))
+
+
 class _GeluProj(nn.Module):
     def __init__(self, dim: int, hidden: int, bias: bool):
         super().__init__()

@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models.core import (
-    LayerNormNoAffine, Modulation, RMSNorm, TimestepMLP, apply_rope, attention, rope_tables, run_block,
+    FcMLP, LayerNormNoAffine, Modulation, RMSNorm, TimestepMLP, apply_rope, attention, rope_tables, run_block,
     split_modulation, timestep_embedding,
 )
 from library.models.flux1.model import split_heads
@@ -98,28 +98,8 @@ HUNYUAN_IMAGE = HunyuanImageConfig()
 # Layers
 
 
-class MLP(nn.Module):
-    """fc1 -> activation -> fc2 (Tencent's names); `hidden` is what the output projection reads."""
-
-    def __init__(self, dim: int, hidden: int, activation):
-        super().__init__()
-        self.fc1, self.fc2, self.activation = nn.Linear(dim, hidden), nn.Linear(hidden, dim), activation
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return self.activation(self.fc1(x))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.hidden(x))
-
-
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x, approximate="tanh")
-
-
-def gated_mlp(mlp: MLP, mod: Modulation, normed: torch.Tensor) -> torch.Tensor:
-    """gate * mlp((1 + scale) * normed + shift): fc2 is the block's projection into the residual
-    (core.residual_projection may skip its base GEMM in checkpointing's recompute)."""
-    return mod.gated_projection(mlp.fc2, mlp.hidden(mod.modulate(normed)))
 
 
 class ModulateDiT(nn.Module):
@@ -166,7 +146,7 @@ class IndividualTokenRefinerBlock(nn.Module):
         self.self_attn_qkv = nn.Linear(h, 3 * h)
         self.self_attn_proj = nn.Linear(h, h)
         self.norm2 = nn.LayerNorm(h, eps=1e-6)
-        self.mlp = MLP(h, cfg.mlp_hidden, F.silu)
+        self.mlp = FcMLP(h, cfg.mlp_hidden, F.silu)
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(h, 2 * h))
 
     def forward(self, x: torch.Tensor, c: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
@@ -247,7 +227,7 @@ class MMDoubleStreamBlock(nn.Module):
             setattr(self, f"{stream}_attn_k_norm", RMSNorm(cfg.head_dim, cfg.qk_norm_eps))
             setattr(self, f"{stream}_attn_proj", nn.Linear(h, h))
             setattr(self, f"{stream}_norm2", LayerNormNoAffine(h))
-            setattr(self, f"{stream}_mlp", MLP(h, cfg.mlp_hidden, gelu_tanh))
+            setattr(self, f"{stream}_mlp", FcMLP(h, cfg.mlp_hidden))
 
     def _heads(self, stream: str, x: torch.Tensor, mod: Modulation):
         """One stream's normalised q, k and v, each [B, H, L, D]."""
@@ -267,9 +247,9 @@ class MMDoubleStreamBlock(nn.Module):
         img_attn, txt_attn = attention(q, k, v, mask=mask).split((img.shape[1], txt.shape[1]), dim=1)
 
         img = img + img_mod1.gate * self.img_attn_proj(img_attn)
-        img = img + gated_mlp(self.img_mlp, img_mod2, self.img_norm2(img))
+        img = img + self.img_mlp.gated(img_mod2, self.img_norm2(img))
         txt = txt + txt_mod1.gate * self.txt_attn_proj(txt_attn)
-        txt = txt + gated_mlp(self.txt_mlp, txt_mod2, self.txt_norm2(txt))
+        txt = txt + self.txt_mlp.gated(txt_mod2, self.txt_norm2(txt))
         return img, txt
 
 

@@ -52,7 +52,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from library.models.core import (
-    LayerNormNoAffine, Modulation, RMSNorm, TimestepMLP, angle_dtype, attention, rope_tables, run_block,
+    FcMLP, LayerNormNoAffine, Modulation, RMSNorm, TimestepMLP, angle_dtype, attention, rope_tables, run_block,
     split_modulation, timestep_embedding,
 )
 from library.precision.autocast import autocast_off
@@ -209,20 +209,6 @@ class PatchEmbed(nn.Module):
         return F.linear(tokens, self.proj.weight.flatten(1), self.proj.bias)
 
 
-class MLP(nn.Module):
-    """fc1 -> GELU (tanh) -> fc2 (SAI's names)."""
-
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.fc1, self.fc2 = nn.Linear(dim, hidden), nn.Linear(hidden, dim)
-
-    def hidden(self, x: torch.Tensor) -> torch.Tensor:
-        return F.gelu(self.fc1(x), approximate="tanh")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc2(self.hidden(x))
-
-
 class SelfAttention(nn.Module):
     """`qkv` (rows q | k | v, heads of 64), per-head `ln_q` / `ln_k` RMSNorm where the model has qk norm, and `proj`
     unless the stream is pre-only."""
@@ -254,7 +240,7 @@ class DismantledBlock(nn.Module):
         self.attn = SelfAttention(cfg, pre_only)
         self.attn2 = SelfAttention(cfg) if dual else None
         self.norm2 = None if pre_only else LayerNormNoAffine(width)
-        self.mlp = None if pre_only else MLP(width, cfg.mlp_hidden)
+        self.mlp = None if pre_only else FcMLP(width, cfg.mlp_hidden)  # GELU (tanh)
         rows = 2 if pre_only else 9 if dual else 6
         self.adaLN_modulation = nn.Sequential(nn.SiLU(), nn.Linear(width, rows * width))
 
@@ -273,7 +259,7 @@ class DismantledBlock(nn.Module):
         if self.dual:
             q, k, v = self.attn2.heads(x2)
             x = x + mods[2].gate * self.attn2.proj(attention(q, k, v))
-        return x + mods[1].gated_projection(self.mlp.fc2, self.mlp.hidden(mods[1].modulate(self.norm2(x))))
+        return x + self.mlp.gated(mods[1], self.norm2(x))
 
 
 class JointBlock(nn.Module):
