@@ -41,7 +41,7 @@ from library.io import (
 from library.models.checkpoint_files import (
     block_count, diffusers_config_json, fill_meta_model, marked_prefix, renamed_keys, renamed_modules, stated_config,
 )
-from library.models.sd3.model import HEAD_DIM, PATCH, SD3, SD3Config, pos_embed_table, sincos_1d, table_positions
+from library.models.sd3.model import HEAD_DIM, PATCH, SD3, SD3Config, pos_embed_table, table_positions
 from library.precision.stored_layouts import read_stored_layout, stored_extras
 
 logger = logging.getLogger(__name__)
@@ -249,11 +249,9 @@ def pos_embed_difference(table: torch.Tensor, config: SD3Config) -> float:
     384^2 table is 0.45 GB in bf16)."""
     n, width = config.pos_embed_max_size, config.hidden_size
     table = table.reshape(n, n, width)
-    axis = sincos_1d(table_positions(config), width // 2).float()  # [N, width / 2]
     worst = 0.0
     for top in range(0, n, 32):
-        rows = axis[top: top + 32]
-        ours = torch.cat((axis[None].expand(len(rows), n, -1), rows[:, None].expand(-1, n, -1)), dim=-1)
+        ours = pos_embed_table(config, top=top, rows=32).view(-1, n, width)
         worst = max(worst, float((table[top: top + 32].float() - ours).abs().max()))
     return worst
 

@@ -142,18 +142,20 @@ def sincos_1d(positions: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.cat((angles.sin(), angles.cos()), dim=1)
 
 
-def pos_embed_table(config: SD3Config, device=None) -> torch.Tensor:
+def pos_embed_table(config: SD3Config, device=None, top: int = 0, rows: int | None = None) -> torch.Tensor:
     """The full float32 [N * N, width] table (rows row-major over the N x N grid) as the file's `pos_embed` holds
-    it: per token [column embedding | row embedding], each `sincos_1d` of width / 2. float64 -> float32 once,
-    outside autocast (MPS: float32 throughout)."""
+    it, or its `rows` rows from `top` ([rows * N, width]): per token [column embedding | row embedding], each
+    `sincos_1d` of width / 2, built from the two axes' tables (a whole 384^2 table without N^2 angles). float64 ->
+    float32 once, outside autocast (MPS: float32 throughout)."""
     device = torch.device("cpu") if device is None else torch.device(device)
+    n = config.pos_embed_max_size
+    rows = n - top if rows is None else min(rows, n - top)
     with autocast_off(device.type):
         positions = table_positions(config).to(device=device, dtype=angle_dtype(device))
         axis = sincos_1d(positions, config.hidden_size // 2)  # [N, width / 2]
-        n = config.pos_embed_max_size
-        columns = axis[None, :, :].expand(n, n, -1)  # token (r, c): column c's embedding
-        rows = axis[:, None, :].expand(n, n, -1)  # token (r, c): row r's embedding
-        return torch.cat((columns, rows), dim=-1).reshape(n * n, -1).float()
+        columns = axis[None, :, :].expand(rows, n, -1)  # token (r, c): column c's embedding
+        row_part = axis[top: top + rows, None, :].expand(rows, n, -1)  # token (r, c): row r's embedding
+        return torch.cat((columns, row_part), dim=-1).reshape(rows * n, -1).float()
 
 
 def crop_offset(config: SD3Config, h: int, w: int) -> tuple[int, int]:
@@ -163,6 +165,13 @@ def crop_offset(config: SD3Config, h: int, w: int) -> tuple[int, int]:
         raise ValueError(f"SD3: a patch grid of {h} x {w} exceeds pos_embed_max_size {n} (the position table's side, "
                          f"{n * PATCH * 8} px)")
     return (n - h) // 2, (n - w) // 2
+
+
+def window_positions(config: SD3Config, top: int, left: int, h: int, w: int) -> torch.Tensor:
+    """float64 [h*w, 2]: the (column, row) grid positions of the table's h x w window at (top, left), row-major."""
+    grid = table_positions(config)
+    rows, cols = grid[top: top + h], grid[left: left + w]
+    return torch.stack((cols[None, :].expand(h, w), rows[:, None].expand(h, w)), dim=-1).reshape(h * w, 2)
 
 
 def cropped_pos_embed(config: SD3Config, h: int, w: int, device=None, offset: tuple[int, int] | None = None,
@@ -178,9 +187,7 @@ def cropped_pos_embed(config: SD3Config, h: int, w: int, device=None, offset: tu
         return window.reshape(1, h * w, -1).to(device=device, dtype=torch.float32)
     # core.rope_tables' cos / sin of the window's (column, row) positions, axes of width / 2 each: its frequencies
     # theta^(-2j / (width / 2)) are the sin-cos table's (sincos_1d), and the precision doctor audits its calls
-    grid = table_positions(config).to(device)
-    rows, cols = grid[top: top + h], grid[left: left + w]
-    positions = torch.stack((cols[None, :].expand(h, w), rows[:, None].expand(h, w)), dim=-1).reshape(h * w, 2)
+    positions = window_positions(config, top, left, h, w).to(device)
     half = config.hidden_size // 2
     cos, sin = rope_tables(positions, (half, half), POS_EMBED_THETA)  # float32 [h*w, width / 2] each
     q = half // 2
@@ -372,9 +379,6 @@ def random_inputs(config: SD3Config, h: int, w: int, text_len: int, generator: t
 
     fixed = dict(txt=torch.randn(1, text_len, config.context_dim, generator=generator),
                  pooled=torch.randn(1, config.pooled_dim, generator=generator), h=h, w=w)
-    top, left = crop_offset(config, h, w)
-    grid = table_positions(config)
-    rows, cols = grid[top: top + h], grid[left: left + w]
-    positions = torch.stack((cols[None, :].expand(h, w), rows[:, None].expand(h, w)), dim=-1).reshape(1, h * w, 2)
+    positions = window_positions(config, *crop_offset(config, h, w), h, w)[None]
     half = config.hidden_size // 2
     return RandomInputs(fixed, positions, (half, half), POS_EMBED_THETA)
