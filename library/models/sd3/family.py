@@ -14,6 +14,8 @@ negative prompt, as StableDiffusion3Pipeline. Skip-layer guidance (the SD3.5-Med
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
@@ -31,34 +33,29 @@ class SD3Family(DiffusionFamily):
     true_cfg = True
 
     def model_version(self, model) -> str:
-        """sd3.5-large (38 blocks), sd3.5-medium (MMDiT-X's attn2 blocks) or sd3-medium (the released configs)."""
-        config = model.config
-        if config.dual_attention_layers:
-            return "sd3.5-medium"
-        return "sd3.5-large" if config.depth >= 38 else "sd3-medium"
+        return release_of(model.config)
 
-    def _release(self) -> str:
-        """The release of the transformer's file, read from its header once."""
-        if getattr(self, "_release_name", None) is None:
-            self._release_name = self.model_version(self.load_transformer(torch.float32, read_weights=False))
-        return self._release_name
+    @functools.cached_property
+    def _file_config(self):
+        """The transformer's config as its file's header gives it (a model on meta, no weight read): once per family."""
+        return self.load_transformer(torch.float32, read_weights=False).config
 
     @property
     def sample_steps(self) -> int:
         """Default --s: the model card's for the release (28 for Large and SD3-Medium, 40 for SD3.5-Medium)."""
-        return SPEC.sample_steps[self._release()]
+        return SPEC.sample_steps[release_of(self._file_config)]
 
     @property
     def sample_guidance(self) -> float:
         """Default --g: the model card's for the release (3.5 Large, 4.5 SD3.5-Medium, 7.0 SD3-Medium)."""
-        return SPEC.sample_guidance[self._release()]
+        return SPEC.sample_guidance[release_of(self._file_config)]
 
     def largest_image(self) -> tuple[int, int]:
         """The positional table's pos_embed_max_size patches a side (192 for SD3.5-Large, 384 for SD3.5-Medium), the
         forward refusing more, as diffusers' PatchEmbed."""
         from library.models.sd3.model import max_patch_grid
 
-        side = max_patch_grid(self.load_transformer(torch.float32, read_weights=False).config) * self.patch
+        side = max_patch_grid(self._file_config) * self.patch
         return side * self.vae_downsample, side * self.vae_downsample
 
     # -- files ---------------------------------------------------------------------------------
@@ -141,3 +138,10 @@ class SD3Family(DiffusionFamily):
         device = x_t.device
         return model(img=x_t, txt=text["context"].to(device), pooled=text["pooled"].to(device), timesteps=sigmas,
                      h=h, w=w)
+
+
+def release_of(config) -> str:
+    """sd3.5-large (38 blocks), sd3.5-medium (MMDiT-X's attn2 blocks) or sd3-medium (the released configs)."""
+    if config.dual_attention_layers:
+        return "sd3.5-medium"
+    return "sd3.5-large" if config.depth >= 38 else "sd3-medium"
