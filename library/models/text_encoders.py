@@ -177,12 +177,13 @@ TOKENIZER_KIND_CLASSES = {"CLIPTokenizer": "CLIP", "T5Tokenizer": "T5", "Qwen2To
                           "GemmaTokenizer": "Gemma", "ByT5Tokenizer": "ByT5"}
 TOKENIZER_KIND_SPECIALS = {("<|startoftext|>", "<|endoftext|>"): "CLIP", (None, "</s>"): "T5",
                            (None, "<|im_end|>"): "Qwen2", (None, "<|endoftext|>"): "Qwen2", ("<s>", "</s>"): "Mistral",
-                           ("<bos>", "<eos>"): "Gemma"}
+                           ("<bos>", "<eos>"): "Gemma", ("<|begin_of_text|>", "<|eot_id|>"): "Llama",
+                           ("<|begin_of_text|>", "<|end_of_text|>"): "Llama"}
 
 
 def tokenizer_kind(folder: str) -> str | None:
-    """CLIP, T5, ByT5, Qwen2, Mistral or Gemma: the kind of the tokenizer in `folder`, None when its config does not
-    tell."""
+    """CLIP, T5, ByT5, Qwen2, Mistral, Gemma or Llama (Llama 3's specials): the kind of the tokenizer in `folder`,
+    None when its config does not tell."""
     config = read_json_file(os.path.join(folder, "tokenizer_config.json"))
     kind = TOKENIZER_KIND_CLASSES.get(str(config.get("tokenizer_class")).removesuffix("Fast"))
     return kind or TOKENIZER_KIND_SPECIALS.get((_token(config.get("bos_token")), _token(config.get("eos_token"))))
@@ -386,17 +387,20 @@ class CLIPTextEncoder:
 
 class T5TextEncoder:
     """T5 encoder + tokenizer. encode(prompts, max_length) -> last hidden state [B, max_length, D]
-    float32; prompts padded to max_length and run without a mask, as diffusers' pipelines do."""
+    float32; prompts padded to max_length and run without a mask, as most diffusers pipelines do; masked=True: with
+    the tokenizer's attention mask (the pads hidden as keys, their own states still computed and returned), as the
+    pipelines that pass T5 its `attention_mask` do."""
 
     def __init__(self, model: T5EncoderModel, tokenizer):
         self.model, self.tokenizer = model.eval().requires_grad_(False), tokenizer
 
     @torch.no_grad()
-    def encode(self, prompts: list[str], max_length: int) -> torch.Tensor:
-        ids = self.tokenizer(
+    def encode(self, prompts: list[str], max_length: int, masked: bool = False) -> torch.Tensor:
+        tokens = self.tokenizer(
             prompts, padding="max_length", max_length=max_length, truncation=True, return_tensors="pt"
-        ).input_ids
-        return self.model(ids.to(self.model.device)).last_hidden_state.float()
+        )
+        mask = tokens.attention_mask.to(self.model.device) if masked else None  # int64 [B, L], 1 = a real token
+        return self.model(tokens.input_ids.to(self.model.device), attention_mask=mask).last_hidden_state.float()
 
 
 class CLIPPenultimateEncoder:
@@ -415,6 +419,19 @@ class CLIPPenultimateEncoder:
         ).input_ids
         out = self.model(ids.to(self.model.device), output_hidden_states=True)  # weights' dtype
         return out.hidden_states[-2].float(), out.text_embeds.float()
+
+    @torch.no_grad()
+    def pooled(self, prompts: list[str], max_length: int | None = None) -> torch.Tensor:
+        """text_embeds alone [B, P] float32 (no hidden state kept), prompts padded and cut to max_length (None:
+        self.max_length; at most the tower's max_position_embeddings). Under CLIP's causal mask the EOT token's state
+        does not depend on the pads after it: only where the cut falls changes it."""
+        length = max_length or self.max_length
+        positions = self.model.config.max_position_embeddings
+        if length > positions:
+            raise ValueError(f"CLIP pooled output of {length} tokens: the tower has {positions} positions")
+        ids = self.tokenizer(prompts, padding="max_length", max_length=length, truncation=True,
+                             return_tensors="pt").input_ids
+        return self.model(ids.to(self.model.device)).text_embeds.float()  # weights' dtype -> float32
 
 
 def load_clip_with_projection(path: str, tokenizer: str, dtype: torch.dtype = torch.float32, config: dict | None = None,
