@@ -167,3 +167,30 @@ def test_hidream_text_weights_counts_the_released_encoders_on_meta(tiny):
 
     llama_file = CheckpointReader(tiny["hidream_llama_single"])
     assert tiny_weights[3].params == llama_file.numel([k for k in llama_file.keys() if k != "lm_head.weight"])
+
+
+def test_hidream_comfyui_scaled_fp8_llama_encodes_as_its_dequantized_twin(tiny, tmp_path):
+    """llama_3.1_8b_instruct_fp8_scaled's layout (`scaled_fp8` marker, e4m3 codes with a 0-dim float32 `scale_weight`
+    per decoder Linear): loaded at fp32 it is dequantized as ComfyUI computes (codes * scale), so its Llama states equal
+    those of a file holding those products (max |diff| 0), and differ from the unquantized file's."""
+    from library.io import CheckpointReader, save_safetensors
+    from library.models.hidream.text_encoder import load_hidream_llama
+
+    source = dict(CheckpointReader(tiny["hidream_llama_single"]).items())
+    stored, twin = {"scaled_fp8": torch.empty(0, dtype=torch.float8_e4m3fn)}, {}
+    for key, weight in source.items():
+        if key.startswith("model.layers.") and key.endswith("proj.weight"):
+            scale = weight.abs().amax() / 448.0 * 1.5  # float32, 0-dim; the codes do not reach 448
+            stored[key] = (weight / scale).to(torch.float8_e4m3fn)
+            stored[key.removesuffix("weight") + "scale_weight"] = scale
+            twin[key] = stored[key].float() * scale
+        else:
+            stored[key] = twin[key] = weight
+    save_safetensors(stored, str(tmp_path / "llama_fp8_scaled.safetensors"))
+    save_safetensors(twin, str(tmp_path / "llama_twin.safetensors"))
+    tokenizer = load_llama_tokenizer(tiny["hidream_llama"])
+    states = {name: HiDreamTextEncoder(None, None, None, load_hidream_llama(str(tmp_path / name)), tokenizer)
+              .llama_states(CAPTIONS) for name in ("llama_fp8_scaled.safetensors", "llama_twin.safetensors")}
+    full = HiDreamTextEncoder(None, None, None, load_hidream_llama(tiny["hidream_llama_single"]), tokenizer)
+    assert (states["llama_fp8_scaled.safetensors"] - states["llama_twin.safetensors"]).abs().max().item() == 0
+    assert (states["llama_twin.safetensors"] - full.llama_states(CAPTIONS)).abs().max().item() > 1e-4
