@@ -291,6 +291,41 @@ def test_every_layout_loads_the_same_weights(tmp_path):
     assert meta.compute_dtype == torch.bfloat16 and next(meta.parameters()).device.type == "meta"
 
 
+def test_prequantized_files_load_as_stored(tmp_path):
+    """ComfyUI's scaled fp8 (`scaled_fp8` marker, e4m3 Linears with a float32 scale_weight; the MoE gates, no Linear,
+    as they are) and a plain e4m3 file (every tensor, the gates too): loaded as stored through
+    precision/stored_layouts.py with keep rules for the embedders, caption projections and final layer (the spec's
+    FP8 is the family's to state), each computes as the float32 model of its dequantized tensors (measured 0.0)."""
+    from library.models.spec import FP8Rules
+    from library.precision.fp8 import FP8Linear
+
+    rules = FP8Rules(keep=(r"x_embedder\.proj", r"[tp]_embedder\..*", r"caption_projection\..*", r"final_layer\..*"))
+    e4m3 = torch.float8_e4m3fn
+    sd = {k: v.float() for k, v in load_file(write_hidream(str(tmp_path), seed=0)["hidream"]).items()}
+    scaled, dequantized = {"scaled_fp8": torch.empty(0, dtype=e4m3)}, {}
+    for key, w in sd.items():
+        if w.dim() == 2 and not key.endswith(".gate.weight"):
+            scale = w.abs().max() / 448
+            scaled[key], scaled[key[: -len("weight")] + "scale_weight"] = (w / scale).to(e4m3), scale
+            dequantized[key] = scaled[key].float() * scale
+        else:
+            scaled[key] = dequantized[key] = w
+    plain = {k: v.to(e4m3) for k, v in sd.items()}
+    g = torch.Generator().manual_seed(0)
+    kwargs = dict(img=torch.randn(1, 48, 64, generator=g), t5=torch.randn(1, 16, 64, generator=g),
+                  llama=torch.randn(2, 1, 16, 64, generator=g), pooled=torch.randn(1, 64, generator=g),
+                  timesteps=torch.tensor([0.5]), h=6, w=8)
+    for name, stored, twin_sd in (("scaled", scaled, dequantized), ("plain", plain, None)):
+        save_file(stored, str(tmp_path / f"{name}.safetensors"))
+        loaded = load_hidream(str(tmp_path / f"{name}.safetensors"), fp8_rules=rules).eval()
+        twin = HiDream(tiny_config())
+        twin.load_state_dict(twin_sd or {k: v.float() for k, v in stored.items()})
+        quantized = [n for n, m in loaded.named_modules() if isinstance(m, FP8Linear)]
+        assert "double_stream_blocks.0.block.ff_i.experts.3.w2" in quantized and "final_layer.linear" not in quantized
+        with torch.no_grad():
+            assert torch.equal(loaded(**kwargs), twin.eval()(**kwargs)), name
+
+
 def test_other_families_files_are_refused_in_one_line(tmp_path):
     """A FLUX.1 single file, an SD3 one and a FLUX.1 diffusers folder: one CheckpointError each, naming what was
     expected."""
