@@ -46,6 +46,7 @@ FAMILIES = {
     "anima": "library.models.anima.family:AnimaFamily",
     "hunyuan_image": "library.models.hunyuan_image.family:HunyuanImageFamily",
     "sd3": "library.models.sd3.family:SD3Family",
+    "hidream": "library.models.hidream.family:HiDreamFamily",
 }
 
 # How the frozen base is stored (config base_precision): the compute dtype, fp8 (library/precision/fp8.py),

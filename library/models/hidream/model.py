@@ -246,6 +246,13 @@ class MoEGate(nn.Module):
         return index, probs
 
 
+def even_split(pairs: int, experts: int) -> list[int]:
+    """(token, expert) pairs per expert on `meta` (the memory planner: shapes without values, so no routing): an even
+    split, the balance the gate was trained towards; a skewed one moves activation bytes between experts, not their
+    sum (each pair is one expert row of the same width)."""
+    return [pairs // experts + (i < pairs % experts) for i in range(experts)]
+
+
 class MOEFeedForwardSwiGLU(nn.Module):
     """`gate`, `experts.E` (SwiGLU of hidden 4 x width each), `shared_experts` (hidden 2 x width). Each token's output:
     sum over its top-k experts of p_e * expert_e(token), plus shared_experts(token).
@@ -269,7 +276,8 @@ class MOEFeedForwardSwiGLU(nn.Module):
         pair_expert = index.reshape(-1)  # pair p = (token p // k, its choice p % k)
         order = pair_expert.argsort(stable=True)
         pair_token, pair_weight = order // top_k, probs.reshape(-1)[order].to(x.dtype)
-        counts = torch.bincount(pair_expert, minlength=len(self.experts)).tolist()  # one host sync per layer
+        counts = even_split(pair_expert.numel(), len(self.experts)) if tokens.is_meta else \
+            torch.bincount(pair_expert, minlength=len(self.experts)).tolist()  # one host sync per layer
         routed = torch.zeros_like(tokens)
         start = 0
         for expert, count in zip(self.experts, counts):

@@ -1,0 +1,170 @@
+"""HiDream-I1 (Full, Dev, Fast) as a diffusion family: the released (diffusers' and ComfyUI's) module names (model.py,
+loaded by checkpoint.py), FLUX.1's VAE (the same AutoencoderKL: flux1/vae.py), and four text encoders
+(text_encoder.py): CLIP-L's and CLIP-G's projected pooled outputs joined (2048), T5-XXL's 128 tokens and
+Llama-3.1-8B-Instruct's states of every layer (32 x 128 tokens), all as HiDreamImagePipeline.encode_prompt.
+
+Latents enter the transformer as 2x2 patches (pack_latents, the base class's): 1024 px is 64 x 64 = 4096 tokens,
+RoPE over (0, row, col) with no largest size (ComfyUI's way: only the image's own tokens; diffusers pads a non-square
+image to 4096 tokens, model.py).
+
+Full, Dev and Fast share the transformer; they differ in weights and in how the pipeline samples them (the model
+cards): Full 50 steps at CFG 5.0 against the empty negative prompt, its scheduler's shift 3.0; Dev 28 steps without
+guidance, shift 6.0; Fast 16 steps without guidance, shift 3.0. The release comes from `model_version`, else from the
+model path's name (ComfyUI's hidream_i1_dev_fp8.safetensors, the HiDream-I1-Fast folder), else Full.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from functools import cached_property
+
+import torch
+
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
+from library.models.hidream.spec import SPEC
+
+FULL, DEV, FAST = "hidream-i1-full", "hidream-i1-dev", "hidream-i1-fast"
+VERSION_SHIFT = {FULL: 3.0, DEV: 6.0, FAST: 3.0}  # each release's scheduler shift (flow_shift / shift)
+
+
+def release_in_name(path: str) -> str | None:
+    """The release a file or folder name says ("hidream_i1_dev_fp8.safetensors", "HiDream-I1-Fast"), else None."""
+    name = os.path.basename(os.path.normpath(path)).lower()
+    found = re.findall(r"(?<![a-z])(full|dev|fast)(?![a-z])", name)
+    return f"hidream-i1-{found[-1]}" if found else None
+
+
+class HiDreamFamily(DiffusionFamily):
+    """HiDream-I1: the released names, FLUX.1's VAE, CLIP-L + CLIP-G + T5-XXL + Llama-3.1 text, CFG for Full."""
+
+    name = "hidream"
+    vae = "library.models.flux1.vae:FluxVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
+    text_path_keys = ("clip_l", "clip_g", "t5xxl", "llama")
+    true_cfg = True  # Full runs the negative prompt; Dev and Fast default to guidance 0 (none run)
+    cfg_above = 1.0  # HiDreamImagePipeline: do_classifier_free_guidance is guidance_scale > 1
+
+    def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
+        super().__init__(model_path, vae_path, **text_paths)
+        if model_version is not None and model_version not in VERSION_SHIFT:
+            raise ValueError(f"model_version {model_version!r}: expected {FULL}, {DEV} or {FAST}")
+        self._version = model_version
+
+    @classmethod
+    def from_args(cls, args) -> "HiDreamFamily":
+        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
+                   **{k: getattr(args, k) for k in cls.text_path_keys})
+
+    # -- the release ---------------------------------------------------------------------------
+    @cached_property
+    def version(self) -> str:
+        """model_version, else the release the model path's name says, else Full."""
+        return self._version or release_in_name(self.model_path) or FULL
+
+    def model_version(self, model) -> str:
+        return self.version
+
+    def lora_release_note(self, metadata: dict) -> str | None:
+        """Where the release was guessed (no model_version, a path naming none) and the LoRA says another."""
+        trained = metadata.get("ss_base_model_version")
+        guessed = self._version is None and release_in_name(self.model_path) is None
+        if not guessed or trained not in VERSION_SHIFT or trained == self.version:
+            return None
+        return self.other_release_note(trained, "a path naming no release is read as Full")
+
+    @property
+    def sample_guidance(self) -> float:
+        """The release's default --g: Full 5.0 (CFG with the negative prompt), Dev and Fast 0 (none)."""
+        return SPEC.sample_guidance[self.version]
+
+    @property
+    def sample_steps(self) -> int:
+        """The release's default --s: Full 50, Dev 28, Fast 16."""
+        return SPEC.sample_steps[self.version]
+
+    def inference_sampling(self):
+        """The spec's constant shift is Full's and Fast's (3.0); Dev's scheduler shifts by 6.0."""
+        from library.models.flow_matching import sampling_of
+
+        sampling = sampling_of(self.arch)
+        shift = VERSION_SHIFT[self.version]
+        return None if shift == sampling.shift else dataclasses.replace(sampling, shift=shift)
+
+    # -- files ---------------------------------------------------------------------------------
+    def model_files(self) -> list[ModelFile]:
+        from library.models.vae import vae_markers
+
+        tower = {"text_model.embeddings.token_embedding.weight": None, "text_projection.weight": None}
+        return [
+            ModelFile("ae", self.vae_path, "a FLUX.1 VAE (16 latent channels)", "vae", vae_markers(self.latent_channels)),
+            ModelFile("clip_l", self.text_paths["clip_l"], "a CLIP-L text encoder with its projection", "text_encoder",
+                      tower, (None, "tokenizer", "CLIP", True)),
+            ModelFile("clip_g", self.text_paths["clip_g"], "a CLIP-G text encoder with its projection",
+                      "text_encoder_2", tower, (None, "tokenizer_2", "CLIP", True)),
+            ModelFile("t5xxl", self.text_paths["t5xxl"], "a T5 encoder", "text_encoder_3",
+                      {"block.0.layer.0.SelfAttention.q.weight": None}, (None, "tokenizer_3", "T5", True)),
+            ModelFile("llama", self.text_paths["llama"], "a Llama language model", "text_encoder_4",
+                      {"embed_tokens.weight": None, "layers.0.self_attn.q_proj.weight": None},
+                      (None, "tokenizer_4", "Llama", True)),
+        ]
+
+    def text_widths(self, config) -> dict[str, int]:
+        return {"t5xxl": config.t5_dim, "llama": config.llama_dim}
+
+    def text_on_meta(self, model, batch, tokens):
+        c = model.config
+        return {"t5": torch.empty(batch, tokens, c.t5_dim, device="meta"),
+                "llama": torch.empty(batch, max(c.llama_layers) + 1, tokens, c.llama_dim, device="meta"),
+                "pooled": torch.empty(batch, c.text_emb_dim, device="meta")}
+
+    @classmethod
+    def checkpoint_names(cls, keys, shape):
+        """The released names (ours), plain or behind a prefix (model.diffusion_model., ComfyUI's diffusion_model.);
+        a diffusers transformer/ folder has the same names."""
+        from library.models.hidream.checkpoint import MARKER, PREFIXES
+
+        for prefix in PREFIXES:
+            if prefix + MARKER in keys:
+                return CheckpointNames("released", prefix)
+        return None
+
+    # -- text ----------------------------------------------------------------------------------
+    def text_encoding_constants(self) -> dict:
+        from library.models.hidream import text_encoder as te
+
+        return te.ENCODING_CONSTANTS
+
+    def caption_token_limit(self, args):
+        """T5-XXL and Llama each keep 128 tokens; T5's tokenizer counts more for the same words, so its count warns."""
+        from library.models.sd3.text_encoder import sd3_caption_token_limit
+        from library.models.hidream.text_encoder import HIDREAM_MAX_LENGTH
+
+        return sd3_caption_token_limit(self.text_paths["t5xxl"], HIDREAM_MAX_LENGTH)
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        """encode(captions) -> per caption {"t5": float32 [128, 4096], "llama": float32 [32, 128, 4096],
+        "pooled": float32 [2048]}."""
+        from library.models.hidream.text_encoder import load_hidream_text_encoders
+        from library.models.text_encoders import encoder_precision
+
+        dtype, fp8 = encoder_precision(precision)
+        encoder = load_hidream_text_encoders(self.text_paths["clip_l"], self.text_paths["clip_g"],
+                                             self.text_paths["t5xxl"], self.text_paths["llama"], dtype=dtype, fp8=fp8)
+        for model in encoder.models:
+            model.to(device)
+        return encoder.encode
+
+    def text_encoder_weights(self):
+        """CLIP-L and CLIP-G with their projections (never fp8), T5-XXL and Llama as their loaders keep them."""
+        from library.models.hidream.text_encoder import hidream_text_weights
+
+        return hidream_text_weights(*(self.text_paths[k] for k in self.text_path_keys))
+
+    # -- the denoiser --------------------------------------------------------------------------
+    def predict(self, model, x_t, sigmas, text, h, w, guidance):
+        """x_t [B, h*w, 64]: 2x2 latent patches (pack_latents). Returns the velocity noise - x0 [B, h*w, 64]."""
+        device = x_t.device
+        llama = text["llama"].to(device).transpose(0, 1)  # cached [B, layers, L, D] -> the model's [layers, B, L, D]
+        return model(img=x_t, t5=text["t5"].to(device), llama=llama, pooled=text["pooled"].to(device),
+                     timesteps=sigmas, h=h, w=w)
