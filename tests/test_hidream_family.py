@@ -242,3 +242,26 @@ def test_cached_text_is_t5_every_llama_layer_and_pooled(tiny_set):
     assert all(set(c) == {"t5", "llama", "pooled"} for c in cached)
     assert cached[0]["t5"].shape == (128, T5) and cached[0]["llama"].shape == (LAYERS, 128, LLAMA)
     assert cached[0]["pooled"].shape == (POOLED,)
+
+
+def test_ai_toolkits_hidream_job_is_ours_with_its_llama():
+    """model.arch hidream: our hidream at its 16 px buckets; the Llama from model_kwargs.llama_model_path, else
+    ai-toolkit's default (unsloth/Meta-Llama-3.1-8B-Instruct, in models/), never the HiDream folder (which has none);
+    the kwargs that name no file of ours are not carried."""
+    from library.training.peers import ai_toolkit
+    from library.training.peers.rules import NOT_CARRIED, RENAMED
+    from tests.test_convert_config_ai_toolkit import job, verdict
+
+    for kwargs, llama in (({"llama_model_path": "/m/llama", "other": 1}, "/m/llama"),
+                          ({}, "models/Meta-Llama-3.1-8B-Instruct")):
+        config = job()
+        config["config"]["process"][0]["model"] = {"name_or_path": "HiDream-ai/HiDream-I1-Full", "arch": "hidream",
+                                                   "model_kwargs": kwargs}
+        t = ai_toolkit.translate(config, "run.yaml")
+        assert (t.config["model_type"], t.config["llama"]) == ("hidream", llama)
+        assert t.config["t5xxl"] == t.config["pretrained_model_name_or_path"] == "models/HiDream-I1-Full"
+        assert [d["bucket_reso_steps"] for d in t.dataset["datasets"]] == [16]
+    t = ai_toolkit.translate(job(model={"arch": "hidream", "name_or_path": "/x", "model_kwargs": {
+        "llama_model_path": "/m/llama", "other": 1}}), "run.yaml")
+    assert verdict(t, "model.model_kwargs.llama_model_path") == (RENAMED, "llama")
+    assert verdict(t, "model.model_kwargs")[0] == NOT_CARRIED

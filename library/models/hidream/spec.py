@@ -158,7 +158,9 @@ SPEC = S.ArchSpec(
     sample_steps={"hidream-i1-full": 50, "hidream-i1-dev": 28, "hidream-i1-fast": 16},
     sample_guidance={"hidream-i1-full": 5.0, "hidream-i1-dev": 0.0, "hidream-i1-fast": 0.0},
     modelspec=MODELSPEC,
-    # ai-toolkit's model.arch "hidream" (its hidream_e1, the edit model, is not trained here); its bucket divisibility
+    # ai-toolkit's model.arch "hidream" (its hidream_e1, the edit model, is not trained here) with its Llama:
+    # model_kwargs.llama_model_path, else its LLAMA_MODEL_PATH unsloth/Meta-Llama-3.1-8B-Instruct (downloaded to
+    # models/); its bucket divisibility
     peer_bucket_steps={"ai-toolkit": 16},
-    peer_models={"ai-toolkit": {"hidream": {"model_type": "hidream"}}},
+    peer_models={"ai-toolkit": {"hidream": {"model_type": "hidream", "llama": "models/Meta-Llama-3.1-8B-Instruct"}}},
 )

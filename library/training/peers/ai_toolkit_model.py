@@ -126,7 +126,9 @@ def _name_or_path(t: Job, key: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{t.source}: model.name_or_path must name the model, got {value!r}")
     model = t.section("model")
-    others = [k for k in family_class(t.model_type).required_paths()[1:] if not (k == "ae" and model.get("vae_path"))]
+    # a file key the arch's entry already names (ai-toolkit's own default file for it) is not in the folder
+    others = [k for k in family_class(t.model_type).required_paths()[1:]
+              if not (k == "ae" and model.get("vae_path")) and k not in t.config]
     path, hub = _local(value)
     t.config["pretrained_model_name_or_path"] = path
     extras = _local(model["extras_name_or_path"])[0] if model.get("extras_name_or_path") else path
@@ -146,6 +148,26 @@ def _name_or_path(t: Job, key: str, value: Any) -> None:
     if missing:
         text += f"; give {', '.join(missing)} yourself (a single file holds the transformer only)"
     t.lines.append(Line(key, value, RENAMED, text))
+
+
+def _model_kwargs(t: Job, key: str, value: Any) -> None:
+    """A model's own options: those naming one of its files by our key (`<key>_model_path`: HiDream's
+    llama_model_path) set that key, in place of the arch entry's default; the others are not carried."""
+    from library.models.family import family_class
+
+    files, rest = family_class(t.model_type).required_paths(), {}
+    for name, path in (value.items() if isinstance(value, dict) else ()):
+        ours = name.removesuffix("_model_path")
+        if ours in files and ours != name and isinstance(path, str) and path:
+            local, hub = _local(path)
+            t.config[ours] = local  # replaces the arch entry's default file (no conflict: that was ours)
+            t.lines.append(Line(f"{key}.{name}", path, RENAMED, ours + (f"; a Hub id, which ours does not download: "
+                                                                         f"`hf download {hub} --local-dir {local}`"
+                                                                         if hub else "")))
+        else:
+            rest[name] = path
+    if rest or not isinstance(value, dict):
+        t.refuse(key, rest or value, "a model's own options in ai-toolkit: set ours by their keys")
 
 
 def _local(value: str) -> tuple[str, str | None]:
@@ -255,7 +277,7 @@ MODEL_RULES: dict[str, Rule] = {f"model.{k}": r for k, r in {
     "use_text_encoder_2": ignored("older models' key"),
     "experimental_xl": ignored("older models' key"),
     "in_context": unsupported("in-context training: not ours"),
-    "model_kwargs": unsupported("a model's own options in ai-toolkit: set ours by their keys"),
+    "model_kwargs": custom(_model_kwargs),
     "model_paths": unsupported("a model's extra files in ai-toolkit: set ours by their keys"),
     "ignore_if_contains": unsupported("frozen parameters of a full fine-tune: ours trains a LoRA"),
     "only_if_contains": unsupported("trained parameters of a full fine-tune: ours trains a LoRA"),
