@@ -151,8 +151,8 @@ def _name_or_path(t: Job, key: str, value: Any) -> None:
 
 
 def _model_kwargs(t: Job, key: str, value: Any) -> None:
-    """A model's own options: those naming one of its files by our key (`<key>_model_path`: HiDream's
-    llama_model_path) set that key, in place of the arch entry's default; the others are not carried."""
+    """A model's own options: those naming one of its files by our key (`<key>_model_path`, e.g. llama_model_path
+    for a Llama text encoder) set that key, in place of the arch entry's default; the others are not carried."""
     from library.models.family import family_class
 
     files, rest = family_class(t.model_type).required_paths(), {}
