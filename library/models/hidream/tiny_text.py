@@ -59,42 +59,6 @@ def build_llama3_tokenizer():
     return fast_tokenizer(tok, bos_token="<|begin_of_text|>", eos_token="<|eot_id|>", model_max_length=131072)
 
 
-def write_long_clip(folder: str, tokenizer_folder: str, tokenizer, hidden_act: str, seed: int,
-                    offset: int) -> dict[str, torch.Tensor]:
-    """A CLIPTextModelWithProjection folder of CLIP_POSITIONS positions (the released `text_model.*` +
-    `text_projection.weight` names) and its tokenizer; returns the weights."""
-    from transformers import CLIPTextModelWithProjection
-
-    from library.io import save_safetensors
-    from library.models.sd3.tiny_text import tiny_clip_config
-    from library.models.tiny_files import save_tokenizer, seed_component, write_json
-
-    seed_component(seed, offset)
-    config = tiny_clip_config(tokenizer, hidden_act)  # CLIP_WIDTH 32, 2 layers
-    config.max_position_embeddings = CLIP_POSITIONS
-    model = CLIPTextModelWithProjection(config)  # float32
-    weights = {k: v.contiguous() for k, v in model.state_dict().items() if not k.endswith("position_ids")}
-    os.makedirs(folder, exist_ok=True)
-    save_safetensors(weights, os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
-    write_json(os.path.join(folder, "config.json"), {"architectures": ["CLIPTextModelWithProjection"],
-                                                     **config.to_dict()})
-    save_tokenizer(tokenizer, tokenizer_folder)
-    return weights
-
-
-def write_t5(folder: str, tokenizer_folder: str, seed: int) -> dict[str, torch.Tensor]:
-    """tiny_files.write_t5_encoder at T5_WIDTH, its tokenizer moved to `tokenizer_folder`; returns the weights."""
-    from library.io import CheckpointReader
-    from library.models.tiny_files import write_t5_encoder
-
-    write_t5_encoder(folder, seed, 134, d_model=T5_WIDTH)
-    os.makedirs(tokenizer_folder, exist_ok=True)
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        if os.path.isfile(os.path.join(folder, name)):
-            os.replace(os.path.join(folder, name), os.path.join(tokenizer_folder, name))
-    return dict(CheckpointReader(folder).items())
-
-
 def tiny_llama_config(tokenizer):
     """transformers' LlamaConfig of the tiny Llama 3.1 (module docstring), its ids the tokenizer's."""
     from transformers import LlamaConfig
@@ -132,6 +96,7 @@ def write_llama(folder: str, seed: int) -> dict[str, torch.Tensor]:
 def write_hidream_text_encoders(out: str, seed: int) -> dict[str, str]:
     """The four text encoders under out/hidream/ in each layout (module docstring); returns their paths."""
     from library.io import save_safetensors
+    from library.models.sd3.tiny_text import write_clip, write_t5
     from library.models.tiny_files import build_clip_tokenizer
 
     root = os.path.join(out, "hidream")
@@ -146,12 +111,13 @@ def write_hidream_text_encoders(out: str, seed: int) -> dict[str, str]:
              "hidream_clip_g_single": os.path.join(singles, "clip_g_hidream.safetensors"),
              "hidream_t5xxl_single": os.path.join(singles, "t5xxl.safetensors"),
              "hidream_llama_single": os.path.join(singles, "llama_3.1_8b_instruct.safetensors")}
-    clip_l = write_long_clip(paths["hidream_clip_l"], paths["hidream_tokenizer"], build_clip_tokenizer(), "quick_gelu",
-                             seed, 132)
+    clip_l = write_clip(paths["hidream_clip_l"], paths["hidream_tokenizer"], build_clip_tokenizer(), "quick_gelu",
+                        seed, 132, positions=CLIP_POSITIONS)
     tokenizer_g = build_clip_tokenizer()
     tokenizer_g.pad_token = "!"  # the released SD3 / SDXL tokenizer_2/'s pad (id 0 there and here)
-    clip_g = write_long_clip(paths["hidream_clip_g"], paths["hidream_tokenizer_2"], tokenizer_g, "gelu", seed, 133)
-    t5 = write_t5(paths["hidream_t5xxl"], paths["hidream_tokenizer_3"], seed)
+    clip_g = write_clip(paths["hidream_clip_g"], paths["hidream_tokenizer_2"], tokenizer_g, "gelu", seed, 133,
+                        positions=CLIP_POSITIONS)
+    t5 = write_t5(paths["hidream_t5xxl"], paths["hidream_tokenizer_3"], seed, 134)
     llama = write_llama(paths["hidream_llama"], seed)
     os.makedirs(singles, exist_ok=True)
     for key, weights in (("hidream_clip_l_single", clip_l), ("hidream_clip_g_single", clip_g),

@@ -47,9 +47,9 @@ def tiny_clip_config(tokenizer, hidden_act: str):
 
 
 def write_clip(folder: str, tokenizer_folder: str, tokenizer, hidden_act: str, seed: int, offset: int,
-               identity_projection: bool) -> dict[str, torch.Tensor]:
-    """A CLIPTextModelWithProjection folder (the released `text_model.*` + `text_projection.weight` names) and its
-    tokenizer; returns the weights."""
+               identity_projection: bool = False, positions: int = 77) -> dict[str, torch.Tensor]:
+    """A CLIPTextModelWithProjection folder (the released `text_model.*` + `text_projection.weight` names) of
+    `positions` positions (Long-CLIP's 248 for HiDream-I1) and its tokenizer; returns the weights."""
     from transformers import CLIPTextModelWithProjection
 
     from library.io import save_safetensors
@@ -57,6 +57,7 @@ def write_clip(folder: str, tokenizer_folder: str, tokenizer, hidden_act: str, s
 
     seed_component(seed, offset)
     config = tiny_clip_config(tokenizer, hidden_act)
+    config.max_position_embeddings = positions
     model = CLIPTextModelWithProjection(config)  # float32
     if identity_projection:
         with torch.no_grad():
@@ -70,12 +71,12 @@ def write_clip(folder: str, tokenizer_folder: str, tokenizer, hidden_act: str, s
     return weights
 
 
-def write_t5(folder: str, tokenizer_folder: str, seed: int) -> dict[str, torch.Tensor]:
+def write_t5(folder: str, tokenizer_folder: str, seed: int, offset: int = 124) -> dict[str, torch.Tensor]:
     """tiny_files.write_t5_encoder at T5_WIDTH, its tokenizer moved to `tokenizer_folder`; returns the weights."""
     from library.io import CheckpointReader
     from library.models.tiny_files import write_t5_encoder
 
-    write_t5_encoder(folder, seed, 124, d_model=T5_WIDTH)
+    write_t5_encoder(folder, seed, offset, d_model=T5_WIDTH)
     os.makedirs(tokenizer_folder, exist_ok=True)
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         if os.path.isfile(os.path.join(folder, name)):
