@@ -93,17 +93,12 @@ class HiDreamFamily(DiffusionFamily):
 
     # -- files ---------------------------------------------------------------------------------
     def model_files(self) -> list[ModelFile]:
+        from library.models.sd3.family import clip_t5_model_files
         from library.models.vae import vae_markers
 
-        tower = {"text_model.embeddings.token_embedding.weight": None, "text_projection.weight": None}
         return [
             ModelFile("ae", self.vae_path, "a FLUX.1 VAE (16 latent channels)", "vae", vae_markers(self.latent_channels)),
-            ModelFile("clip_l", self.text_paths["clip_l"], "a CLIP-L text encoder with its projection", "text_encoder",
-                      tower, (None, "tokenizer", "CLIP", True)),
-            ModelFile("clip_g", self.text_paths["clip_g"], "a CLIP-G text encoder with its projection",
-                      "text_encoder_2", tower, (None, "tokenizer_2", "CLIP", True)),
-            ModelFile("t5xxl", self.text_paths["t5xxl"], "a T5 encoder", "text_encoder_3",
-                      {"block.0.layer.0.SelfAttention.q.weight": None}, (None, "tokenizer_3", "T5", True)),
+            *clip_t5_model_files(self.text_paths),  # SD3's three encoders' roles and folders
             ModelFile("llama", self.text_paths["llama"], "a Llama language model", "text_encoder_4",
                       {"embed_tokens.weight": None, "layers.0.self_attn.q_proj.weight": None},
                       (None, "tokenizer_4", "Llama", True)),

@@ -62,16 +62,8 @@ class SD3Family(DiffusionFamily):
     def model_files(self) -> list[ModelFile]:
         from library.models.vae import vae_markers
 
-        tower = {"text_model.embeddings.token_embedding.weight": None, "text_projection.weight": None}
-        return [
-            ModelFile("ae", self.vae_path, "an SD3 VAE (16 latent channels)", "vae", vae_markers(self.latent_channels)),
-            ModelFile("clip_l", self.text_paths["clip_l"], "a CLIP-L text encoder with its projection", "text_encoder",
-                      tower, (None, "tokenizer", "CLIP", True)),
-            ModelFile("clip_g", self.text_paths["clip_g"], "a CLIP-G text encoder with its projection",
-                      "text_encoder_2", tower, (None, "tokenizer_2", "CLIP", True)),
-            ModelFile("t5xxl", self.text_paths["t5xxl"], "a T5 encoder", "text_encoder_3",
-                      {"block.0.layer.0.SelfAttention.q.weight": None}, (None, "tokenizer_3", "T5", True)),
-        ]
+        return [ModelFile("ae", self.vae_path, "an SD3 VAE (16 latent channels)", "vae",
+                          vae_markers(self.latent_channels)), *clip_t5_model_files(self.text_paths)]
 
     def text_widths(self, config) -> dict[str, int]:
         return {"t5xxl": config.context_dim}  # the joined CLIP states are padded to it; pooled_dim the two CLIPs'
@@ -138,6 +130,20 @@ class SD3Family(DiffusionFamily):
         device = x_t.device
         return model(img=x_t, txt=text["context"].to(device), pooled=text["pooled"].to(device), timesteps=sigmas,
                      h=h, w=w)
+
+
+def clip_t5_model_files(paths: dict[str, str]) -> list[ModelFile]:
+    """CLIP-L, CLIP-G (each with its projection) and T5-XXL at paths["clip_l" / "clip_g" / "t5xxl"], with the
+    diffusers repo's component and tokenizer folders (text_encoder/ ... tokenizer_3/)."""
+    tower = {"text_model.embeddings.token_embedding.weight": None, "text_projection.weight": None}
+    return [
+        ModelFile("clip_l", paths["clip_l"], "a CLIP-L text encoder with its projection", "text_encoder", tower,
+                  (None, "tokenizer", "CLIP", True)),
+        ModelFile("clip_g", paths["clip_g"], "a CLIP-G text encoder with its projection", "text_encoder_2", tower,
+                  (None, "tokenizer_2", "CLIP", True)),
+        ModelFile("t5xxl", paths["t5xxl"], "a T5 encoder", "text_encoder_3",
+                  {"block.0.layer.0.SelfAttention.q.weight": None}, (None, "tokenizer_3", "T5", True)),
+    ]
 
 
 def release_of(config) -> str:
