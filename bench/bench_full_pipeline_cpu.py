@@ -23,9 +23,11 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
         # HunyuanImage-2.1 at full width, 4 of 20 double and 8 of 40 single blocks; ~20 GB (13 drawn)
     python bench/bench_full_pipeline_cpu.py --family sd3 --work /tmp/fullsd3 --sd3-release medium  # ~16 GB
         # SD3.5-Medium whole (or --sd3-release large --sd3-blocks N: SD3.5-Large at full width, N of 38 blocks)
+    python bench/bench_full_pipeline_cpu.py --family hidream --work /tmp/fullhidream --hidream-blocks 2,2
+        # HiDream-I1 at full width, 2 of 16 double and 2 of 32 single blocks, the full-size text encoders; ~30 GB
 
 The writers of the generic files and of FLUX.3's, ERNIE-Image's, Nucleus-Image's, Anima's, Lumina 2's and
-HunyuanImage-2.1's and SD3.5's are in bench/full_size_files.py.
+HunyuanImage-2.1's, SD3.5's and HiDream-I1's are in bench/full_size_files.py.
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -75,10 +77,12 @@ from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer, 
 from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 
 from bench.full_size_files import (  # noqa: E402, F401 (meta_shapes, write_random: bench_planner_cpu.py's)
-    ANIMA_FILE, ANIMA_TEXT_FILE, ERNIE_IMAGE_FILE, FLUX3_FILE, HUNYUAN_IMAGE_FILE, HUNYUAN_IMAGE_GLYPH_FILE,
+    ANIMA_FILE, ANIMA_TEXT_FILE, ERNIE_IMAGE_FILE, FLUX3_FILE, HIDREAM_FILE, HIDREAM_LLAMA_FOLDER, HIDREAM_TEXT_FILES,
+    HIDREAM_VAE_FILE, HUNYUAN_IMAGE_FILE, HUNYUAN_IMAGE_GLYPH_FILE,
     HUNYUAN_IMAGE_TEXT_FILE, HUNYUAN_IMAGE_VAE_FILE, LUMINA2_FILE, LUMINA2_TEXT_FILE, GiB, QWEN3_VL_8B_TEXT,
     QWEN3_VL_8B_VISION, SD3_FILES, SD3_TEXT_FILES, meta_shapes, qwen3_vl_4b, random_tensor, write_anima_files,
-    write_ernie_image_files, write_flux2_vae, write_flux3_files, write_flux_vae, write_hunyuan_image_files,
+    write_ernie_image_files, write_flux2_vae, write_flux3_files, write_flux_vae, write_hidream_files,
+    write_hunyuan_image_files,
     write_lumina2_files, write_nucleus_image_files, write_qwen3_vl_folder, write_qwen_image_vae, write_random,
     write_random_sharded, write_sd3_files)
 PHASES = (("vae caching", "latents:"), ("text caching", "captions:"), ("transformer load", "training:"),
@@ -509,6 +513,15 @@ clip_g = "{work}/{SD3_TEXT_FILES['clip_g']}"
 t5xxl = "{work}/{SD3_TEXT_FILES['t5xxl']}"
 output_name = "full_sd3"
 ''',
+        "hidream": f'''model_type = "hidream"
+pretrained_model_name_or_path = "{work}/{HIDREAM_FILE}"
+ae = "{work}/{HIDREAM_VAE_FILE}"
+clip_l = "{work}/{HIDREAM_TEXT_FILES['clip_l']}"
+clip_g = "{work}/{HIDREAM_TEXT_FILES['clip_g']}"
+t5xxl = "{work}/{HIDREAM_TEXT_FILES['t5xxl']}"
+llama = "{work}/{HIDREAM_LLAMA_FOLDER}"
+output_name = "full_hidream"
+''',
         "qwen_image21": f'''model_type = "qwen_image21"
 pretrained_model_name_or_path = "{work}"
 ae = "{work}/vae"
@@ -531,8 +544,9 @@ output_name = "full_flux"
         f.write(prompts.replace(" --s 4 ", f" --s {sample_steps} "))
     if family == "ideogram4" or bf16_base:  # ideogram4's released files are pre-quantized (BFL fp8r): as stored
         settings = settings.replace("fp8_base = true\nfp8_scaled = true\n", "fp8_base = false\n")
-    # Qwen2.5-VL-7B and T5-XXL in scaled fp8 as configs/hunyuan_image.toml and sd3.toml cache them; the others' bf16
-    text_precision = "fp8_scaled" if family in ("hunyuan_image", "sd3") else "bf16"
+    # Qwen2.5-VL-7B, T5-XXL and Llama-3.1-8B in scaled fp8 as configs/hunyuan_image.toml, sd3.toml and hidream.toml
+    # cache them; the others' bf16
+    text_precision = "fp8_scaled" if family in ("hunyuan_image", "sd3", "hidream") else "bf16"
     config = os.path.join(work, "train.toml")
     with open(config, "w") as f:
         f.write(models[family] + f"""dataset_config = "{work}/dataset.toml"
@@ -622,7 +636,7 @@ def main(argv=None):
     p.add_argument("--skip-write", action="store_true")
     p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2",
                                         "ideogram4", "qwen_image_layered", "flux3", "ernie_image", "nucleus_image",
-                                        "anima", "lumina2", "hunyuan_image", "sd3"],
+                                        "anima", "lumina2", "hunyuan_image", "sd3", "hidream"],
                    default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
                         "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, "
@@ -630,7 +644,8 @@ def main(argv=None):
                         "--qwen-blocks of 60, RGBA VAE, 2 layers; flux3: FLUX.3 [klein] base, whole; ernie_image: "
                         "ERNIE-Image, whole; nucleus_image: Nucleus-Image, whole; anima: Anima, whole; "
                         "lumina2: Lumina Image 2.0, whole; hunyuan_image: HunyuanImage-2.1, --hunyuan-blocks of "
-                        "20,40; sd3: --sd3-release (Large or Medium), --sd3-blocks of it")
+                        "20,40; sd3: --sd3-release (Large or Medium), --sd3-blocks of it; hidream: HiDream-I1 Full, "
+                        "--hidream-blocks of 16,32")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
@@ -641,6 +656,9 @@ def main(argv=None):
                    help="sd3: SD3.5-Medium (2.5 B, MMDiT-X, the 384^2 table) or SD3.5-Large (8.1 B, the 192^2 table)")
     p.add_argument("--sd3-blocks", type=int, default=None,
                    help="sd3: joint blocks written at the release's width (default all: 24 Medium, 38 Large)")
+    p.add_argument("--hidream-blocks", default="2,2",
+                   help="HiDream-I1 double,single blocks written at the released width (of 16,32): the whole 17 B "
+                        "base would take most of an hour a step on 2 cores")
     p.add_argument("--mixed-precision", choices=["bf16", "no"], default="bf16",
                    help="the transformer's compute dtype; 'no' (float32) on a CPU without native bf16, where bf16 "
                         "matmuls run ~5x slower than float32 (the text encoder stays bf16 either way)")
@@ -686,6 +704,9 @@ def main(argv=None):
             write_hunyuan_image_files(args.work, double, single)
         elif args.family == "sd3":
             write_sd3_files(args.work, args.sd3_release, args.sd3_blocks)
+        elif args.family == "hidream":
+            double, single = (int(n) for n in args.hidream_blocks.split(","))
+            write_hidream_files(args.work, double, single)
         else:
             write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)

@@ -603,3 +603,91 @@ def write_sd3_transformer_holes(path: str, release: str = "large") -> None:
         f.truncate(len(head) + sum(e.nbytes for e in entries))
     os.replace(path + ".tmp", path)
     print(f"wrote {path}: {sum(e.nbytes for e in entries) / GiB:.2f} GiB, all but pos_embed a hole", flush=True)
+
+
+# ----------------------------------------------------------------------------------------------
+# HiDream-I1
+
+# Comfy-Org/HiDream-I1_ComfyUI's split_files as configs/hidream.toml's comment names them (diffusion_models/,
+# text_encoders/, vae/ae.safetensors), the CLIP / T5 tokenizers in the diffusers repo's tokenizer*/ folders beside
+# text_encoders/, and meta-llama/Llama-3.1-8B-Instruct as its transformers folder
+HIDREAM_FILE = "diffusion_models/hidream_i1_full_fp16.safetensors"
+HIDREAM_FULL_DEPTH_FILE = "diffusion_models/hidream_i1_full_fp16_holes.safetensors"  # every block, every byte a hole
+HIDREAM_TEXT_FILES = {"clip_l": "text_encoders/clip_l_hidream.safetensors",
+                      "clip_g": "text_encoders/clip_g_hidream.safetensors",
+                      "t5xxl": "text_encoders/t5xxl_fp16.safetensors"}
+HIDREAM_LLAMA_FOLDER = "Llama-3.1-8B-Instruct"
+HIDREAM_VAE_FILE = "vae/ae.safetensors"
+
+
+def hidream_release_config(double_blocks: int = 16, single_blocks: int = 32):
+    """HIDREAM_I1 at its width with `double_blocks` of 16 and `single_blocks` of 32 (the released Llama-layer rule)."""
+    import dataclasses
+
+    from library.models.hidream.model import HIDREAM_I1, released_llama_layers
+
+    return dataclasses.replace(HIDREAM_I1, num_layers=double_blocks, num_single_layers=single_blocks,
+                               llama_layers=released_llama_layers(double_blocks + single_blocks))
+
+
+def write_hidream_files(work: str, double_blocks: int = 16, single_blocks: int = 32):
+    """HiDream-I1 as people download it (HIDREAM_FILE ...): the transformer as ComfyUI's bare single file (fp16, no
+    metadata: the loader reads the config from the shapes) at the released width with `double_blocks` of 16 and
+    `single_blocks` of 32; CLIP-L and CLIP-G with their projections as Long-CLIP towers of 248 positions (`text_model.*`
+    + `text_projection.weight`, fp16, no config: the released configs, the positions read from the file); T5-XXL's
+    encoder (`shared.weight` + `encoder.*`, fp16); tokenizer/, tokenizer_2/ (pad "!"), tokenizer_3/ beside
+    text_encoders/ (the small CLIP / T5 tokenizers: valid ids for the released vocabularies); Llama-3.1-8B-Instruct
+    as its transformers folder (LlamaForCausalLM at LLAMA3_1_8B's config with the llama3 rope scaling, 4 bf16 shards
+    + index, `lm_head.weight` a sparse hole: the text encoder never reads the head; the small Llama-3-style tokenizer
+    inside, eos <|eot_id|>); FLUX.1's ae.safetensors in vae/."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, LlamaConfig, LlamaForCausalLM
+    from transformers import T5Config, T5EncoderModel
+
+    from library.models.hidream.model import HiDream
+    from library.models.hidream.text_encoder import HIDREAM_CLIP_POSITIONS, LLAMA3_1_8B
+    from library.models.hidream.tiny_text import build_llama3_tokenizer
+    from library.models.text_encoders import CLIP_G_CONFIG, CLIP_L_CONFIG, T5_XXL_CONFIG
+    from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer
+
+    for folder in ("diffusion_models", "text_encoders", "vae"):
+        os.makedirs(os.path.join(work, folder), exist_ok=True)
+    config = hidream_release_config(double_blocks, single_blocks)
+    write_random(os.path.join(work, HIDREAM_FILE), meta_shapes(lambda: HiDream(config)), 1, metadata={},
+                 dtype=torch.float16)
+    tokenizer_l, tokenizer_g = build_clip_tokenizer(), build_clip_tokenizer()
+    tokenizer_g.pad_token = "!"  # the released tokenizer_2/'s pad (id 0)
+    for seed, (name, released, tokenizer, folder) in enumerate((
+            ("clip_l", CLIP_L_CONFIG, tokenizer_l, "tokenizer"), ("clip_g", CLIP_G_CONFIG, tokenizer_g, "tokenizer_2")),
+            start=3):
+        long_clip = CLIPTextConfig(**{**released, "max_position_embeddings": HIDREAM_CLIP_POSITIONS})
+        shapes = meta_shapes(lambda: CLIPTextModelWithProjection(long_clip))
+        write_random(os.path.join(work, HIDREAM_TEXT_FILES[name]),
+                     {k: v for k, v in shapes.items() if not k.endswith("position_ids")}, seed, metadata={},
+                     dtype=torch.float16)
+        save_tokenizer(tokenizer, os.path.join(work, folder))
+    t5 = meta_shapes(lambda: T5EncoderModel(T5Config(**T5_XXL_CONFIG)))
+    write_random(os.path.join(work, HIDREAM_TEXT_FILES["t5xxl"]),
+                 {k: v for k, v in t5.items() if k != "encoder.embed_tokens.weight"}, 5, metadata={},
+                 dtype=torch.float16)
+    save_tokenizer(build_t5_tokenizer(), os.path.join(work, "tokenizer_3"))
+
+    tokenizer = build_llama3_tokenizer()
+    hf = {**LLAMA3_1_8B.to_hf(), "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
+    llama = meta_shapes(lambda: LlamaForCausalLM(LlamaConfig(**{k: v for k, v in hf.items() if k != "architectures"})))
+    folder = os.path.join(work, HIDREAM_LLAMA_FOLDER)
+    write_random_sharded(folder, "model", {k: v for k, v in llama.items() if k != "lm_head.weight"}, 6, 4,
+                         holes={"lm_head.weight": llama["lm_head.weight"]})
+    with open(os.path.join(folder, "config.json"), "w") as f:
+        json.dump({**hf, "torch_dtype": "bfloat16"}, f, indent=2)
+    save_tokenizer(tokenizer, folder)
+    write_flux_vae(os.path.join(work, "vae"))
+
+
+def write_hidream_transformer_holes(path: str) -> None:
+    """The whole HiDream-I1 single file's header (17.1 B, fp16, bare names, no metadata) with every tensor a sparse
+    hole (zeros, no disk): for measuring the full-depth load's memory (fp8 quantization while loading reads every
+    tensor) where drawing 34 GB is not needed."""
+    from library.models.hidream.model import HiDream
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    write_random_with_holes(path, {}, meta_shapes(lambda: HiDream(hidream_release_config())), 1, dtype=torch.float16)
