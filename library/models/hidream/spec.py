@@ -163,4 +163,5 @@ SPEC = S.ArchSpec(
     # models/); its bucket divisibility
     peer_bucket_steps={"ai-toolkit": 16},
     peer_models={"ai-toolkit": {"hidream": {"model_type": "hidream", "llama": "models/Meta-Llama-3.1-8B-Instruct"}}},
+    learned="library.models.hidream.learned:LEARNED",  # the learned tiny base (learned.py; learned/hidream/)
 )
