@@ -35,9 +35,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 193/216), 60 steps: 0/18 before, 15/18 after, 9 of 10 kept (training seeds 1, 2, 3: 11, 11, 14 after, 9 of 10 kept;
 # 120 steps 10/18, 10 of 10 kept). SD3 (2026-12-02, its 1000-step base at 169/216), 60 steps: 0/18 before, 16/18 after,
 # 8 of 10 kept (training seeds 1, 2, 3: 11, 15, 12 after, 8, 8, 9 of 10 kept; 120 steps 17/18, 8 of 10 kept).
+# HiDream-I1 (2026-12-02, its 1000-step base at 192/216; a loaded machine), 60 steps: 0/18 before, 13/18 after, 10 of
+# 10 kept (134 s with the caching and the renders at a load of 4-7).
 FAST = {"flux": (60, 0.6, 0.7), "qwen_image": (120, 0.35, 0.5), "flux2": (120, 0.3, 0.5), "flux3": (60, 0.6, 0.7),
         "ernie_image": (120, 0.4, 0.5), "nucleus_image": (120, 0.5, 0.5), "anima": (120, 0.5, 0.5),
-        "lumina2": (60, 0.5, 0.7), "sd3": (60, 0.5, 0.7)}
+        "lumina2": (60, 0.5, 0.7), "sd3": (60, 0.5, 0.7), "hidream": (60, 0.5, 0.7)}
 # The share of the trigger prompts the base may render as a purple star before the LoRA (by chance: the base never
 # saw purple or a star): 0.1, and Anima's bf16 base 2 of 18 (its two at seed 42; its fp8_scaled base 0 of 18).
 BEFORE_AT_MOST = {"anima": 2 / 18}
