@@ -531,6 +531,31 @@ def sd3_release_config(release: str, blocks: int | None = None):
     return dataclasses.replace(config, depth=blocks, dual_attention_layers=dual)
 
 
+def write_clip_t5_files(work: str, files: dict[str, str], clip_positions: int = 77) -> None:
+    """CLIP-L and CLIP-G (with their projections, `clip_positions` positions: Long-CLIP's 248 for HiDream-I1) and
+    T5-XXL's encoder as fp16 single files without config.json at files["clip_l" / "clip_g" / "t5xxl"] under `work`,
+    the repos' tokenizer/, tokenizer_2/ (pad "!") and tokenizer_3/ beside them."""
+    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
+
+    from library.models.text_encoders import CLIP_G_CONFIG, CLIP_L_CONFIG, T5_XXL_CONFIG
+    from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer
+
+    tokenizer_l, tokenizer_g = build_clip_tokenizer(), build_clip_tokenizer()
+    tokenizer_g.pad_token = "!"  # the released tokenizer_2/'s pad (id 0)
+    for seed, (name, released, tokenizer, folder) in enumerate((
+            ("clip_l", CLIP_L_CONFIG, tokenizer_l, "tokenizer"), ("clip_g", CLIP_G_CONFIG, tokenizer_g, "tokenizer_2")),
+            start=3):
+        config = CLIPTextConfig(**{**released, "max_position_embeddings": clip_positions})
+        shapes = meta_shapes(lambda: CLIPTextModelWithProjection(config))
+        tensors = {k: v for k, v in shapes.items() if not k.endswith("position_ids")}
+        write_random(os.path.join(work, files[name]), tensors, seed, metadata={}, dtype=torch.float16)
+        save_tokenizer(tokenizer, os.path.join(work, folder))
+    t5 = meta_shapes(lambda: T5EncoderModel(T5Config(**T5_XXL_CONFIG)))
+    tensors = {k: v for k, v in t5.items() if k != "encoder.embed_tokens.weight"}  # tied to shared.weight
+    write_random(os.path.join(work, files["t5xxl"]), tensors, 5, metadata={}, dtype=torch.float16)
+    save_tokenizer(build_t5_tokenizer(), os.path.join(work, "tokenizer_3"))
+
+
 def write_sd3_files(work: str, release: str = "medium", blocks: int | None = None):
     """SD3.5-Large or -Medium as people download them (configs/sd3.toml's paths): sd3.5_large.safetensors /
     sd3.5_medium.safetensors (SAI's names under `model.diffusion_model.`, bf16, no metadata: the loader reads the
@@ -542,12 +567,9 @@ def write_sd3_files(work: str, release: str = "medium", blocks: int | None = Non
     "!" as the released one), tokenizer_3/ (the small T5 tokenizer): valid ids for the released vocabularies; vae/
     (the 16-channel AutoencoderKL with SD3's factors as a diffusers folder)."""
     from diffusers import AutoencoderKL
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, T5Config, T5EncoderModel
 
     from library.models.sd3.model import SD3, pos_embed_table
     from library.models.sd3.vae import SD3_VAE_CONFIG
-    from library.models.text_encoders import CLIP_G_CONFIG, CLIP_L_CONFIG, T5_XXL_CONFIG
-    from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer
 
     os.makedirs(os.path.join(work, "text_encoders"), exist_ok=True)
     config = sd3_release_config(release, blocks)
@@ -558,22 +580,7 @@ def write_sd3_files(work: str, release: str = "medium", blocks: int | None = Non
                  extra={prefix + "pos_embed": table})
     del table
 
-    tokenizer_l = build_clip_tokenizer()
-    tokenizer_g = build_clip_tokenizer()
-    tokenizer_g.pad_token = "!"  # the released tokenizer_2/'s pad (id 0)
-    for seed, (name, released, tokenizer, folder) in enumerate((
-            ("clip_l", CLIP_L_CONFIG, tokenizer_l, "tokenizer"), ("clip_g", CLIP_G_CONFIG, tokenizer_g, "tokenizer_2")),
-            start=3):
-        shapes = meta_shapes(lambda: CLIPTextModelWithProjection(CLIPTextConfig(**released)))
-        write_random(os.path.join(work, SD3_TEXT_FILES[name]),
-                     {k: v for k, v in shapes.items() if not k.endswith("position_ids")}, seed, metadata={},
-                     dtype=torch.float16)
-        save_tokenizer(tokenizer, os.path.join(work, folder))
-    t5 = meta_shapes(lambda: T5EncoderModel(T5Config(**T5_XXL_CONFIG)))
-    write_random(os.path.join(work, SD3_TEXT_FILES["t5xxl"]),
-                 {k: v for k, v in t5.items() if k != "encoder.embed_tokens.weight"}, 5, metadata={},
-                 dtype=torch.float16)
-    save_tokenizer(build_t5_tokenizer(), os.path.join(work, "tokenizer_3"))
+    write_clip_t5_files(work, SD3_TEXT_FILES)
 
     with torch.device("meta"):
         vae = AutoencoderKL(**SD3_VAE_CONFIG)
@@ -640,36 +647,18 @@ def write_hidream_files(work: str, double_blocks: int = 16, single_blocks: int =
     as its transformers folder (LlamaForCausalLM at LLAMA3_1_8B's config with the llama3 rope scaling, 4 bf16 shards
     + index, `lm_head.weight` a sparse hole: the text encoder never reads the head; the small Llama-3-style tokenizer
     inside, eos <|eot_id|>); FLUX.1's ae.safetensors in vae/."""
-    from transformers import CLIPTextConfig, CLIPTextModelWithProjection, LlamaConfig, LlamaForCausalLM
-    from transformers import T5Config, T5EncoderModel
+    from transformers import LlamaConfig, LlamaForCausalLM
 
     from library.models.hidream.model import HiDream
     from library.models.hidream.text_encoder import HIDREAM_CLIP_POSITIONS, LLAMA3_1_8B
     from library.models.hidream.tiny_text import build_llama3_tokenizer
-    from library.models.text_encoders import CLIP_G_CONFIG, CLIP_L_CONFIG, T5_XXL_CONFIG
-    from library.models.tiny_files import build_clip_tokenizer, build_t5_tokenizer
 
     for folder in ("diffusion_models", "text_encoders", "vae"):
         os.makedirs(os.path.join(work, folder), exist_ok=True)
     config = hidream_release_config(double_blocks, single_blocks)
     write_random(os.path.join(work, HIDREAM_FILE), meta_shapes(lambda: HiDream(config)), 1, metadata={},
                  dtype=torch.float16)
-    tokenizer_l, tokenizer_g = build_clip_tokenizer(), build_clip_tokenizer()
-    tokenizer_g.pad_token = "!"  # the released tokenizer_2/'s pad (id 0)
-    for seed, (name, released, tokenizer, folder) in enumerate((
-            ("clip_l", CLIP_L_CONFIG, tokenizer_l, "tokenizer"), ("clip_g", CLIP_G_CONFIG, tokenizer_g, "tokenizer_2")),
-            start=3):
-        long_clip = CLIPTextConfig(**{**released, "max_position_embeddings": HIDREAM_CLIP_POSITIONS})
-        shapes = meta_shapes(lambda: CLIPTextModelWithProjection(long_clip))
-        write_random(os.path.join(work, HIDREAM_TEXT_FILES[name]),
-                     {k: v for k, v in shapes.items() if not k.endswith("position_ids")}, seed, metadata={},
-                     dtype=torch.float16)
-        save_tokenizer(tokenizer, os.path.join(work, folder))
-    t5 = meta_shapes(lambda: T5EncoderModel(T5Config(**T5_XXL_CONFIG)))
-    write_random(os.path.join(work, HIDREAM_TEXT_FILES["t5xxl"]),
-                 {k: v for k, v in t5.items() if k != "encoder.embed_tokens.weight"}, 5, metadata={},
-                 dtype=torch.float16)
-    save_tokenizer(build_t5_tokenizer(), os.path.join(work, "tokenizer_3"))
+    write_clip_t5_files(work, HIDREAM_TEXT_FILES, HIDREAM_CLIP_POSITIONS)
 
     tokenizer = build_llama3_tokenizer()
     hf = {**LLAMA3_1_8B.to_hf(), "bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id}
