@@ -265,3 +265,15 @@ def test_ai_toolkits_hidream_job_is_ours_with_its_llama():
         "llama_model_path": "/m/llama", "other": 1}}), "run.yaml")
     assert verdict(t, "model.model_kwargs.llama_model_path") == (RENAMED, "llama")
     assert verdict(t, "model.model_kwargs")[0] == NOT_CARRIED
+
+
+def test_the_planner_steps_the_mixture_of_experts_on_meta(tiny_set):
+    """On meta no token is routed (bincount has no values to count): the planner's step splits the (token, expert)
+    pairs evenly, and its peak grows with the image, as a real step's does."""
+    from library.training import memory_plan
+    from tools import plan_memory
+
+    family = family_of(tiny_set)
+    args = plan_memory.default_args("hidream")
+    small, large = (memory_plan.training_plan(family, args, side, side, 1, 16) for side in (64, 128))
+    assert 0 < small.activations < large.activations
