@@ -43,19 +43,25 @@ CITY96_UNQUANTIZED = {
     "lumina2": ("t_embedder.", "x_embedder.", "final_layer.", "cap_embedder.", "context_refiner.", "noise_refiner."),
     "sd3": ("final_layer.", "time_text_embed.", "context_embedder.", "t_embedder.", "y_embedder.", "x_embedder.",
             "proj_out.weight", "pos_embed"),
+    # :456-464 LLM_ARCH_HIDREAM
+    "hidream": ("p_embedder.", "t_embedder.", "x_embedder.", "final_layer.", ".ff_i.gate.weight", "caption_projection."),
 }
-CITY96_HIPREC = {"flux": (), "lumina2": ("x_pad_token", "cap_pad_token"), "sd3": ()}
+CITY96_HIPREC = {"flux": (), "lumina2": ("x_pad_token", "cap_pad_token"), "sd3": (),
+                 "hidream": (".ff_i.gate.weight", "img_emb.emb_pos")}  # :56-60 ModelHiDream
 # convert.py's detect_arch (keys_detect: :26-29 ModelFlux, :34-40 ModelSD3, :149-151 ModelLumina2) and loader.py:12
 # IMG_ARCH_LIST
 CITY96_DETECT = {"flux": ("double_blocks.0.img_attn.proj.weight",),
                  "lumina2": ("cap_embedder.1.weight", "context_refiner.0.attention.qkv.weight"),
-                 "sd3": ("joint_blocks.0.x_block.attn.qkv.weight",)}
+                 "sd3": ("joint_blocks.0.x_block.attn.qkv.weight",),
+                 "hidream": ("caption_projection.0.linear.weight",
+                             "double_stream_blocks.0.block.ff_i.shared_experts.w3.weight")}  # :48-55 ModelHiDream
 COMFYUI_GGUF_IMG_ARCHS = {"flux", "sd1", "sdxl", "sd3", "aura", "hidream", "cosmos", "ltxv", "hyvid", "wan", "lumina2",
                           "qwen_image"}
 SAI_PREFIX = "model.diffusion_model."  # SAI's single files' (convert.py strips it before detecting the arch)
 # family -> (its tiny single file, ComfyUI-GGUF's arch for it)
 CITY96_FAMILIES = {"flux": ("flux_bfl", "flux"), "chroma": ("chroma_bfl", "flux"), "flux2": ("flux2_tiny", "flux"),
-                   "zimage": ("zimage", "lumina2"), "lumina2": ("lumina2", "lumina2"), "sd3": ("sd3", "sd3")}
+                   "zimage": ("zimage", "lumina2"), "lumina2": ("lumina2", "lumina2"), "sd3": ("sd3", "sd3"),
+                   "hidream": ("hidream", "hidream")}
 
 
 def city96_type(name: str, shape: tuple, source: str, qtype: str, arch: str) -> str:
