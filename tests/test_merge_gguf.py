@@ -44,7 +44,8 @@ CITY96_UNQUANTIZED = {
     "sd3": ("final_layer.", "time_text_embed.", "context_embedder.", "t_embedder.", "y_embedder.", "x_embedder.",
             "proj_out.weight", "pos_embed"),
     # :456-464 LLM_ARCH_HIDREAM
-    "hidream": ("p_embedder.", "t_embedder.", "x_embedder.", "final_layer.", ".ff_i.gate.weight", "caption_projection."),
+    "hidream": ("p_embedder.", "t_embedder.", "x_embedder.", "final_layer.", ".ff_i.gate.weight",
+                "caption_projection."),
 }
 CITY96_HIPREC = {"flux": (), "lumina2": ("x_pad_token", "cap_pad_token"), "sd3": (),
                  "hidream": (".ff_i.gate.weight", "img_emb.emb_pos")}  # :56-60 ModelHiDream
