@@ -107,6 +107,22 @@ def without_prefix(prefix: str) -> Callable[[str], str | None]:
     return lambda key: key[len(prefix) :] if key.startswith(prefix) else None
 
 
+def spec_fp8_rules(path: str, stored: StoredLayout, family: str, title: str) -> KeepRules:
+    """The fp8 keep rules of the family in package `family` (its spec.py FP8), imported when a pre-quantized file is
+    loaded: the spec names the family's loader, so the loader reads the spec only then; before the spec exists (a
+    family being written) one CheckpointError saying what to pass."""
+    import importlib
+
+    module = family + ".spec"
+    try:
+        return importlib.import_module(module).FP8
+    except ModuleNotFoundError as e:
+        if e.name != module:
+            raise
+        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) {title} file needs the family's fp8 keep "
+                              f"rules ({module.replace('.', '/')}.py FP8), or pass fp8_rules=") from None
+
+
 def fill_meta_model(
     model: Model,
     source: CheckpointReader,

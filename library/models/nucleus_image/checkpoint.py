@@ -37,12 +37,12 @@ from library.io import (
     save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import (
-    block_count, diffusers_config_json, fill_meta_model, marked_prefix, stated_config, without_prefix,
+    block_count, diffusers_config_json, fill_meta_model, marked_prefix, spec_fp8_rules, stated_config, without_prefix,
 )
 from library.models.nucleus_image.model import NUCLEUS_IMAGE, DENSE_MOE_STRATEGIES, NucleusImage, NucleusImageConfig
 from library.precision.fp8 import KeepRules
 from library.precision.fp8_checkpoints import Fp8Checkpoint
-from library.precision.stored_layouts import StoredLayout, read_stored_layout, stored_extras
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 
 CLASS_NAME = "NucleusMoEImageTransformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain (and diffusers)
@@ -191,19 +191,6 @@ def refuse_quantized_experts(reader: CheckpointReader, path: str) -> None:
                                   f"experts load in bf16 / fp16 / fp32 / fp8 only; give a file that keeps them so")
 
 
-def spec_fp8_rules(path: str, stored: StoredLayout) -> KeepRules:
-    """The family's fp8 keep rules (library/models/nucleus_image/spec.py FP8), imported when a pre-quantized file
-    is loaded: the spec names this loader, so the loader reads the spec only then."""
-    try:
-        from library.models.nucleus_image.spec import FP8
-    except ModuleNotFoundError as e:
-        if e.name != "library.models.nucleus_image.spec":
-            raise
-        raise CheckpointError(f"{path}: a pre-quantized ({stored.layout}) Nucleus-Image file needs the family's fp8 "
-                              f"keep rules (library/models/nucleus_image/spec.py FP8), or pass fp8_rules=") from None
-    return FP8
-
-
 def load_nucleus_image(
     path: str,
     dtype: torch.dtype = torch.float32,
@@ -240,7 +227,7 @@ def load_nucleus_image(
         model = NucleusImage(config)
     check_keys_and_shapes(view, model.state_dict(), config, stored_extras(stored))
     if fp8_rules is None and isinstance(stored, Fp8Checkpoint):  # fp8 layouts follow keep rules; GGUF's the file
-        fp8_rules = spec_fp8_rules(path, stored)
+        fp8_rules = spec_fp8_rules(path, stored, "library.models.nucleus_image", "Nucleus-Image")
     return fill_meta_model(model, reader, without_prefix(prefix), path, dtype, stored=stored, keep_rules=fp8_rules,
                            prepare=prepare, convert=convert, read_weights=read_weights, loader="load_nucleus_image")
 
