@@ -277,3 +277,40 @@ def test_the_planner_steps_the_mixture_of_experts_on_meta(tiny_set):
     args = plan_memory.default_args("hidream")
     small, large = (memory_plan.training_plan(family, args, side, side, 1, 16) for side in (64, 128))
     assert 0 < small.activations < large.activations
+
+
+def test_text_encoders_take_turns_on_a_card_that_cannot_hold_them(tiny_set, tmp_path, monkeypatch):
+    """Over the card together, the four encoders take turns (text_encoder_groups): CLIP-L stays, CLIP-G, T5-XXL and
+    Llama come in for their own stage and leave after it (one at a time), and each caption's outputs are the same bit
+    for bit.
+    The planner's caching phase and train_lora.py decide it from the card alike: together over its usable memory."""
+    from library.training import memory_plan
+    from tools import plan_memory
+
+    family, captions = family_of(tiny_set), ["a red circle", "a blue square on a long white table"]
+    together = family.load_text_encoder("fp32")(captions)
+    encode = family.load_text_encoder("fp32", "cpu", one_at_a_time=True)
+    for _ in range(2):
+        assert all(torch.equal(a[k], b[k]) for a, b in zip(together, encode(captions)) for k in a)
+    encoder = encode.__self__
+    assert list(encoder.placement.swap.log) == [(do, i) for i in (1, 2, 3) for do in ("load", "release")] * 2
+    assert encoder.t5.model.shared.weight.numel() == encoder.llama.model.embed_tokens.weight.numel() == 0
+    assert encoder.clip_g.model.text_model.embeddings.token_embedding.weight.numel() == 0
+    assert encoder.clip_l.model.text_model.embeddings.token_embedding.weight.numel() > 0
+
+    all_of, turns = (memory_plan.text_encoder_bytes(family, "fp32", taking) for taking in (False, True))
+    card = (all_of + turns) / 2 / 0.95 + memory_plan.CUDA_CONTEXT_BYTES  # usable between the two
+    assert [memory_plan.text_encoders_one_at_a_time(family, "fp32", c) for c in (card, 2 * card, None)] == [
+        True, False, False]
+    planned = plan_memory.default_args("hidream")
+    planned.text_encoder_precision = "fp32"
+    parts = memory_plan.caching_phase(family, planned, 64, 64, card_bytes=card).parts
+    assert parts["text encoders (fp32, one at a time)"] == turns
+    said = []
+    monkeypatch.setattr(memory_plan, "device_memory", lambda device: card)
+    monkeypatch.setattr(HiDreamFamily, "load_text_encoder", lambda self, *a, **kw: said.append(kw) or (
+        lambda texts: together[:1] * len(texts)))
+    args = [a for a in run_args(tiny_set, tmp_path) if a != "--sample_prompts" and a != tiny_set["sample_prompts"]]
+    assert train_lora.main([*args, "--max_train_steps", "1", "--text_encoder_precision", "fp32"]) == 0
+    assert said and all(kw == {"one_at_a_time": True} for kw in said)
+

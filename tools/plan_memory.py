@@ -151,15 +151,17 @@ def usable(vram_gib: float) -> float:
 
 
 def plan_run(family, args, step: LargestStep, planned: dict | None = None,
-             sample_size: tuple[int, int] | None = (0, 0)) -> list:
+             sample_size: tuple[int, int] | None = (0, 0), vram_gib: float | None = None) -> list:
     """The phases of this run (caching, training, and sampling at sample_size: (0, 0) the training size, None no
     samples) for `step` (image_folders.LargestStep: size, batch, references, their size, layers). planned:
     setting_plans' answers for the same card; the run's training step is taken from them where one of them is the
-    same step (a full-size step is seconds of simulation)."""
+    same step (a full-size step is seconds of simulation). vram_gib: the card, where caching depends on it (text
+    encoders that take turns on a card that cannot hold them together)."""
     count, _ = references_and_tokens(family, args, step)
     same = next((plan for setting, plan in (planned or {}).items() if same_step(args, setting_args(family, args, *setting))), None)
     training = (same or step_plan(family, args, step)).phase(args.blocks_to_swap)
-    caching = caching_phase(family, args, step.width, step.height, count, step.reference_size)
+    card = vram_gib * GiB if vram_gib else None
+    caching = caching_phase(family, args, step.width, step.height, count, step.reference_size, card)
     if sample_size is None:
         return [caching, training]
     sw, sh = sample_size if sample_size != (0, 0) else (step.width, step.height)
@@ -441,7 +443,7 @@ def caching_advice(family, run, step: LargestStep, vram_gib: float, caching) -> 
         trial = copy.copy(run)
         for batch in range(run.vae_batch_size - 1, 0, -1):
             trial.vae_batch_size = batch
-            planned = caching_phase(family, trial, step.width, step.height, count, step.reference_size)
+            planned = caching_phase(family, trial, step.width, step.height, count, step.reference_size, vram_gib * GiB)
             if max(v for k, v in planned.parts.items() if k.startswith("vae encode")) <= room:
                 advice.append(f"vae_batch_size = {batch}")
                 break
@@ -450,8 +452,8 @@ def caching_advice(family, run, step: LargestStep, vram_gib: float, caching) -> 
     if next(v for k, v in caching.parts.items() if k.startswith("text encoders")) > room:
         trial = copy.copy(run)
         trial.text_encoder_precision = "fp8"
-        fp8 = next(v for k, v in caching_phase(family, trial, step.width, step.height, count,
-                                               step.reference_size).parts.items() if k.startswith("text"))
+        fp8 = next(v for k, v in caching_phase(family, trial, step.width, step.height, count, step.reference_size,
+                                               vram_gib * GiB).parts.items() if k.startswith("text"))
         advice.append("text_encoder_precision = \"fp8\"" if fp8 <= room else
                       f"a larger card for the text encoders ({fp8 / GiB:.2f} GiB in fp8)")
     return f"caching does not fit a {vram_gib:g} GiB card (usable {room / GiB:.1f}): set {' and '.join(advice)}"
@@ -539,7 +541,7 @@ def report(args, family, run, step: LargestStep) -> None:
           f"{run.network_dim}, {run.optimizer_type}; predicted peak device memory (tensors; add ~0.6 GiB of CUDA context):")
     planned = card_plans(family, run, step, args.vram, args.base_precision)
     samples = sample_size_of(args, run, (step.width, step.height))
-    phases = plan_run(family, run, step, planned, samples)
+    phases = plan_run(family, run, step, planned, samples, args.vram)
     for phase in phases:
         print("  " + phase.row())
     if "bf16 reference (base, lora)" in phases[-1].parts and phases[-1].peak > usable(args.vram):

@@ -30,6 +30,7 @@ a run adds 4 a swapped block a step: ~0.5 GB over 100k steps of 20 blocks if all
 from __future__ import annotations
 
 import collections
+import contextlib
 
 import torch
 import torch.nn as nn
@@ -154,6 +155,17 @@ class BlockSwap:
             t.data = self._placeholder(t)
         self.resident.discard(i)
         self.log.append(("release", i))
+
+    @contextlib.contextmanager
+    def held(self, i: int):
+        """Block i resident for the with-block, released after it (a swapped block; others stay as they are):
+        for callers that run the blocks themselves, one at a time (text_encoders.OneAtATime)."""
+        self._wait(i)
+        try:
+            yield
+        finally:
+            if self.swapped(i):
+                self._release(i)
 
     def release_all(self):
         for i in sorted(self.resident | set(self.pending)):

@@ -374,7 +374,12 @@ class DiffusionTask:
         options = self.family.text_options(args)
         precision = args.text_encoder_precision  # part of the cache key: another precision re-encodes
         text_key = self.family.text_cache_key(options, precision)
-        encode_text = loaded_on_first_call(lambda: self.family.load_text_encoder(precision, self.device, **options))
+        turns = memory_plan.text_encoder_turns(self.family, precision, memory_plan.device_memory(self.device))
+        if turns:  # not in the cache key: the outputs are the same
+            self.accelerator.print(turns)
+        placement = {"one_at_a_time": True} if turns else {}
+        encode_text = loaded_on_first_call(lambda: self.family.load_text_encoder(precision, self.device, **options,
+                                                                                 **placement))
         sees = self.family.text_sees_controls  # text per (caption, references)
         to_disk = args.cache_text_encoder_outputs_to_disk
         encoded = cache_text(items, encode_text, text_key, batch_size=args.text_encoder_batch_size, to_disk=to_disk,

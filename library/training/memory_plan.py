@@ -415,12 +415,13 @@ def step_plan(family, args, step: LargestStep) -> TrainingPlan:
 
 
 def caching_phase(family, args, width: int, height: int, references: int = 0,
-                  reference_size: tuple[int, int] | None = None) -> Phase:
+                  reference_size: tuple[int, int] | None = None, card_bytes: int | None = None) -> Phase:
     """cache_latents: the VAE (float32) encodes vae_batch_size images of the largest bucket at a time,
     then their references (each at the family's control_bucket size) the same way, one after another;
     each encode's latents leave the device before the next, so the VAE's peak is its largest single
     encode (a reference of reference_size: planned_reference). Then, the VAE freed, the text encoders
-    encode the captions: the phase's peak is the larger."""
+    encode the captions: the phase's peak is the larger. On a card (card_bytes) that cannot hold them
+    together, a family's text_encoder_groups take turns (text_encoders_one_at_a_time)."""
     vae = family.vae_on_meta()
     batch = args.vae_batch_size
     phase = Phase("caching")
@@ -432,9 +433,40 @@ def caching_phase(family, args, width: int, height: int, references: int = 0,
     precision = args.text_encoder_precision
     # Weights as each loader keeps them in this precision (its fp8 Linears, what it keeps float32 in fp16); the
     # encoders' activations at batch 8 (a few hundred MB at most) are left out: the weights dominate by 20x.
-    phase.parts[f"text encoders ({precision})"] = sum(w.bytes(precision) for w in family.text_encoder_weights())
+    if text_encoders_one_at_a_time(family, precision, card_bytes):
+        phase.parts[f"text encoders ({precision}, one at a time)"] = text_encoder_bytes(family, precision, True)
+    else:
+        phase.parts[f"text encoders ({precision})"] = text_encoder_bytes(family, precision)
     phase.peak = max(phase.parts.values())
     return phase
+
+
+def text_encoder_bytes(family, precision: str, one_at_a_time: bool = False) -> int:
+    """The text encoders' weights on the device at once (as their loaders keep them in `precision`): all of them,
+    or, one_at_a_time, the family's first text_encoder_groups group with the largest other."""
+    weights = [w.bytes(precision) for w in family.text_encoder_weights()]
+    if not one_at_a_time:
+        return sum(weights)
+    resident, *turns = [sum(weights[i] for i in group) for group in family.text_encoder_groups]
+    return resident + max(turns)
+
+
+def text_encoders_one_at_a_time(family, precision: str, card_bytes: int | None) -> bool:
+    """Whether the text encoders take turns on this card (None: no card, the CPU): where the family groups them
+    and together they are over what a plan may use (usable_bytes)."""
+    if card_bytes is None or family.text_encoder_groups is None:
+        return False
+    return text_encoder_bytes(family, precision) > usable_bytes(card_bytes)
+
+
+def text_encoder_turns(family, precision: str, card_bytes: int | None) -> str | None:
+    """The line train_lora.py says where the text encoders take turns on this card, else None."""
+    if not text_encoders_one_at_a_time(family, precision, card_bytes):
+        return None
+    together, turns = (text_encoder_bytes(family, precision, taking) for taking in (False, True))
+    return (f"text encoders ({precision}): {together / GiB:.2f} GiB together, over the card's usable "
+            f"{usable_bytes(card_bytes) / GiB:.1f}; they take turns on it ({turns / GiB:.2f} GiB at most, each "
+            f"copied in once per batch of text_encoder_batch_size captions)")
 
 
 def cache_entry_bytes(family, args) -> tuple[float, int]:

@@ -44,6 +44,9 @@ class HiDreamFamily(DiffusionFamily):
     text_path_keys = ("clip_l", "clip_g", "t5xxl", "llama")
     true_cfg = True  # Full runs the negative prompt; Dev and Fast default to guidance 0 (none run)
     cfg_above = 1.0  # HiDreamImagePipeline: do_classifier_free_guidance is guidance_scale > 1
+    # CLIP-L resident; CLIP-G, T5-XXL and Llama take turns on a card that cannot hold the four together (14.8 GiB in
+    # fp8_scaled; 7.9 taking turns): HiDreamTextEncoder.place
+    text_encoder_groups = ((0,), (1,), (2,), (3,))
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
@@ -137,17 +140,16 @@ class HiDreamFamily(DiffusionFamily):
 
         return sd3_caption_token_limit(self.text_paths["t5xxl"], HIDREAM_MAX_LENGTH)
 
-    def load_text_encoder(self, precision="bf16", device=None):
+    def load_text_encoder(self, precision="bf16", device=None, one_at_a_time: bool = False):
         """encode(captions) -> per caption {"t5": float32 [128, 4096], "llama": float32 [32, 128, 4096],
-        "pooled": float32 [2048]}."""
+        "pooled": float32 [2048]}. one_at_a_time: text_encoder_groups take turns on the device."""
         from library.models.hidream.text_encoder import load_hidream_text_encoders
         from library.models.text_encoders import encoder_precision
 
         dtype, fp8 = encoder_precision(precision)
         encoder = load_hidream_text_encoders(self.text_paths["clip_l"], self.text_paths["clip_g"],
                                              self.text_paths["t5xxl"], self.text_paths["llama"], dtype=dtype, fp8=fp8)
-        for model in encoder.models:
-            model.to(device)
+        encoder.place(device, one_at_a_time)
         return encoder.encode
 
     def text_encoder_weights(self):
