@@ -134,7 +134,8 @@ class HiDreamTextEncoder:
 
     @torch.no_grad()
     def llama_states(self, captions: list[str]) -> torch.Tensor:
-        """[layers, B, L, D] float32: hidden_states[1:] of the eos-padded, masked run at positions 0..L-1."""
+        """[layers, B, L, D] float32 on the CPU: hidden_states[1:] of the eos-padded, masked run at positions 0..L-1.
+        The states leave the device as they widen: widened there, a batch of 8 would hold 1 GiB more (float32)."""
         length = min(self.max_length, self.llama_tokenizer.model_max_length)
         tokens = self.llama_tokenizer(captions, padding="max_length", max_length=length, truncation=True,
                                       add_special_tokens=True, return_tensors="pt")
@@ -143,7 +144,10 @@ class HiDreamTextEncoder:
         positions = torch.arange(ids.shape[1], device=device)  # int64: transformers' default, pads keep their index
         indices = tuple(range(1, self.llama_layers + 1))  # hidden_states[1:]: every layer, the last after the norm
         states = self.llama.selected_hidden_states(ids, mask, indices, position_ids=positions)  # compute dtype
-        return torch.stack([s.float() for s in states])  # widened one layer at a time: [layers, B, L, D]
+        widened = torch.empty(len(states), *states[0].shape, dtype=torch.float32)
+        for layer, state in enumerate(states):
+            widened[layer].copy_(state)
+        return widened
 
     def encode(self, captions: list[str]) -> list[dict[str, torch.Tensor]]:
         pooled = self.pooled(captions)  # stages 0 and 1
