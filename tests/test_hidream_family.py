@@ -280,7 +280,7 @@ def test_the_planner_steps_the_mixture_of_experts_on_meta(tiny_set):
 
 
 def test_text_encoders_take_turns_on_a_card_that_cannot_hold_them(tiny_set, tmp_path, monkeypatch):
-    """Over the card together, the four encoders take turns (text_encoder_groups): CLIP-L stays, CLIP-G, T5-XXL and
+    """Over the card together, the four encoders take turns (text_encoders_take_turns): CLIP-L stays, CLIP-G, T5-XXL and
     Llama come in for their own stage and leave after it (one at a time), and each caption's outputs are the same bit
     for bit.
     The planner's caching phase and train_lora.py decide it from the card alike: together over its usable memory."""

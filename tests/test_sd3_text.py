@@ -198,3 +198,15 @@ def test_sd3_caption_token_limit_counts_t5_tokens_of_each_layout(tiny, reference
         limit = sd3_caption_token_limit(path)
         assert limit.encoder == "T5-XXL" and limit.max_tokens == 256
         assert limit.count(CAPTIONS[2]) == len(reference.tokenizer_3(CAPTIONS[2]).input_ids) > 256
+
+
+def test_sd3_encoders_taking_turns_give_the_resident_outputs(tiny, folder_encoder):
+    """one_at_a_time (a card that cannot hold the three): CLIP-L stays, CLIP-G then T5-XXL come in for their own
+    stage and leave after it; the outputs are the resident encoders' bit for bit."""
+    root = os.path.dirname(tiny["sd3_clip_l"])
+    encoder = load_sd3_text_encoders(root, root, root, dtype=torch.float32)
+    encoder.place("cpu", one_at_a_time=True)
+    turns, resident = (e.encode(CAPTIONS) for e in (encoder, folder_encoder))
+    assert all(torch.equal(a[k], b[k]) for a, b in zip(turns, resident) for k in ("context", "pooled"))
+    assert list(encoder.placement.swap.log) == [("load", 1), ("release", 1), ("load", 2), ("release", 2)]
+    assert encoder.t5.model.shared.weight.numel() == 0 < encoder.clip_l.model.text_model.embeddings.position_ids.numel()

@@ -160,9 +160,9 @@ class DiffusionFamily:
     text_sees_controls = False  # the text encoder takes the reference images with the captions
     plan_controls = 0  # references the memory planner sizes a training sample for
     takes_layers = False  # trains on layered targets (a dataset's multiple_target: library/data/layers.py)
-    # Text encoders that can take turns on the device, as indices into text_encoder_weights(): the first group stays,
-    # each other comes in for its own stage (load_text_encoder(..., one_at_a_time=True)); None: loaded together
-    text_encoder_groups: tuple[tuple[int, ...], ...] | None = None
+    # The text encoders can take turns on a card that cannot hold them together (load_text_encoder(...,
+    # one_at_a_time=True)): the first of text_encoder_weights() stays, each other comes in for its own stage
+    text_encoders_take_turns = False
     # References resized to their control_bucket without a crop (Lanczos), as the family's pipeline fits them
     # (False: covered and centre-cropped, as the images)
     stretches_references = False

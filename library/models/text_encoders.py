@@ -114,31 +114,29 @@ def encoder_precision(precision: str) -> tuple[torch.dtype, str | None]:
 
 class OneAtATime:
     """Text encoders placed on `device` that do not fit it together (memory_plan.text_encoders_one_at_a_time):
-    groups[0] (the small ones) stays resident; every other group's frozen weights live in (pinned) host memory
-    and come in for its own stage of each encode, released after it (BlockSwap's copies), so the device holds
-    groups[0] and the largest other group at most. Each stage's copy is the price: one host -> device copy of the
-    group per encoded batch. The outputs are bit-identical to the encoders resident together."""
+    models[0] (a small one) stays resident; every other model's frozen weights live in (pinned) host memory and
+    come in for its own stage of each encode, released after it (BlockSwap's copies), so the device holds models[0]
+    and the largest other at most. The price: one host -> device copy of each other model per encoded batch. The
+    outputs are bit-identical to the encoders resident together."""
 
-    def __init__(self, groups: list[list[torch.nn.Module]], device):
+    def __init__(self, models: list[torch.nn.Module], device):
         from library.models.block_swap import BlockSwap
 
-        blocks = [torch.nn.ModuleList(group) for group in groups]
-        self.swap = BlockSwap(blocks, len(blocks) - 1, device)  # before the models move: swapped never arrive whole
-        for block in blocks:
-            block.to(device)  # groups[0]; the others' placeholders, empty, are there already
+        self.swap = BlockSwap(models, len(models) - 1, device)  # before the models move: swapped never arrive whole
+        for model in models:
+            model.to(device)  # models[0]; the others' placeholders, empty, are there already
 
-    def stage(self, group: int):
-        """Group `group` on the device for the with-block (groups[0] always is)."""
-        return self.swap.held(group)
+    def stage(self, index: int):
+        """models[index] on the device for the with-block (models[0] always is)."""
+        return self.swap.held(index)
 
 
-def place_text_encoders(groups: list[list[torch.nn.Module]], device, one_at_a_time: bool) -> OneAtATime | None:
+def place_text_encoders(models: list[torch.nn.Module], device, one_at_a_time: bool) -> OneAtATime | None:
     """Every encoder on `device`, or, one_at_a_time, OneAtATime's placement (returned: encode in its stages)."""
-    if one_at_a_time and len(groups) > 1:
-        return OneAtATime(groups, device)
-    for group in groups:
-        for model in group:
-            model.to(device)
+    if one_at_a_time and len(models) > 1:
+        return OneAtATime(models, device)
+    for model in models:
+        model.to(device)
     return None
 
 

@@ -421,7 +421,7 @@ def caching_phase(family, args, width: int, height: int, references: int = 0,
     each encode's latents leave the device before the next, so the VAE's peak is its largest single
     encode (a reference of reference_size: planned_reference). Then, the VAE freed, the text encoders
     encode the captions: the phase's peak is the larger. On a card (card_bytes) that cannot hold them
-    together, a family's text_encoder_groups take turns (text_encoders_one_at_a_time)."""
+    together, a family's text encoders take turns (text_encoders_one_at_a_time)."""
     vae = family.vae_on_meta()
     batch = args.vae_batch_size
     phase = Phase("caching")
@@ -443,18 +443,15 @@ def caching_phase(family, args, width: int, height: int, references: int = 0,
 
 def text_encoder_bytes(family, precision: str, one_at_a_time: bool = False) -> int:
     """The text encoders' weights on the device at once (as their loaders keep them in `precision`): all of them,
-    or, one_at_a_time, the family's first text_encoder_groups group with the largest other."""
+    or, one_at_a_time, the first (it stays) with the largest other."""
     weights = [w.bytes(precision) for w in family.text_encoder_weights()]
-    if not one_at_a_time:
-        return sum(weights)
-    resident, *turns = [sum(weights[i] for i in group) for group in family.text_encoder_groups]
-    return resident + max(turns)
+    return weights[0] + max(weights[1:]) if one_at_a_time else sum(weights)
 
 
 def text_encoders_one_at_a_time(family, precision: str, card_bytes: int | None) -> bool:
-    """Whether the text encoders take turns on this card (None: no card, the CPU): where the family groups them
-    and together they are over what a plan may use (usable_bytes)."""
-    if card_bytes is None or family.text_encoder_groups is None:
+    """Whether the text encoders take turns on this card (None: no card, the CPU): where the family's can
+    (text_encoders_take_turns) and together they are over what a plan may use (usable_bytes)."""
+    if card_bytes is None or not family.text_encoders_take_turns:
         return False
     return text_encoder_bytes(family, precision) > usable_bytes(card_bytes)
 

@@ -46,7 +46,7 @@ class HiDreamFamily(DiffusionFamily):
     cfg_above = 1.0  # HiDreamImagePipeline: do_classifier_free_guidance is guidance_scale > 1
     # CLIP-L resident; CLIP-G, T5-XXL and Llama take turns on a card that cannot hold the four together (14.8 GiB in
     # fp8_scaled; 7.9 taking turns): HiDreamTextEncoder.place
-    text_encoder_groups = ((0,), (1,), (2,), (3,))
+    text_encoders_take_turns = True
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
@@ -142,7 +142,7 @@ class HiDreamFamily(DiffusionFamily):
 
     def load_text_encoder(self, precision="bf16", device=None, one_at_a_time: bool = False):
         """encode(captions) -> per caption {"t5": float32 [128, 4096], "llama": float32 [32, 128, 4096],
-        "pooled": float32 [2048]}. one_at_a_time: text_encoder_groups take turns on the device."""
+        "pooled": float32 [2048]}. one_at_a_time: they take turns on the device (text_encoders_take_turns)."""
         from library.models.hidream.text_encoder import load_hidream_text_encoders
         from library.models.text_encoders import encoder_precision
 

@@ -107,9 +107,8 @@ class HiDreamTextEncoder:
 
     def place(self, device, one_at_a_time: bool = False) -> None:
         """All four on `device`, or CLIP-L resident and CLIP-G, T5-XXL, then Llama, each on it for its own stage
-        (HiDreamFamily.text_encoder_groups: the same groups, by text_encoder_weights' order)."""
-        groups = [[self.clip_l.model], [self.clip_g.model], [self.t5.model], [self.llama]]
-        self.placement = place_text_encoders(groups, device, one_at_a_time)
+        (HiDreamFamily.text_encoders_take_turns; text_encoder_weights' order)."""
+        self.placement = place_text_encoders(self.models, device, one_at_a_time)
 
     def _stage(self, group: int):
         return self.placement.stage(group) if self.placement else contextlib.nullcontext()

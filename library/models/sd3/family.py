@@ -31,6 +31,8 @@ class SD3Family(DiffusionFamily):
     vae = "library.models.sd3.vae:SD3VAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("clip_l", "clip_g", "t5xxl")
     true_cfg = True
+    # CLIP-L resident; CLIP-G and T5-XXL take turns on a card that cannot hold the three together (SD3TextEncoder.place)
+    text_encoders_take_turns = True
 
     def model_version(self, model) -> str:
         return release_of(model.config)
@@ -106,16 +108,16 @@ class SD3Family(DiffusionFamily):
 
         return sd3_caption_token_limit(self.text_paths["t5xxl"], self.text_options(args)["t5_max_length"])
 
-    def load_text_encoder(self, precision="bf16", device=None, t5_max_length: int = 256):
-        """encode(captions) -> per caption {"context": float32 [77 + t5_max_length, 4096], "pooled": float32 [2048]}."""
+    def load_text_encoder(self, precision="bf16", device=None, t5_max_length: int = 256, one_at_a_time: bool = False):
+        """encode(captions) -> per caption {"context": float32 [77 + t5_max_length, 4096], "pooled": float32 [2048]}.
+        one_at_a_time: they take turns on the device (text_encoders_take_turns)."""
         from library.models.sd3.text_encoder import load_sd3_text_encoders
         from library.models.text_encoders import encoder_precision
 
         dtype, fp8 = encoder_precision(precision)
         encoder = load_sd3_text_encoders(self.text_paths["clip_l"], self.text_paths["clip_g"],
                                          self.text_paths["t5xxl"], dtype=dtype, fp8=fp8, t5_max_length=t5_max_length)
-        for model in encoder.models:
-            model.to(device)
+        encoder.place(device, one_at_a_time)
         return encoder.encode
 
     def text_encoder_weights(self):
