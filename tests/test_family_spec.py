@@ -327,3 +327,17 @@ def test_an_adapter_whose_name_or_arch_is_not_its_registration_is_one_line(monke
     assert set(arch_specs()) >= {"toy"}  # the spec itself registers
     with pytest.raises(ValueError, match=re.escape(f"{package}/family.py: {message}")):
         family_class("toy")
+
+
+def test_families_whose_text_encoders_take_turns_load_them_one_at_a_time():
+    """text_encoders_take_turns: train_lora.py passes load_text_encoder one_at_a_time=True on a card that cannot hold
+    the encoders together (memory_plan.text_encoders_one_at_a_time); a family that says so takes the argument, and
+    one that takes it says so (else the planner plans them together while they take turns, or the reverse)."""
+    import inspect
+
+    from library.models.family import family_class
+
+    for model_type in FAMILIES:
+        cls = family_class(model_type)
+        takes = "one_at_a_time" in inspect.signature(cls.load_text_encoder).parameters
+        assert takes == cls.text_encoders_take_turns, model_type
