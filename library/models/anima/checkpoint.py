@@ -31,7 +31,9 @@ from library.io import (
     save_with_config, state_and_config,
 )
 from library.models.anima.model import Anima, AnimaConfig
-from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, marked_prefix
+from library.models.checkpoint_files import (
+    block_count, check_compute_dtype, diffusers_config_json, fill_meta_model, marked_prefix,
+)
 from library.models.anima.spec import FP8
 from library.precision.stored_layouts import read_stored_layout, stored_extras
 
@@ -268,8 +270,7 @@ def load_anima(
     A pre-quantized single file (ComfyUI's scaled fp8 / comfy_quant, musubi-tuner's and our fp8 layouts, plain
     e4m3, city96's GGUF) is used as it is stored, whatever `prepare` asks (its fp8 layers keep the spec's FP8 Linears,
     the adapter among them, in high precision)."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_anima dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
+    check_compute_dtype("load_anima", dtype)
     root, stored = _pipeline_root(path), None
     if root is not None:
         view, found = _open_pipeline(root)

@@ -18,10 +18,10 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder,
-    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, PrefixedReader, check_keys_and_shapes, metadata_config, save_diffusers_folder, save_with_config,
+    state_and_config,
 )
-from library.models.checkpoint_files import block_count, fill_meta_model, without_prefix
+from library.models.checkpoint_files import block_count, fill_meta_model, open_transformer, without_prefix
 from library.models.chroma.model import Chroma, ChromaConfig
 from library.models.flux1.checkpoint import (  # FLUX.1's name map and row-joining view, unchanged
     BFL_PREFIXES,
@@ -263,10 +263,7 @@ def load_chroma(
     ComfyUI-GGUF file) is used as it is stored (precision/stored_layouts.py), whatever `prepare` asks.
     The model is built on `meta` and filled one tensor (diffusers: one module) at a time.
     """
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_chroma dtype must be float32/bfloat16/float16 (fp8 goes through convert=), got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
+    path, reader, _, _ = open_transformer(path, "load_chroma", dtype, fp8_via="convert=")
     keys = reader.keys()
     prefix = _bfl_prefix(keys)
     _refuse_other_models(path, keys, prefix)

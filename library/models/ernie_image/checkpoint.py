@@ -22,11 +22,10 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, save_diffusers_folder,
-    save_with_config, state_and_config,
+    CheckpointError, PrefixedReader, check_keys_and_shapes, save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import (
-    block_count, diffusers_config_json, fill_meta_model, marked_prefix, stated_config, without_prefix,
+    block_count, diffusers_config_json, fill_meta_model, marked_prefix, open_transformer, stated_config, without_prefix,
 )
 from library.models.ernie_image.model import ErnieImage, ErnieImageConfig
 from library.models.ernie_image.spec import FP8
@@ -136,11 +135,7 @@ def load_ernie_image(
     while loading). read_weights=False: the meta model as it would load, from the headers alone (the memory
     planner). Every key and shape is checked before any weight is read. A pre-quantized file is used as it is
     stored, whatever `prepare` asks (its fp8 layers keep the spec's FP8 Linears in high precision)."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_ernie_image dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), "
-                         f"got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
+    path, reader, _, _ = open_transformer(path, "load_ernie_image", dtype)
     prefix = marked_prefix(path, reader.keys(), PREFIXES, MARKER, "an ERNIE-Image transformer")
     stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
     diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=

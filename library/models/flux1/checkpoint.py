@@ -19,12 +19,12 @@ import torch
 
 from library.models.flux1.model import Flux, FluxConfig
 from library.models.flux1.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_extras
+from library.precision.stored_layouts import stored_extras
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder,
-    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, metadata_config, save_diffusers_folder,
+    save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import block_count, fill_meta_model, without_prefix
+from library.models.checkpoint_files import block_count, fill_meta_model, open_transformer, without_prefix
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
 
@@ -359,11 +359,8 @@ def load_flux(
         `prepare=fp8_prepare("fp8_scaled", "flux")` (library/models/family.py).
     The model is built on `meta` and filled one tensor (diffusers: one module) at a time.
     """
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_flux dtype must be float32/bfloat16/float16 (fp8 goes through convert=), got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
-    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
+    # a pre-quantized file (fp8, GGUF) is used as it is
+    path, reader, stored, _ = open_transformer(path, "load_flux", dtype, fp8_via="convert=", read_layout=True)
     keys = reader.keys()
     _refuse_other_family(path, keys)
     prefix = _bfl_prefix(keys)

@@ -20,10 +20,10 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, metadata_config,
-    save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, metadata_config, save_diffusers_folder,
+    save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, without_prefix
+from library.models.checkpoint_files import block_count, fill_meta_model, open_transformer, without_prefix
 from library.models.flux1.checkpoint import (
     RowMap,
     _DiffusersAsBFL,
@@ -33,7 +33,7 @@ from library.models.flux1.checkpoint import (
 )
 from library.models.flux2.model import Flux2, Flux2Config
 from library.models.flux2.spec import FP8
-from library.precision.stored_layouts import read_stored_layout, stored_extras
+from library.precision.stored_layouts import stored_extras
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
 CLASS_NAME = "Flux2Transformer2DModel"
@@ -297,13 +297,10 @@ def load_flux2(
     `prepare=fp8_prepare("fp8_scaled", "flux2")`); read_weights=False gives the meta model as it
     would load (the memory planner). The model is built on `meta` and filled one tensor at a time.
     """
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_flux2 dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
-    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
+    # a pre-quantized file (fp8, GGUF) is used as it is
+    path, reader, stored, diffusers_json = open_transformer(path, "load_flux2", dtype, read_layout=True,
+                                                            class_name=CLASS_NAME)
     keys = reader.keys()
-    diffusers_json = diffusers_config_json(path, CLASS_NAME)
     prefix = _bfl_prefix(keys)
     if prefix is not None:
         if config is None and "flux2_config" in reader.metadata:

@@ -23,10 +23,10 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, RowSplitView, check_keys_and_shapes, component_folder,
-    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, RowSplitView, check_keys_and_shapes, metadata_config,
+    save_diffusers_folder, save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model
+from library.models.checkpoint_files import block_count, fill_meta_model, open_transformer
 from library.models.flux3.model import MODES, STREAMS, Flux3Config, Flux3Transformer
 from library.models.flux3.spec import FP8
 from library.precision.fp8_checkpoints import COMFY_MARKER
@@ -308,12 +308,9 @@ def load_flux3(
     GGUF) is used as it is stored, whatever `prepare` asks, in either naming: diffusers renames FLUX.3's Linears
     one to one, so each keeps its scales (the final adaLN's row-wise ones swap with its halves).
     """
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_flux3 dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
-    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF, BFL's) is used as it is
-    diffusers_json = diffusers_config_json(path, CLASS_NAME)
+    # a pre-quantized file (fp8, GGUF, BFL's) is used as it is
+    path, reader, stored, diffusers_json = open_transformer(path, "load_flux3", dtype, read_layout=True,
+                                                            class_name=CLASS_NAME)
     keys = reader.keys()
     prefix = _bfl_prefix(keys)
     if prefix is not None:

@@ -38,11 +38,11 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, RowJoinView, RowSplitView, check_keys_and_shapes, component_folder,
-    save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, RowJoinView, RowSplitView, check_keys_and_shapes, save_diffusers_folder,
+    save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import (
-    block_count, diffusers_config_json, fill_meta_model, marked_prefix, renamed_keys, renamed_modules, stated_config,
+    block_count, fill_meta_model, marked_prefix, open_transformer, renamed_keys, renamed_modules, stated_config,
 )
 from library.models.hunyuan_image.model import HunyuanImage, HunyuanImageConfig
 from library.precision.stored_layouts import read_stored_layout, stored_extras
@@ -349,12 +349,8 @@ def load_hunyuan_image(
     hooks (fp8 while loading). read_weights=False: the meta model as it would load, from the headers alone (the
     memory planner). config overrides config.json, the `hunyuan_image_config` metadata and the shapes. Every key and
     shape is checked before any weight is read; a wrong file is one CheckpointError naming it."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_hunyuan_image dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), "
-                         f"got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
-    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
+    # a foreign diffusers class is refused even with config=
+    path, reader, _, diffusers_json = open_transformer(path, "load_hunyuan_image", dtype, class_name=CLASS_NAME)
     if DIFFUSERS_MARKER in reader:
         config, source, stored = _diffusers_source(path, reader, config, diffusers_json)
     else:

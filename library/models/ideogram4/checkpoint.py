@@ -21,9 +21,11 @@ from typing import Callable
 
 import torch
 
-from library.io import CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, load_streaming, \
-    prepared_convert, save_diffusers_folder
-from library.models.checkpoint_files import diffusers_config_json
+from library.io import (
+    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, load_streaming, prepared_convert,
+    save_diffusers_folder,
+)
+from library.models.checkpoint_files import diffusers_config_json, open_transformer
 from library.models.ideogram4.model import Ideogram4, Ideogram4Config
 from library.precision.bfl_weights import bfl_converter, read_bfl_checkpoint
 from library.precision.stored_layouts import read_stored_layout
@@ -108,10 +110,7 @@ def load_ideogram4(
     LoRA's ss_base_precision). dtype casts every other floating weight and becomes compute_dtype. A
     float file is quantized while loading by `prepare` (a base precision: `fp8_prepare(mode, arch)`).
     read_weights=False gives the meta model as it would load, from the headers alone."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_ideogram4 dtype must be float32/bfloat16/float16, got {dtype}")
-    path = component_folder(path, component)
-    reader = CheckpointReader(path)
+    path, reader, _, _ = open_transformer(path, "load_ideogram4", dtype, component=component, fp8_via=None)
     prefix = next((p for p in PREFIXES if any(k.startswith(p) for k in reader.keys())
                    and (p + MARKER in reader or p + "llm_cond_proj.weight_scale" in reader)), None)
     if prefix is None:

@@ -31,12 +31,12 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, check_keys_and_shapes, component_folder, save_diffusers_folder, save_with_config,
-    state_and_config,
+    CheckpointError, CheckpointReader, check_keys_and_shapes, save_diffusers_folder, save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, stated_config
+from library.models.checkpoint_files import (
+    block_count, diffusers_config_json, fill_meta_model, open_transformer, stated_config,
+)
 from library.models.krea2.model import Krea2, Krea2Config
-from library.precision.stored_layouts import read_stored_layout
 
 CLASS_NAME = "Krea2Transformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain
@@ -237,12 +237,9 @@ def load_krea2(
     per-tensor and meta-model hooks (fp8 quantized while loading: `prepare=fp8_prepare(mode, arch)`).
     read_weights=False gives the meta model as it would load, from the headers alone (the planner).
     """
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_krea2 dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
+    path, reader, stored, _ = open_transformer(path, "load_krea2", dtype, read_layout=True)
     # Refused before the key check, which would name a stored scale an unexpected key (spec.py: FP8Rules.stored)
-    if (stored := read_stored_layout(reader, path)) is not None:
+    if stored is not None:
         keys = reader.keys()
         if not any(p + MARKER in keys for p in PREFIXES) and DIFFUSERS_MARKER not in keys:  # another model's
             raise CheckpointError(f"{path}: not a Krea 2 transformer (no key '{MARKER}' or '{DIFFUSERS_MARKER}')")

@@ -40,10 +40,12 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, RowJoinView, check_keys_and_shapes, component_folder,
-    metadata_config, save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, RowJoinView, check_keys_and_shapes, metadata_config,
+    save_diffusers_folder, save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, marked_prefix
+from library.models.checkpoint_files import (
+    block_count, diffusers_config_json, fill_meta_model, marked_prefix, open_transformer,
+)
 from library.models.lumina2.model import Lumina2, Lumina2Config
 from library.precision.stored_layouts import read_stored_layout, stored_extras
 
@@ -207,11 +209,7 @@ def load_lumina2(
     `lumina2_config` metadata or the shapes say. convert / prepare: the per-tensor and meta-model hooks (fp8 while
     loading). read_weights=False: the meta model as it would load, from the headers alone (the memory planner).
     Every key and shape is checked before any weight is read; a wrong file is one CheckpointError naming it."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_lumina2 dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), "
-                         f"got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
+    path, reader, _, _ = open_transformer(path, "load_lumina2", dtype)
     _refuse_successor(path, reader.keys())
     diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
     if DIFFUSERS_MARKER in reader.keys():

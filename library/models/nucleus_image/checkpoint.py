@@ -33,11 +33,12 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, component_folder, save_diffusers_folder,
-    save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, save_diffusers_folder, save_with_config,
+    state_and_config,
 )
 from library.models.checkpoint_files import (
-    block_count, diffusers_config_json, fill_meta_model, marked_prefix, spec_fp8_rules, stated_config, without_prefix,
+    block_count, diffusers_config_json, fill_meta_model, marked_prefix, open_transformer, spec_fp8_rules, stated_config,
+    without_prefix,
 )
 from library.models.nucleus_image.model import NUCLEUS_IMAGE, DENSE_MOE_STRATEGIES, NucleusImage, NucleusImageConfig
 from library.precision.fp8 import KeepRules
@@ -210,11 +211,7 @@ def load_nucleus_image(
     meta model as it would load, from the headers alone (the memory planner). Every key and shape is checked before
     any weight is read. A pre-quantized file is used as it is stored (its experts too), whatever `prepare` asks;
     fp8_rules: the Linears its fp8 layers keep in high precision (default: the family spec's FP8)."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_nucleus_image dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), "
-                         f"got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
+    path, reader, _, _ = open_transformer(path, "load_nucleus_image", dtype)
     prefix = marked_prefix(path, reader.keys(), PREFIXES, MARKER, "a Nucleus-Image transformer")
     refuse_quantized_experts(reader, path)
     stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is

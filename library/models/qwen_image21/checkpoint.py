@@ -22,10 +22,12 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, save_diffusers_folder,
-    save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, save_diffusers_folder, save_with_config,
+    state_and_config,
 )
-from library.models.checkpoint_files import diffusers_config_json, fill_meta_model, marked_prefix, stated_config
+from library.models.checkpoint_files import (
+    diffusers_config_json, fill_meta_model, marked_prefix, open_transformer, stated_config,
+)
 from library.models.qwen_image21.model import QwenImage21, QwenImage21Config
 from library.models.qwen_image21.spec import FP8
 from library.precision.stored_layouts import read_stored_layout, stored_extras
@@ -155,11 +157,7 @@ def load_qwen_image21(
     hooks (fp8 while loading: `prepare=fp8_prepare(mode, arch)`). read_weights=False: the meta model as
     it would load, from the headers alone (the memory planner). A pre-quantized file (ComfyUI's scaled fp8,
     comfy_quant, musubi-tuner's and our fp8 layouts, GGUF) is used as it is stored, whatever `prepare` asks."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_qwen_image21 dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), "
-                         f"got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
+    path, reader, _, _ = open_transformer(path, "load_qwen_image21", dtype)
     config, source, stored = _source(path, reader, config)
     with torch.device("meta"):
         model = QwenImage21(config)

@@ -35,11 +35,11 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, RowJoinView, RowSplitView, check_keys_and_shapes, component_folder,
-    save_diffusers_folder, save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, RowJoinView, RowSplitView, check_keys_and_shapes, save_diffusers_folder,
+    save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import (
-    block_count, diffusers_config_json, fill_meta_model, marked_prefix, renamed_keys, renamed_modules, stated_config,
+    block_count, fill_meta_model, marked_prefix, open_transformer, renamed_keys, renamed_modules, stated_config,
 )
 from library.models.sd3.model import HEAD_DIM, PATCH, SD3, SD3Config, pos_embed_table, table_positions
 from library.precision.stored_layouts import read_stored_layout, stored_extras
@@ -341,11 +341,8 @@ def load_sd3(
     memory planner; the position table's values are then not checked). config overrides config.json, the
     `sd3_config` metadata and the shapes. Every key and shape is checked before any weight is read; a wrong file is
     one CheckpointError naming it."""
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_sd3 dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
-    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
+    # a foreign diffusers class is refused even with config=
+    path, reader, _, diffusers_json = open_transformer(path, "load_sd3", dtype, class_name=CLASS_NAME)
     if DIFFUSERS_MARKER in reader and DIFFUSERS_PATCH in reader:
         config, source, stored, pos_key = _diffusers_source(path, reader, config, diffusers_json)
     else:

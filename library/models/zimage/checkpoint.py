@@ -30,10 +30,10 @@ from typing import Callable
 import torch
 
 from library.io import (
-    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, component_folder, save_diffusers_folder,
-    save_with_config, state_and_config,
+    CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, save_diffusers_folder, save_with_config,
+    state_and_config,
 )
-from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, stated_config
+from library.models.checkpoint_files import block_count, fill_meta_model, open_transformer, stated_config
 from library.models.zimage.model import ZImage, ZImageConfig
 from library.models.zimage.spec import FP8
 from library.precision.stored_layouts import read_stored_layout, stored_extras
@@ -247,11 +247,10 @@ def _single_file_prefix(keys: list[str]) -> str | None:
     return None
 
 
-def _source(path: str, reader: CheckpointReader, config: ZImageConfig | None):
-    """(config, a reader under our names, its stored layout or None) for either layout; the wrong file
-    is one CheckpointError."""
+def _source(path: str, reader: CheckpointReader, config: ZImageConfig | None, diffusers_json: dict | None):
+    """(config, a reader under our names, its stored layout or None) for either layout (diffusers_json: the
+    folder's config.json, as open_transformer read it); the wrong file is one CheckpointError."""
     keys = reader.keys()
-    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
     prefix = None if DIFFUSERS_MARKER in keys else _single_file_prefix(keys)
     if prefix is not None:
         source = _SingleFileView(reader, prefix)
@@ -301,11 +300,9 @@ def load_zimage(
     planner). The model is built on `meta` and filled one tensor at a time. model_class: the ZImage
     class to build (omni.py's ZImageOmni for an Omni checkpoint's omni forward).
     """
-    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"load_zimage dtype must be float32/bfloat16/float16 (fp8 goes through prepare=), got {dtype}")
-    path = component_folder(path, "transformer")
-    reader = CheckpointReader(path)
-    config, source, stored = _source(path, reader, config)
+    # a foreign diffusers class is refused even with config=, before the marker check
+    path, reader, _, diffusers_json = open_transformer(path, "load_zimage", dtype, class_name=CLASS_NAME)
+    config, source, stored = _source(path, reader, config, diffusers_json)
     with torch.device("meta"):
         model = model_class(config)
     return fill_meta_model(model, source, lambda key: key, path, dtype, stored=stored, keep_rules=FP8, prepare=prepare,
