@@ -8,18 +8,17 @@ files from every other family's (MARKER), the safetensors metadata key our write
 (its spec's FP8).
 
 The order a loader goes in: the file opened (open_transformer: the dtype checked, the pipeline's component folder,
-the reader; the stored layout and config.json too where the family reads them first), the file's prefix
-(marked_prefix), the config it states (diffusers_config_json, then stated_config; a `config=` given wins, but a
-foreign config.json is refused all the same), the model built on `meta` and every key and shape checked against the
-header (the family's, as its names differ), then fill_meta_model: the weights streamed in (or the meta model cast,
-for the memory planner). A family's inference of its config from the shapes counts its blocks with block_count.
+the reader), the file's prefix (marked_prefix), the config it states (diffusers_config_json, then stated_config; a
+`config=` given wins, but a foreign config.json is refused all the same), the model built on `meta` and every key
+and shape checked against the header (the family's, as its names differ), then fill_meta_model: the weights
+streamed in (or the meta model cast, for the memory planner). A family's inference of its config from the shapes counts its blocks with block_count.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from typing import Callable, NamedTuple, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 import torch.nn as nn
@@ -27,7 +26,7 @@ import torch.nn as nn
 from library.io import CheckpointError, CheckpointReader, component_folder, load_streaming, metadata_config, \
     prepared_convert, read_json_file
 from library.precision.fp8 import KeepRules
-from library.precision.stored_layouts import StoredLayout, read_stored_layout, stored_converter
+from library.precision.stored_layouts import StoredLayout, stored_converter
 
 Config = TypeVar("Config")
 Model = TypeVar("Model", bound=nn.Module)
@@ -44,38 +43,14 @@ def check_compute_dtype(loader: str, dtype: torch.dtype, fp8_via: str | None = "
         raise ValueError(f"{loader} dtype must be float32/bfloat16/float16{via}, got {dtype}")
 
 
-class OpenedTransformer(NamedTuple):
-    """What open_transformer found: the file or folder read (a pipeline's component folder), its reader, the stored
-    layout (read_stored_layout's answer; None when not pre-quantized or not asked for) and the folder's diffusers
-    config.json (diffusers_config_json's answer; None for none or when not asked for)."""
-
-    path: str
-    reader: CheckpointReader
-    stored: StoredLayout | None
-    diffusers_json: dict | None
-
-
-def open_transformer(
-    path: str,
-    loader: str,
-    dtype: torch.dtype,
-    *,
-    component: str = "transformer",
-    fp8_via: str | None = "prepare=",
-    read_layout: bool = False,
-    class_name: str | None = None,
-) -> OpenedTransformer:
-    """A loader's first steps, in this order: `dtype` checked (check_compute_dtype), `path/component` taken for a
-    pipeline folder, its header read (CheckpointReader), then, where the loader asks for them this early, the stored
-    layout (read_layout) and the diffusers config.json naming `class_name` (a foreign class refused). A loader whose
-    own checks come before either reads it later itself, so every loader keeps the order its errors come in. Reads
-    the headers (and config.json) only, never a weight."""
+def open_transformer(path: str, loader: str, dtype: torch.dtype, *, component: str = "transformer",
+                     fp8_via: str | None = "prepare=") -> tuple[str, CheckpointReader]:
+    """A loader's first steps: `dtype` checked (check_compute_dtype), `path/component` taken for a pipeline folder,
+    its header read. Returns (the file or folder read, its reader); the loader goes on in its own order (its stored
+    layout, its config.json, its marker), so that each keeps the order its errors come in. No weight is read."""
     check_compute_dtype(loader, dtype, fp8_via)
     path = component_folder(path, component)
-    reader = CheckpointReader(path)
-    stored = read_stored_layout(reader, path) if read_layout else None
-    diffusers_json = diffusers_config_json(path, class_name) if class_name is not None else None
-    return OpenedTransformer(path, reader, stored, diffusers_json)
+    return path, CheckpointReader(path)
 
 
 def marked_prefix(path: str, keys: list[str], prefixes: tuple[str, ...], marker: str, what: str) -> str:

@@ -263,7 +263,7 @@ def load_chroma(
     ComfyUI-GGUF file) is used as it is stored (precision/stored_layouts.py), whatever `prepare` asks.
     The model is built on `meta` and filled one tensor (diffusers: one module) at a time.
     """
-    path, reader, _, _ = open_transformer(path, "load_chroma", dtype, fp8_via="convert=")
+    path, reader = open_transformer(path, "load_chroma", dtype, fp8_via="convert=")
     keys = reader.keys()
     prefix = _bfl_prefix(keys)
     _refuse_other_models(path, keys, prefix)

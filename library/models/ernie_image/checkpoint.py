@@ -135,7 +135,7 @@ def load_ernie_image(
     while loading). read_weights=False: the meta model as it would load, from the headers alone (the memory
     planner). Every key and shape is checked before any weight is read. A pre-quantized file is used as it is
     stored, whatever `prepare` asks (its fp8 layers keep the spec's FP8 Linears in high precision)."""
-    path, reader, _, _ = open_transformer(path, "load_ernie_image", dtype)
+    path, reader = open_transformer(path, "load_ernie_image", dtype)
     prefix = marked_prefix(path, reader.keys(), PREFIXES, MARKER, "an ERNIE-Image transformer")
     stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
     diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=

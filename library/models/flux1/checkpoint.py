@@ -19,7 +19,7 @@ import torch
 
 from library.models.flux1.model import Flux, FluxConfig
 from library.models.flux1.spec import FP8
-from library.precision.stored_layouts import stored_extras
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 from library.io import (
     CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, metadata_config, save_diffusers_folder,
     save_with_config, state_and_config,
@@ -360,7 +360,8 @@ def load_flux(
     The model is built on `meta` and filled one tensor (diffusers: one module) at a time.
     """
     # a pre-quantized file (fp8, GGUF) is used as it is
-    path, reader, stored, _ = open_transformer(path, "load_flux", dtype, fp8_via="convert=", read_layout=True)
+    path, reader = open_transformer(path, "load_flux", dtype, fp8_via="convert=")
+    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
     keys = reader.keys()
     _refuse_other_family(path, keys)
     prefix = _bfl_prefix(keys)

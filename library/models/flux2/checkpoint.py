@@ -23,7 +23,9 @@ from library.io import (
     CheckpointError, CheckpointReader, PrefixedReader, check_keys_and_shapes, metadata_config, save_diffusers_folder,
     save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import block_count, fill_meta_model, open_transformer, without_prefix
+from library.models.checkpoint_files import (
+    block_count, diffusers_config_json, fill_meta_model, open_transformer, without_prefix,
+)
 from library.models.flux1.checkpoint import (
     RowMap,
     _DiffusersAsBFL,
@@ -33,7 +35,7 @@ from library.models.flux1.checkpoint import (
 )
 from library.models.flux2.model import Flux2, Flux2Config
 from library.models.flux2.spec import FP8
-from library.precision.stored_layouts import stored_extras
+from library.precision.stored_layouts import read_stored_layout, stored_extras
 
 BFL_PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain BFL
 CLASS_NAME = "Flux2Transformer2DModel"
@@ -298,8 +300,9 @@ def load_flux2(
     would load (the memory planner). The model is built on `meta` and filled one tensor at a time.
     """
     # a pre-quantized file (fp8, GGUF) is used as it is
-    path, reader, stored, diffusers_json = open_transformer(path, "load_flux2", dtype, read_layout=True,
-                                                            class_name=CLASS_NAME)
+    path, reader = open_transformer(path, "load_flux2", dtype)
+    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
     keys = reader.keys()
     prefix = _bfl_prefix(keys)
     if prefix is not None:

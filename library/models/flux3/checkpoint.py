@@ -26,7 +26,7 @@ from library.io import (
     CheckpointError, CheckpointReader, PrefixedReader, RowSplitView, check_keys_and_shapes, metadata_config,
     save_diffusers_folder, save_with_config, state_and_config,
 )
-from library.models.checkpoint_files import block_count, fill_meta_model, open_transformer
+from library.models.checkpoint_files import block_count, diffusers_config_json, fill_meta_model, open_transformer
 from library.models.flux3.model import MODES, STREAMS, Flux3Config, Flux3Transformer
 from library.models.flux3.spec import FP8
 from library.precision.fp8_checkpoints import COMFY_MARKER
@@ -309,8 +309,9 @@ def load_flux3(
     one to one, so each keeps its scales (the final adaLN's row-wise ones swap with its halves).
     """
     # a pre-quantized file (fp8, GGUF, BFL's) is used as it is
-    path, reader, stored, diffusers_json = open_transformer(path, "load_flux3", dtype, read_layout=True,
-                                                            class_name=CLASS_NAME)
+    path, reader = open_transformer(path, "load_flux3", dtype)
+    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
     keys = reader.keys()
     prefix = _bfl_prefix(keys)
     if prefix is not None:

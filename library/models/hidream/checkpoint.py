@@ -30,7 +30,8 @@ from library.io import (
     CheckpointError, PrefixedReader, check_keys_and_shapes, save_diffusers_folder, save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import (
-    block_count, fill_meta_model, marked_prefix, open_transformer, spec_fp8_rules, stated_config, without_prefix,
+    block_count, diffusers_config_json, fill_meta_model, marked_prefix, open_transformer, spec_fp8_rules,
+    stated_config, without_prefix,
 )
 from library.models.hidream.model import HIDREAM_I1, PATCH, HiDream, HiDreamConfig, released_llama_layers
 from library.precision.fp8 import KeepRules
@@ -160,7 +161,8 @@ def load_hidream(
     pre-quantized file is used as it is stored, whatever `prepare` asks; fp8_rules: the Linears its fp8 layers keep
     in high precision (default: the family spec's FP8)."""
     # a foreign diffusers class is refused even with config=, before the prefix check
-    path, reader, _, diffusers_json = open_transformer(path, "load_hidream", dtype, class_name=CLASS_NAME)
+    path, reader = open_transformer(path, "load_hidream", dtype)
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
     prefix = marked_prefix(path, reader.keys(), PREFIXES, MARKER, "a HiDream-I1 transformer")
     stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
     view, extra = PrefixedReader(reader, prefix), stored_extras(stored)

@@ -42,7 +42,8 @@ from library.io import (
     save_with_config, state_and_config,
 )
 from library.models.checkpoint_files import (
-    block_count, fill_meta_model, marked_prefix, open_transformer, renamed_keys, renamed_modules, stated_config,
+    block_count, diffusers_config_json, fill_meta_model, marked_prefix, open_transformer, renamed_keys,
+    renamed_modules, stated_config,
 )
 from library.models.hunyuan_image.model import HunyuanImage, HunyuanImageConfig
 from library.precision.stored_layouts import read_stored_layout, stored_extras
@@ -350,7 +351,8 @@ def load_hunyuan_image(
     memory planner). config overrides config.json, the `hunyuan_image_config` metadata and the shapes. Every key and
     shape is checked before any weight is read; a wrong file is one CheckpointError naming it."""
     # a foreign diffusers class is refused even with config=
-    path, reader, _, diffusers_json = open_transformer(path, "load_hunyuan_image", dtype, class_name=CLASS_NAME)
+    path, reader = open_transformer(path, "load_hunyuan_image", dtype)
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
     if DIFFUSERS_MARKER in reader:
         config, source, stored = _diffusers_source(path, reader, config, diffusers_json)
     else:

@@ -110,7 +110,7 @@ def load_ideogram4(
     LoRA's ss_base_precision). dtype casts every other floating weight and becomes compute_dtype. A
     float file is quantized while loading by `prepare` (a base precision: `fp8_prepare(mode, arch)`).
     read_weights=False gives the meta model as it would load, from the headers alone."""
-    path, reader, _, _ = open_transformer(path, "load_ideogram4", dtype, component=component, fp8_via=None)
+    path, reader = open_transformer(path, "load_ideogram4", dtype, component=component, fp8_via=None)
     prefix = next((p for p in PREFIXES if any(k.startswith(p) for k in reader.keys())
                    and (p + MARKER in reader or p + "llm_cond_proj.weight_scale" in reader)), None)
     if prefix is None:

@@ -37,6 +37,7 @@ from library.models.checkpoint_files import (
     block_count, diffusers_config_json, fill_meta_model, open_transformer, stated_config,
 )
 from library.models.krea2.model import Krea2, Krea2Config
+from library.precision.stored_layouts import read_stored_layout
 
 CLASS_NAME = "Krea2Transformer2DModel"
 PREFIXES = ("model.diffusion_model.", "diffusion_model.", "")  # ComfyUI full / UNet-only, plain
@@ -237,7 +238,8 @@ def load_krea2(
     per-tensor and meta-model hooks (fp8 quantized while loading: `prepare=fp8_prepare(mode, arch)`).
     read_weights=False gives the meta model as it would load, from the headers alone (the planner).
     """
-    path, reader, stored, _ = open_transformer(path, "load_krea2", dtype, read_layout=True)
+    path, reader = open_transformer(path, "load_krea2", dtype)
+    stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is
     # Refused before the key check, which would name a stored scale an unexpected key (spec.py: FP8Rules.stored)
     if stored is not None:
         keys = reader.keys()

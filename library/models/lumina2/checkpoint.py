@@ -209,7 +209,7 @@ def load_lumina2(
     `lumina2_config` metadata or the shapes say. convert / prepare: the per-tensor and meta-model hooks (fp8 while
     loading). read_weights=False: the meta model as it would load, from the headers alone (the memory planner).
     Every key and shape is checked before any weight is read; a wrong file is one CheckpointError naming it."""
-    path, reader, _, _ = open_transformer(path, "load_lumina2", dtype)
+    path, reader = open_transformer(path, "load_lumina2", dtype)
     _refuse_successor(path, reader.keys())
     diffusers_json = diffusers_config_json(path, CLASS_NAME)  # a foreign class is refused even with config=
     if DIFFUSERS_MARKER in reader.keys():

@@ -211,7 +211,7 @@ def load_nucleus_image(
     meta model as it would load, from the headers alone (the memory planner). Every key and shape is checked before
     any weight is read. A pre-quantized file is used as it is stored (its experts too), whatever `prepare` asks;
     fp8_rules: the Linears its fp8 layers keep in high precision (default: the family spec's FP8)."""
-    path, reader, _, _ = open_transformer(path, "load_nucleus_image", dtype)
+    path, reader = open_transformer(path, "load_nucleus_image", dtype)
     prefix = marked_prefix(path, reader.keys(), PREFIXES, MARKER, "a Nucleus-Image transformer")
     refuse_quantized_experts(reader, path)
     stored = read_stored_layout(reader, path)  # a pre-quantized file (fp8, GGUF) is used as it is

@@ -157,7 +157,7 @@ def load_qwen_image21(
     hooks (fp8 while loading: `prepare=fp8_prepare(mode, arch)`). read_weights=False: the meta model as
     it would load, from the headers alone (the memory planner). A pre-quantized file (ComfyUI's scaled fp8,
     comfy_quant, musubi-tuner's and our fp8 layouts, GGUF) is used as it is stored, whatever `prepare` asks."""
-    path, reader, _, _ = open_transformer(path, "load_qwen_image21", dtype)
+    path, reader = open_transformer(path, "load_qwen_image21", dtype)
     config, source, stored = _source(path, reader, config)
     with torch.device("meta"):
         model = QwenImage21(config)

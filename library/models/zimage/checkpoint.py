@@ -33,7 +33,9 @@ from library.io import (
     CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, save_diffusers_folder, save_with_config,
     state_and_config,
 )
-from library.models.checkpoint_files import block_count, fill_meta_model, open_transformer, stated_config
+from library.models.checkpoint_files import (
+    block_count, diffusers_config_json, fill_meta_model, open_transformer, stated_config,
+)
 from library.models.zimage.model import ZImage, ZImageConfig
 from library.models.zimage.spec import FP8
 from library.precision.stored_layouts import read_stored_layout, stored_extras
@@ -300,8 +302,9 @@ def load_zimage(
     planner). The model is built on `meta` and filled one tensor at a time. model_class: the ZImage
     class to build (omni.py's ZImageOmni for an Omni checkpoint's omni forward).
     """
+    path, reader = open_transformer(path, "load_zimage", dtype)
     # a foreign diffusers class is refused even with config=, before the marker check
-    path, reader, _, diffusers_json = open_transformer(path, "load_zimage", dtype, class_name=CLASS_NAME)
+    diffusers_json = diffusers_config_json(path, CLASS_NAME)
     config, source, stored = _source(path, reader, config, diffusers_json)
     with torch.device("meta"):
         model = model_class(config)
