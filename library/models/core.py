@@ -181,16 +181,20 @@ def mrope_tables(positions: torch.Tensor, head_dim: int, theta: float, sections:
     dtype = angle_dtype(positions.device)
     with autocast_off(positions.device.type):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=dtype, device=positions.device) / head_dim))
-        if interleaved:
-            j = torch.arange(head_dim // 2, device=positions.device)
-            axis = torch.zeros_like(j)
-            for a in (1, 2):
-                axis[(j % 3 == a) & (j < 3 * sections[a])] = a  # [head_dim / 2]
-        else:
-            axis = torch.repeat_interleave(torch.arange(len(sections), device=positions.device),
-                                           torch.tensor(sections, device=positions.device))  # [head_dim / 2]
+        axis = mrope_axes(head_dim, sections, interleaved, positions.device)
         angles = positions.to(dtype)[..., axis] * inv_freq  # frequency j turns with axis[j]'s position
         return angles.cos().float(), angles.sin().float()
+
+
+def mrope_axes(head_dim: int, sections: tuple[int, ...], interleaved: bool, device=None) -> torch.Tensor:
+    """int64 [head_dim / 2]: the position axis each M-RoPE frequency turns with (mrope_tables' rule)."""
+    if interleaved:
+        j = torch.arange(head_dim // 2, device=device)
+        axis = torch.zeros_like(j)
+        for a in (1, 2):
+            axis[(j % 3 == a) & (j < 3 * sections[a])] = a
+        return axis
+    return torch.repeat_interleave(torch.arange(len(sections), device=device), torch.tensor(sections, device=device))
 
 
 def _complex_rotation(x32: torch.Tensor) -> bool:

@@ -33,6 +33,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
@@ -47,6 +48,70 @@ from library.models.llm_spec import FP8 as LLM_FP8
 from library.models.spec import TextWeights
 from library.precision.fp8_checkpoints import scaled_fp8_converter
 from library.io import CheckpointError, CheckpointReader, PrefixedReader, load_streaming, save_safetensors, write_text
+
+# ----------------------------------------------------------------------------------------------
+# Attention layouts besides the causal one
+
+
+@dataclass(frozen=True)
+class CausalThenFull:
+    """A sequence whose queries attend causally until their row's `full_from`, and to every real key from there on:
+    a causal prefix (a prompt) followed by rows that see the whole sequence (tokens generated in parallel). Row b's
+    query i sees key j iff key_mask[b, j] and (j <= i or i >= full_from[b]).
+
+    prefix: the first `prefix` positions hold every causal query (full_from[b] <= prefix) and their pads lie after
+    their real tokens (right padding), so a real causal query sees only keys of the prefix. full_from: int64 [B].
+    first_full: min(full_from) as a Python int (slicing needs it: the caller's one host sync). key_mask:
+    bool [B, L] (True: a real key) or None when every key is real.
+
+    attend() runs two passes, exact in arithmetic against the boolean mask `dense()` gives: the prefix's causal
+    attention, then the full rows' attention over every real key (without pads a plain non-causal pass: both stay
+    eligible for SDPA's flash kernel, which a [B, 1, L, L] mask rules out)."""
+
+    prefix: int
+    full_from: torch.Tensor
+    first_full: int
+    key_mask: torch.Tensor | None = None
+
+    def dense(self, length: int) -> torch.Tensor:
+        """The same attention as a boolean mask [B, 1, L, L] (True = attend); a row seeing no key is opened, as
+        core.attention_mask opens one."""
+        device = self.full_from.device
+        index = torch.arange(length, device=device)
+        allowed = (index[None, :] <= index[:, None]) | (index[None, :, None] >= self.full_from[:, None, None])
+        if self.key_mask is not None:
+            allowed = allowed & self.key_mask.bool()[:, None, :]
+            allowed = allowed | ~allowed.any(-1, keepdim=True)
+        return allowed[:, None]
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [B, H, L, Dh], k / v [B, Hkv, L, Dh] -> [B, L, H * Dh]: rows before first_full from the causal pass,
+        rows from the prefix on from the full pass, the rows between from the pass their row's full_from says."""
+        p, f, keys = self.prefix, self.first_full, self.key_mask
+        causal = core.attention(q[:, :, :p], k[:, :, :p], v[:, :, :p], mask=None if keys is None else keys[:, :p],
+                                causal=True)  # [B, p, H * Dh]
+        full = core.attention(q[:, :, f:], k, v, mask=keys)  # [B, L - f, H * Dh]
+        rows = torch.arange(f, p, device=q.device)
+        sees_all = (rows[None, :] >= self.full_from[:, None])[..., None]  # [B, p - f, 1]
+        between = torch.where(sees_all, full[:, : p - f], causal[:, f:])
+        return torch.cat((causal[:, :f], between, full[:, p - f :]), dim=1)
+
+
+def mrope_tables_per_axis(config: LLMConfig, position_ids: torch.Tensor):
+    """M-RoPE's float32 (cos, sin) [B, L, head_dim / 2] of ids [B, L, 3] (int64, or float32 / float64 exact
+    integers), equal bit for bit to core.mrope_tables' but computed through core.rope_tables: each axis' table over
+    the whole head's frequencies (axes (head_dim,) x 3: the same float64 angles), each frequency then read from its
+    axis (core.mrope_axes). So the one function the precision doctor audits sees the positions as they are."""
+    c = config
+    if len(c.mrope_section) != 3 or position_ids.shape[-1] != 3:
+        raise ValueError(f"mrope_tables_per_axis: M-RoPE sections {c.mrope_section} and ids "
+                         f"{tuple(position_ids.shape)}: expected 3 sections and 3 position axes")
+    cos, sin = core.rope_tables(position_ids, (c.head_dim,) * 3, c.rope_theta)  # [B, L, 3 * head_dim / 2]
+    half = c.head_dim // 2
+    axis = core.mrope_axes(c.head_dim, c.mrope_section, c.mrope_interleaved, position_ids.device)
+    column = axis * half + torch.arange(half, device=position_ids.device)  # frequency j of axis[j]'s table
+    return cos[..., column], sin[..., column]
+
 
 # ----------------------------------------------------------------------------------------------
 # Model
@@ -73,7 +138,8 @@ class SelfAttention(nn.Module):
         self.scale = cfg.attention_scale if cfg.query_pre_attn_scalar else None
 
     def forward(self, x, cos, sin, mask, visible=None):
-        """visible: [B, L, 1] (1: the query sees a key; 0: a left-pad query, whose output is 0 as in
+        """mask: boolean (True = attend, used as given), a CausalThenFull, or None (causal).
+        visible: [B, L, 1] (1: the query sees a key; 0: a left-pad query, whose output is 0 as in
         transformers' SDPA path) or None when nothing is padded."""
         # x: [B, L, D] -> q: [B, H, L, Dh], k/v: [B, Hkv, L, Dh]; q/k norms act on Dh, before RoPE
         q = self.q_norm(self.q_proj(x).unflatten(-1, (self.num_heads, self.head_dim))).transpose(1, 2)
@@ -81,7 +147,9 @@ class SelfAttention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (self.num_kv_heads, self.head_dim)).transpose(1, 2)
         q = core.apply_rope(q, cos, sin, interleaved=False)
         k = core.apply_rope(k, cos, sin, interleaved=False)
-        if self.softcap or self.scale is not None:
+        if isinstance(mask, CausalThenFull):
+            out = mask.attend(q, k, v)
+        elif self.softcap or self.scale is not None:
             out = softcapped_attention(q, k, v, mask, self.scale or self.head_dim ** -0.5, self.softcap)
         else:
             out = core.attention(q, k, v, mask=mask, causal=True)  # [B, L, H*Dh]
@@ -155,9 +223,23 @@ class Decoder(nn.Module):
 
     def __init__(self, cfg: LLMConfig):
         super().__init__()
+        self.config = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_layers))
         self.norm = (GemmaRMSNorm if cfg.gemma_norms else core.RMSNorm)(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def run_embeddings(self, x: torch.Tensor, position_ids: torch.Tensor, mask, checkpointing=False,
+                       swap=None) -> torch.Tensor:
+        """The decoder layers on embeddings x [B, L, hidden] (the residual stream's dtype) at M-RoPE ids [B or 1,
+        L, 3] (int64; their tables float32 from float64 angles, mrope_tables_per_axis), attending by `mask`: a
+        boolean [B or 1, 1, L, L] (True = attend, used as given) or a CausalThenFull. Returns the final norm's
+        output [B, L, hidden]. checkpointing / swap: core.run_block's, layer i being block i of the swap."""
+        if self.config.attn_logit_softcapping or self.config.query_pre_attn_scalar:
+            raise ValueError("Decoder.run_embeddings: softcapped or rescaled attention (Gemma 2) runs causal only")
+        cos, sin = mrope_tables_per_axis(self.config, position_ids)
+        for i, layer in enumerate(self.layers):
+            x = core.run_block(layer, checkpointing, x, cos, sin, mask, swap=swap, index=i)
+        return self.norm(x)
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor | None, seq_len: int, device) -> torch.Tensor:
