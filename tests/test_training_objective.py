@@ -16,10 +16,12 @@ import torch
 import torch.nn as nn
 
 import train_lora
+from library.models.family import DiffusionFamily, family_class
 from library.models.flux1.family import FluxFamily
 from library.models.qwen_image.family import QwenImageFamily
 from library.models.latents import pack_latents
 from library.models import flow_matching as fm
+from library.models.registry import FAMILIES
 from library.training.config import load_config
 from library.training.run_length import plan_steps
 
@@ -203,6 +205,55 @@ def test_every_occurrence_in_a_step_gets_its_own_draw_and_steps_differ(tiny_set,
     assert train_lora.main(flux_args(tiny_set, tmp_path / "out1", "--dataset_config", str(cfg), "--max_train_steps", "3",
                                      "--sample_prompts", "")) == 0
     assert len({s.item() for s in sigmas}) == 3, sigmas
+
+
+# ----------------------------------------------------------------------------------------------
+# The training-noise hook (DiffusionFamily.model_noise)
+
+
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_every_familys_training_noise_is_the_draw_itself(model_type):
+    """model_noise is the identity for every registered family (the same tensor: its loss bit for bit as before)."""
+    cls = family_class(model_type)
+    noise = torch.randn(2, 16, 4, 4)
+    assert cls.model_noise(object.__new__(cls), noise, torch.tensor([0.2, 0.9])) is noise
+
+
+class LinearFamily(DiffusionFamily):
+    """A family whose 'model' is a fixed linear map of x_t and sigma: the loss is a plain function of its inputs."""
+
+    name = "linear"
+    arch = "flux"
+
+    def predict(self, model, x_t, sigmas, text, h, w, guidance):
+        return 0.5 * x_t + sigmas[:, None, None]
+
+
+class ScaledNoiseFamily(LinearFamily):
+    def model_noise(self, noise, sigmas):
+        return noise * (8.0 - sigmas[:, None, None, None])
+
+
+@pytest.mark.parametrize("perturbed", [False, True])
+def test_the_training_noise_hook_makes_both_the_noisy_input_and_the_target(perturbed):
+    """loss_at with a family's model_noise equals loss_at of the plain family given the hooked noise: x_t and the
+    flow target both take it (and the input perturbation's noise too), to the bit."""
+    g = torch.Generator().manual_seed(0)
+    latents, noise, extra = (torch.randn(2, 16, 8, 8, generator=g) for _ in range(3))
+    sigmas, mask = torch.tensor([0.25, 0.75]), torch.rand(2, 1, 8, 8, generator=g)
+    input_noise = noise + 0.1 * extra if perturbed else None
+    hooked = ScaledNoiseFamily("model")
+    scaled = hooked.model_noise(noise, sigmas)
+    scaled_input = hooked.model_noise(input_noise, sigmas) if perturbed else None
+    loss = hooked.loss_at(None, latents, {}, noise, sigmas, None, mask=mask, input_noise=input_noise)
+    plain = LinearFamily("model").loss_at(None, latents, {}, scaled, sigmas, None, mask=mask, input_noise=scaled_input)
+    assert torch.equal(loss, plain)
+    unscaled = LinearFamily("model").loss_at(None, latents, {}, noise, sigmas, None, mask=mask, input_noise=input_noise)
+    assert not torch.equal(loss, unscaled)
+    x_t = fm.noisy_input(latents, scaled_input if perturbed else scaled, sigmas)  # by hand: pred vs target
+    by_hand = ((0.5 * pack_latents(x_t) + sigmas[:, None, None] - pack_latents(scaled - latents)) ** 2
+               * pack_latents(mask.expand_as(latents))).mean()
+    assert loss.item() == pytest.approx(by_hand.item(), rel=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -490,8 +490,10 @@ class DiffusionFamily:
         """The flow-matching loss at given noise (float32, latents' shape) and sigmas (float32 [B]),
         all on the latents' device: scalar float32. training_loss draws them; validation fixes them.
         Only the target's tokens are in the loss (predict returns no reference tokens). input_noise: the
-        noise of the model's input where it is not `noise` (ip_noise_gamma: input_perturbation)."""
+        noise of the model's input where it is not `noise` (ip_noise_gamma: input_perturbation). Both pass
+        through model_noise before x_t and the target are made of them."""
         h, w = latents.shape[-2] // self.patch, latents.shape[-1] // self.patch
+        noise, input_noise = self.model_noises(noise, input_noise, sigmas)
         x_t = self.pack_target(fm.noisy_input(latents, noise if input_noise is None else input_noise, sigmas))
         pred = self.predict(model, x_t, sigmas, text, h, w, guidance, **control_kwargs(control))
         target = self.pack_target(fm.flow_target(latents, noise))
@@ -504,6 +506,18 @@ class DiffusionFamily:
         if preservation is not None:
             loss = loss + self.preservation_term(model, x_t, sigmas, h, w, guidance, control, preservation)
         return loss
+
+    def model_noise(self, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """The noise the model was trained to remove, made of a standard normal draw `noise` (float32, the latents'
+        shape) at sigmas (float32 [B]): x_t and the flow target are made of it (loss_at, so validation too). The
+        draw itself (the same tensor: every family's loss bit for bit) unless the family's model was trained on
+        other noise (a pixel-space model's scaled, clipped noise)."""
+        return noise
+
+    def model_noises(self, noise: torch.Tensor, input_noise: torch.Tensor | None,
+                     sigmas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """model_noise of loss_at's noise and of its input_noise (None stays None)."""
+        return self.model_noise(noise, sigmas), None if input_noise is None else self.model_noise(input_noise, sigmas)
 
     def preservation_term(self, model, x_t: torch.Tensor, sigmas: torch.Tensor, h: int, w: int, guidance: float | None,
                           control: list[torch.Tensor] | None, preservation: Preservation) -> torch.Tensor:

@@ -293,6 +293,7 @@ class QwenImage21Family(DiffusionFamily):
                 mask=None, sample_weights=None, control=None, preservation=None, input_noise=None):
         """The shared flow-matching loss (DiffusionFamily.loss_at) on latent-pixel tokens."""
         h, w = latents.shape[2], latents.shape[3]
+        noise, input_noise = self.model_noises(noise, input_noise, sigmas)
         x_t = to_tokens(fm.noisy_input(latents, noise if input_noise is None else input_noise, sigmas))
         pred = self.predict(model, x_t, sigmas, text, h, w, guidance, **control_kwargs(control))
         target = to_tokens(fm.flow_target(latents, noise))
