@@ -16,7 +16,7 @@ from PIL import Image
 import train_lora
 from library.data import caches, dataset as D, image_folders
 from library.data.dataset_config import load_dataset_config, parse_dataset_config
-from library.data.masks import balance_reg_repeats, load_mask
+from library.data.masks import balance_reg_repeats, load_mask, on_latent_grid
 from library.models.family import pack_latents
 from library.models.flux1.family import FluxFamily
 from library.models import flow_matching as fm
@@ -48,6 +48,19 @@ def blueprint(subsets, resolution=64, **dataset):
 
 # ----------------------------------------------------------------------------------------------
 # The loss
+
+
+def test_loss_masks_repeat_onto_a_finer_latent_grid_and_pool_onto_a_coarser_one():
+    """Cached on the 8 px grid: area-averaged to a 16x VAE's grid as before, and repeated (nearest) onto the
+    pixels of a model without a VAE, each mask element over its 8 x 8 pixels."""
+    masks = torch.rand(2, 1, 8, 12)
+    pixels = on_latent_grid(masks, (64, 96))
+    assert pixels.shape == (2, 1, 64, 96)
+    assert torch.equal(pixels[:, :, 8 * 3:8 * 4, 8 * 5:8 * 6], masks[:, :, 3:4, 5:6].expand(2, 1, 8, 8))
+    assert on_latent_grid(masks, (8, 12)) is masks
+    assert torch.equal(on_latent_grid(masks, (4, 6)), torch.nn.functional.avg_pool2d(masks, 2))
+    with pytest.raises(ValueError, match="loss masks of 8 x 12 do not repeat onto the 60 x 96 latent grid"):
+        on_latent_grid(masks, (60, 96))
 
 
 def test_a_mask_that_zeroes_the_left_half_zeroes_its_gradient_and_gives_the_masked_mse(tiny_set):

@@ -142,12 +142,19 @@ def load_mask(image_path: str, mask_path: str | None, bucket: tuple[int, int], f
 
 
 def on_latent_grid(masks: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
-    """Loss masks [B, 1, H/8, W/8] (load_mask's grid) area-averaged to a latent grid of `size` (h, w)
-    that a VAE with a larger downsampling gives (a 16x VAE: each element the mean of 2 x 2)."""
+    """Loss masks [B, 1, H/8, W/8] (load_mask's grid) on a latent grid of `size` (h, w): area-averaged to the
+    coarser grid a VAE with a larger downsampling gives (a 16x VAE: each element the mean of 2 x 2), repeated onto
+    a finer one (nearest: a pixel-space model's latents are the pixels, each mask element covers 8 x 8 of them)."""
     (mh, mw), (h, w) = masks.shape[-2:], size
+    if (mh, mw) == (h, w):
+        return masks
+    if h > mh or w > mw:
+        if h % mh or w % mw:
+            raise ValueError(f"loss masks of {mh} x {mw} do not repeat onto the {h} x {w} latent grid")
+        return masks.repeat_interleave(h // mh, dim=-2).repeat_interleave(w // mw, dim=-1)
     if mh % h or mw % w:
         raise ValueError(f"loss masks of {mh} x {mw} do not pool to the {h} x {w} latent grid")
-    return masks if (mh, mw) == (h, w) else F.avg_pool2d(masks, (mh // h, mw // w))
+    return F.avg_pool2d(masks, (mh // h, mw // w))
 
 
 def balance_reg_repeats(train_images: int, reg_items: list) -> dict[int, int]:

@@ -462,7 +462,8 @@ class DiffusionFamily:
         prior_loss_weight on regularization images); control: reference latents (edit families).
         Layered targets: latents [B, C, F, H/8, W/8] (pack_target). Returns the scalar float32 loss
         and the sigmas. A family whose VAE downsamples more (16x) gets the masks area-averaged to
-        its latent grid (they are cached on the 8-pixel grid: they broadcast nowhere else).
+        its latent grid, one without a VAE (pixels) repeated onto it (they are cached on the 8-pixel grid:
+        they broadcast nowhere else).
         preservation: a second prompt's term added to the loss (Preservation)."""
         lh, lw = latents.shape[-2:]
         if mask is not None:
