@@ -43,6 +43,18 @@ def test_every_family_spec_has_every_part_and_each_resolves(model_type):
     assert all(isinstance(k, ConfigKey) for k in spec.config_keys)
 
 
+@pytest.mark.parametrize("model_type", list(FAMILIES))
+def test_a_family_reads_a_vae_file_unless_its_wrapper_takes_the_pixels(model_type):
+    """vae_file (the config key `ae` required, its file keying the latent cache) is False exactly where the
+    family's VAE wrapper is the pixel pass-through, which reads no file: else a run asks for a file it never
+    reads, or loads a VAE from None."""
+    from library.models.family import family_class
+    from library.models.vae import PixelVAE
+
+    cls = family_class(model_type)
+    assert cls.vae_file != issubclass(load_symbol(cls.vae), PixelVAE), f"{model_type}: vae_file {cls.vae_file}"
+
+
 def _releases() -> dict[str, dict[str, str]]:
     """model_type -> {every release its family's model_version writes (ss_base_model_version): the
     modelspec.architecture its LoRAs carry}. The peers' strings (sd-scripts' and musubi-tuner's

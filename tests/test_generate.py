@@ -90,6 +90,8 @@ CASES = {
     "prompt_width_8": lambda tmp, tiny: (["--prompt", "a cat --w 8"], ["--prompt: width 8: expected at least 16 pixels"]),
     "device_cuda_without_cuda": lambda tmp, tiny: (["--device", "cuda"], ["--device cuda: CUDA is not available"]),
     "t5xxl_missing": lambda tmp, tiny: (["--t5xxl", None], ["--t5xxl is required for --model_type flux"]),
+    # the VAE file: required by every model type with one (a pixel-space one has none: test_pixel_space.py)
+    "ae_missing": lambda tmp, tiny: (["--ae", None], ["--ae is required for --model_type flux"]),
     "out_is_a_file": lambda tmp, tiny: out_is_a_file(tmp),
     # options the model type never reads: refused as the training config refuses its keys
     "negative_without_true_cfg": lambda tmp, tiny: (["--negative", "blurry"], [

@@ -377,6 +377,23 @@ def test_generate_passes_the_jobs_boolean_family_keys(tmp_path):
         assert build_parser().parse_args([str(a) for a in args]).reference_kv_cache is kv_cache
 
 
+def test_generate_passes_ae_only_where_the_job_has_one(tmp_path):
+    """A job of a model without a VAE file (pixel-space) has no `ae` key: the Generate button failed on it (a
+    KeyError), and passes no --ae (tools/generate.py refuses one there)."""
+    from library.ui.handlers import WebUI
+    from tools.generate import build_parser
+
+    (tmp_path / "data").mkdir()
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
+    base = {"model_type": "flux", "pretrained_model_name_or_path": "m.safetensors", "clip_l": "clip", "t5xxl": "t5",
+            "output_name": "lora"}
+    for given, expected in (({"ae": "ae.safetensors"}, "ae.safetensors"), ({}, None)):
+        job = ui.store.create("g", {**base, **given}, 10)
+        args, _ = ui._tool_args("generate", {"job_id": job.id, "prompt": "a cat", "width": 64, "steps": 2, "seed": 1,
+                                             "lora": None, "weight": 1.0})
+        assert build_parser().parse_args([str(a) for a in args]).ae == expected, args
+
+
 def test_generate_renders_as_the_job_trained(tmp_path):
     """Old: the Generate button passed --dtype fp32 (the form sends no dtype) and none of the job's memory
     settings: a full-size base trained in bf16 with blocks swapped drew in float32, every block resident."""

@@ -62,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model_type", required=True, choices=tuple(FAMILIES))
     p.add_argument("--model", required=True, help="transformer checkpoint (single file / diffusers folder / ComfyUI "
                                                    "file, fp8 and scaled fp8 ones used as they are)")
-    p.add_argument("--ae", required=True, help="VAE")
+    p.add_argument("--ae", help="VAE (required by every model type with a VAE file; one taking the pixels has none)")
     for key, arg in FAMILY_KEYS.items():  # each family's text encoder files and options, as in training configs
         kind = _true_or_false if arg.type is bool else arg.type  # bool("false") would be True
         p.add_argument(f"--{key}", type=kind, default=arg.default, help=arg.help)
@@ -129,9 +129,13 @@ from tools.lora_common import one_line, parse_lora_spec  # noqa: E402
 def check_args(args) -> torch.device:
     """Values that would fail (or mislead) only after the models are loaded, named first; returns
     the compute device."""
-    missing = [k for k in family_class(args.model_type).text_path_keys if getattr(args, k) is None]
+    cls = family_class(args.model_type)
+    missing = [k for k in cls.required_paths() if k != "pretrained_model_name_or_path" and getattr(args, k) is None]
     if missing:
         raise ValueError(f"--{missing[0]} is required for --model_type {args.model_type}")
+    for key, why in cls.unread_files().items():
+        if getattr(args, key) is not None:
+            raise ValueError(f"--{key} is not read: {why}")
     for key, readers in unread_family_keys(args.model_type).items():  # as the training config refuses them
         if getattr(args, key) != FAMILY_KEYS[key].default:
             raise ValueError(f"--{key} is read by {readers}, not by --model_type {args.model_type}")

@@ -152,6 +152,9 @@ class DiffusionFamily:
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
     cfg_above = 1.0  # a true-CFG family runs the negative prompt only where guidance > this (its pipeline's test)
     vae: str  # "module:Class" of its VAE wrapper (library/models/vae.py's kind: Class(path, dtype), built on meta too)
+    # Its VAE loads from a file, the config key `ae`. False: the wrapper reads none (vae.py's PixelVAE: a
+    # pixel-space model's); `ae` is then neither required nor taken (unread_files) and no file keys its latent cache
+    vae_file = True
     vae_downsample = 8
     patch = 2
     latent_channels = 16  # VAE latent channels: the latents are [B, latent_channels, H/8, W/8]
@@ -188,7 +191,15 @@ class DiffusionFamily:
     @classmethod
     def required_paths(cls) -> tuple[str, ...]:
         """Config keys naming the files training needs (checked before anything is loaded)."""
-        return ("pretrained_model_name_or_path", "ae") + cls.text_path_keys
+        return ("pretrained_model_name_or_path", *(("ae",) if cls.vae_file else ())) + cls.text_path_keys
+
+    @classmethod
+    def unread_files(cls) -> dict[str, str]:
+        """File keys this model never reads -> why: a training config (unread_training_keys) or a generate.py flag
+        that gives one is refused, not ignored."""
+        if cls.vae_file:
+            return {}
+        return {"ae": f"model_type {cls.name} takes the image's pixels and has no VAE file"}
 
     @classmethod
     def from_args(cls, args) -> "DiffusionFamily":
@@ -291,7 +302,7 @@ class DiffusionFamily:
                     read_weights=read_weights)
 
     def load_vae(self, dtype: torch.dtype = torch.float32):
-        """The family's VAE wrapper (`vae`) from vae_path, in `dtype`."""
+        """The family's VAE wrapper (`vae`) from vae_path (None without a file: vae_file), in `dtype`."""
         return load_symbol(self.vae)(self.vae_path, dtype)
 
     def load_text_encoder(self, precision: str = "bf16", device=None, **options):
@@ -394,10 +405,11 @@ class DiffusionFamily:
 
     def vae_on_meta(self):
         """load_vae's wrapper around the diffusers VAE built on meta from the config at vae_path (the
-        released VAE's without one): no weight is read (the memory planner)."""
+        released VAE's without one): no weight is read (the memory planner). A wrapper without a file holds no
+        weights: it is its own."""
         from library.models.vae import vae_on_meta
 
-        return vae_on_meta(load_symbol(self.vae), self.vae_path)
+        return vae_on_meta(load_symbol(self.vae), self.vae_path) if self.vae_file else self.load_vae()
 
     @classmethod
     def checkpoint_names(cls, keys: list[str], shape) -> CheckpointNames | None:
@@ -407,8 +419,9 @@ class DiffusionFamily:
         return None
 
     def latent_cache_key(self) -> str:
-        """Family + fingerprint of the VAE files (the preprocessing is hashed per image)."""
-        return f"{self.name}_{file_fingerprint(self.vae_path)}"
+        """Family + fingerprint of the VAE files (the preprocessing is hashed per image); without a file, the
+        wrapper's class name."""
+        return f"{self.name}_{file_fingerprint(self.vae_path) if self.vae_file else self.vae.rpartition(':')[2]}"
 
     def text_cache_key(self, options: dict, precision: str) -> str:
         """Family + fingerprint of the encoder files + every other input of the encoding: the
@@ -591,9 +604,10 @@ class DiffusionFamily:
     def unread_training_keys(self, args) -> dict[str, str]:
         """Training-config keys this model's training never reads with `args` -> why: set off their
         default, the run refuses them before caching (a loss or header that claims what was not done)."""
-        if self.reads_training_guidance():
-            return {}
-        return {"guidance_scale": f"model_type {self.name} has no guidance embedding to feed it to"}
+        unread = dict(self.unread_files())
+        if not self.reads_training_guidance():
+            unread["guidance_scale"] = f"model_type {self.name} has no guidance embedding to feed it to"
+        return unread
 
     def unread_sample_options(self) -> dict[str, str]:
         """Sampling options this model never reads ("negative", "guidance", "flow_shift") -> why, from the class and

@@ -272,11 +272,13 @@ def save_learned_transformer(model: torch.nn.Module, paths: dict[str, str], diff
                              save_diffusers=None, diffusers_folder: str = "transformer") -> None:
     """A learned base's transformer (a family's learned.py save_transformer): its state dict in bf16, as the releases
     ship, by `save_single(weights, path, config)` to the files' pretrained_model_name_or_path; with `diffusers` also
-    by `save_diffusers(weights, config, folder)` into diffusers/<diffusers_folder> beside the VAE file."""
+    by `save_diffusers(weights, config, folder)` into diffusers/<diffusers_folder> beside the VAE file (beside the
+    transformer's for a family without one)."""
     weights = {k: v.to(torch.bfloat16) for k, v in model.state_dict().items()}
     save_single(weights, paths["pretrained_model_name_or_path"], model.config)
     if diffusers:
-        save_diffusers(weights, model.config, os.path.join(os.path.dirname(paths["ae"]), "diffusers", diffusers_folder))
+        beside = paths.get("ae") or paths["pretrained_model_name_or_path"]
+        save_diffusers(weights, model.config, os.path.join(os.path.dirname(beside), "diffusers", diffusers_folder))
 
 
 def write_json(path: str, obj: dict):

@@ -6,7 +6,7 @@ packing (pure torch, no diffusers) is in library/models/latents.py.
 A wrapper takes images [B, 3, H, W] in [-1, 1] and returns normalised latents [B, C, H/8, W/8]
 (C = the VAE's latent channels) as float32, whatever dtype the VAE runs in (`dtype`, float32 by
 default, bfloat16 allowed); `decode` is the inverse. `vae` is the diffusers model, `latent_channels`
-its C.
+its C. A pixel-space model has no VAE and no file: PixelVAE passes the pixels through (C = 3, H x W).
 
 Encoding returns the mode (mean) of the latent distribution unless a `generator` is given, in which
 case it samples from it. Why the choice is offered: BFL's and sd-scripts' AutoEncoders sample
@@ -224,6 +224,35 @@ class KLVAE:
         z = latents.float() / self.scaling_factor + self.shift_factor  # float32, then VAE dtype
         images = self.vae.decode(z.to(self.dtype)).sample
         return images.float().clamp(-1, 1)
+
+
+# ----------------------------------------------------------------------------------------------
+# No VAE: a pixel-space model denoises the image's pixels
+
+
+class PixelVAE:
+    """The wrapper of a family whose transformer takes the pixels themselves (its `vae_file` is False, its
+    vae_downsample 1, latent_channels 3): encode gives the images [B, 3, H, W] in [-1, 1] as they are, float32
+    (no scale, no shift: a family that wants its pixels or noise scaled says so in pack_target / model_noise);
+    decode clamps them to [-1, 1], as the VAE wrappers' decodes do. Nothing is read and nothing is computed, so the
+    same wrapper serves on meta (the memory planner: 0 bytes of weights) and on a device. `vae` is an empty module:
+    callers move it, count its weights and tile its decode as any wrapper's."""
+
+    latent_channels = 3
+
+    def __init__(self, path: str | None = None, dtype: torch.dtype = torch.float32):
+        if path is not None:  # a config's `ae` (refused before as a key the model never reads)
+            raise CheckpointError(f"{path}: this model takes pixels and reads no VAE file; leave ae unset")
+        self.vae = torch.nn.Module()
+        self.dtype = dtype  # unused: the pixels stay float32
+
+    @torch.no_grad()
+    def encode(self, images: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
+        return images.float()  # nothing to sample: the generator is unused
+
+    @torch.no_grad()
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return latents.float().clamp(-1, 1)
 
 
 # BFL/LDM <-> diffusers names for AutoencoderKL, the reverse of diffusers' converter (used to write

@@ -48,7 +48,8 @@ SCHEMA: dict[str, Arg] = {
     # what to train
     "model_type": A(str, None, "model family", (*FAMILIES, "llm")),
     "pretrained_model_name_or_path": A(str, None, "base checkpoint: BFL/diffusers file or folder, HF LLM folder"),
-    "ae": A(str, None, "VAE: the family's single file (e.g. ae.safetensors) or a diffusers vae folder"),
+    "ae": A(str, None, "VAE: the family's single file (e.g. ae.safetensors) or a diffusers vae folder; none "
+                       "for a model that takes the pixels (refused there)"),
     **FAMILY_KEYS,  # each family's text encoder files and options (its spec's config_keys)
     "dataset_config": A(str, None, "dataset TOML (kohya schema)"),
     # output

@@ -17,7 +17,8 @@ from library.ui.jobs import JobError
 from library.ui.peer_configs import CONFIG_SUFFIXES
 
 LABELS = {
-    "model_type": "model type", "pretrained_model_name_or_path": "model file (transformer)", "ae": "VAE (ae)",
+    "model_type": "model type", "pretrained_model_name_or_path": "model file (transformer)",
+    "ae": "VAE (ae; none for a pixel-space model)",
     "dataset_config": "dataset TOML", "network_dim": "rank (network_dim)", "max_train_steps": "steps",
     "learning_rate": "learning rate", "optimizer_type": "optimizer", "base_precision": "base precision",
     "sample_prompts": "sample prompts file", "sample_every_n_steps": "sample every N steps",

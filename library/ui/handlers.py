@@ -643,7 +643,8 @@ class WebUI:
                                f"with a diffusion job's models (an LLM job's samples are in its log)")
             out = self.tool_output(f"generated-job{job.id}", "output")
             args = ["--model_type", config["model_type"], "--model", config["pretrained_model_name_or_path"],
-                    "--ae", config["ae"], "--prompt", v["prompt"], "--width", whole_number(v["width"], "size (px)"),
+                    *(["--ae", config["ae"]] if config.get("ae") else []),  # none for a model without a VAE file
+                    "--prompt", v["prompt"], "--width", whole_number(v["width"], "size (px)"),
                     "--height", whole_number(v["width"], "size (px)"), "--steps", whole_number(v["steps"], "steps"),
                     "--base_precision", base_precision_of(config), "--out", out,
                     *rendering_as_trained(config, job.device)]
