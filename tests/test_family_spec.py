@@ -89,6 +89,8 @@ def _releases() -> dict[str, dict[str, str]]:
         "sd3": {"sd3-medium": "stable-diffusion-3-medium/lora", "sd3.5-medium": "stable-diffusion-3-5-medium/lora",
                 "sd3.5-large": "stable-diffusion-3-5-large/lora"},  # sd-scripts' (ARCH_SD3_M + its model_type)
         "hidream": {r: "hidream-i1/lora" for r in ("hidream-i1-full", "hidream-i1-dev", "hidream-i1-fast")},  # ours
+        "hidream_o1": {"hidream-o1-full": "HiDream-O1-Image/lora",  # musubi-tuner
+                       "hidream-o1-dev": "HiDream-O1-Image/lora"},
     }
 
 

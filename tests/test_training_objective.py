@@ -211,9 +211,14 @@ def test_every_occurrence_in_a_step_gets_its_own_draw_and_steps_differ(tiny_set,
 # The training-noise hook (DiffusionFamily.model_noise)
 
 
-@pytest.mark.parametrize("model_type", list(FAMILIES))
+# the families whose models were trained on other noise than the standard normal draw (their own tests cover it)
+OWN_NOISE = ("hidream_o1",)
+
+
+@pytest.mark.parametrize("model_type", [t for t in FAMILIES if t not in OWN_NOISE])
 def test_every_familys_training_noise_is_the_draw_itself(model_type):
-    """model_noise is the identity for every registered family (the same tensor: its loss bit for bit as before)."""
+    """model_noise is the identity for every other registered family (the same tensor: its loss bit for bit as
+    before)."""
     cls = family_class(model_type)
     noise = torch.randn(2, 16, 4, 4)
     assert cls.model_noise(object.__new__(cls), noise, torch.tensor([0.2, 0.9])) is noise

@@ -47,6 +47,7 @@ FAMILIES = {
     "hunyuan_image": "library.models.hunyuan_image.family:HunyuanImageFamily",
     "sd3": "library.models.sd3.family:SD3Family",
     "hidream": "library.models.hidream.family:HiDreamFamily",
+    "hidream_o1": "library.models.hidream_o1.family:HiDreamO1Family",
 }
 
 # How the frozen base is stored (config base_precision): the compute dtype, fp8 (library/precision/fp8.py),

@@ -1,0 +1,225 @@
+"""HiDream-O1-Image (Full, Dev) as a diffusion family: a pixel-space model whose denoiser is a Qwen3-VL language
+model (model.py, loaded by checkpoint.py) reading the prompt's token ids (text_encoder.py: the ids are what is
+cached) and 32 x 32 pixel patches; no VAE (the pixel VAE: images as they are, [-1, 1]).
+
+Training follows musubi-tuner's hidream_o1_train_network.py (the release's recommended settings, its docs): the
+noisy input x_t = (1 - sigma) x0 + sigma s clip(n) with the release's noise scale s (Full 8.0, Dev 7.5) and clip
+(Full none, Dev 2.5 std: model_noise), sigma drawn uniformly (default_timestep_sampling), the model predicting x0:
+predict returns the velocity (x_t - x0_pred) / sigma, so `weighting_scheme = "sigma_sq"` (configs/hidream_o1.toml)
+is musubi-tuner's MSE on x0 and "none" ai-toolkit's velocity MSE.
+
+Sampling as the releases' pipelines: Full 50 steps of CFG 5.0 against " ", shift 3, from 8 x randn (Euler on the
+velocity; the pipeline's UniPC solver is not reproduced); Dev 28 steps on its fixed timesteps without guidance, the
+flash scheduler's re-noising step (x0_pred re-noised to the next sigma with fresh clipped noise). The release comes
+from `model_version`, else the model path's name (hidream_o1_image_dev_bf16.safetensors), else Full: the files
+of the two cannot be told apart.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from functools import cached_property
+
+import torch
+
+from library.models import flow_matching as fm
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
+from library.models.hidream_o1.spec import SPEC
+
+FULL, DEV = "hidream-o1-full", "hidream-o1-dev"
+# each release's training / sampling noise: (scale at sigma 1, scale at sigma 0, clip in noise stds or 0: none)
+NOISE = {FULL: (8.0, 8.0, 0.0), DEV: (7.5, 7.5, 2.5)}
+# Dev's pipeline timesteps (musubi-tuner's hidream_o1/pipeline.py DEFAULT_TIMESTEPS, the official inference.py's)
+DEV_TIMESTEPS = (999, 987, 974, 960, 945, 929, 913, 895, 877, 857, 836, 814, 790, 764, 737, 707, 675, 640, 602, 560,
+                 515, 464, 409, 347, 278, 199, 110, 8)
+SIGMA_FLOOR = 1e-3  # the pipelines' velocity (x_t - x0) / max(sigma, 1e-3)
+
+
+def release_in_name(path: str) -> str | None:
+    """The release a file or folder name says ("hidream_o1_image_dev_bf16.safetensors", "HiDream-O1-Image-Dev")."""
+    name = os.path.basename(os.path.normpath(path)).lower()
+    return DEV if re.search(r"(?<![a-z])dev(?![a-z])", name) else None
+
+
+def shaped_noise(noise: torch.Tensor, sigmas: torch.Tensor, start: float, end: float, clip: float) -> torch.Tensor:
+    """s(sigma) clip(n): n clamped to +-clip std of the whole tensor (clip 0: not clamped), scaled by
+    s = start + (end - start)(1 - sigma) (musubi-tuner's training noise, the flash scheduler's). float32."""
+    noise = noise.float()
+    if clip > 0:
+        bound = clip * noise.std().item()
+        noise = noise.clamp(-bound, bound)
+    scale = start + (end - start) * (1.0 - sigmas.float())
+    return noise * scale.reshape(-1, *([1] * (noise.dim() - 1)))
+
+
+class HiDreamO1Family(DiffusionFamily):
+    """HiDream-O1-Image: pixels in 32 px patches, the prompt's ids into the Qwen3-VL denoiser, CFG for Full."""
+
+    name = "hidream_o1"
+    vae = "library.models.vae:PixelVAE"  # no VAE: the pixels themselves, [-1, 1]
+    vae_file = False
+    vae_downsample = 1
+    patch = 32
+    latent_channels = 3
+    text_path_keys = ("tokenizer",)  # optional: the model folder's, or a tokenizer/ folder beside the file
+    true_cfg = True  # Full runs the " " negative prompt; Dev defaults to guidance 0 (none run)
+    cfg_above = 1.0
+
+    def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None,
+                 tokenizer: str | None = None):
+        super().__init__(model_path, vae_path, tokenizer=tokenizer)
+        if model_version is not None and model_version not in NOISE:
+            raise ValueError(f"model_version {model_version!r}: expected {FULL} or {DEV}")
+        self._version = model_version
+
+    @classmethod
+    def required_paths(cls) -> tuple[str, ...]:
+        return ("pretrained_model_name_or_path",)  # the tokenizer is found beside the model where not given
+
+    @classmethod
+    def from_args(cls, args) -> "HiDreamO1Family":
+        return cls(args.pretrained_model_name_or_path, None, getattr(args, "model_version", None),
+                   getattr(args, "tokenizer", None))
+
+    # -- the release ---------------------------------------------------------------------------
+    @cached_property
+    def version(self) -> str:
+        """model_version, else the release the model path's name says, else Full."""
+        return self._version or release_in_name(self.model_path) or FULL
+
+    def model_version(self, model) -> str:
+        return self.version
+
+    def lora_release_note(self, metadata: dict) -> str | None:
+        trained = metadata.get("ss_base_model_version")
+        guessed = self._version is None and release_in_name(self.model_path) is None
+        if not guessed or trained not in NOISE or trained == self.version:
+            return None
+        return self.other_release_note(trained, "a path naming no release is read as Full")
+
+    @property
+    def sample_guidance(self) -> float:
+        return SPEC.sample_guidance[self.version]
+
+    @property
+    def sample_steps(self) -> int:
+        return SPEC.sample_steps[self.version]
+
+    def default_timestep_sampling(self, model) -> str:
+        """sigma ~ U(0, 1): musubi-tuner's recommended draw (the paper's post-training)."""
+        return "uniform"
+
+    def inference_sampling(self):
+        """Dev's pipeline does not shift its fixed timesteps (shift 1: sample_latents runs them as they are)."""
+        import dataclasses
+
+        return dataclasses.replace(fm.sampling_of(self.arch), shift=1.0) if self.version == DEV else None
+
+    # -- files ---------------------------------------------------------------------------------
+    @cached_property
+    def tokenizer_folder(self) -> str:
+        from library.models.hidream_o1.text_encoder import hidream_o1_tokenizer_folder
+
+        return hidream_o1_tokenizer_folder(self.model_path, self.text_paths.get("tokenizer"))
+
+    def model_files(self) -> list[ModelFile]:
+        return []  # the transformer's own loader checks its keys; the tokenizer is checked as it loads
+
+    def text_widths(self, config) -> dict[str, int]:
+        return {}
+
+    def text_on_meta(self, model, batch, tokens):
+        return {"input_ids": torch.zeros(batch, tokens, dtype=torch.int64, device="meta"),
+                "length": torch.full((batch,), tokens, dtype=torch.int64, device="meta")}
+
+    @classmethod
+    def checkpoint_names(cls, keys, shape):
+        """Our names as they are (Comfy-Org's and the HF repo's files), or behind musubi-tuner's `diffusion_model.`;
+        ComfyUI's files without the root's `model.` are no prefix of ours (not merged into)."""
+        from library.models.hidream_o1.checkpoint import MARKER, OURS
+
+        for prefix in ("", "diffusion_model."):
+            if prefix + OURS + MARKER in keys:
+                return CheckpointNames("released", prefix)
+        return None
+
+    # -- text: the prompt's ids ----------------------------------------------------------------
+    def text_encoding_constants(self) -> dict:
+        from library.models.hidream_o1 import text_encoder as te
+
+        return {"template": "chat + boi + tms", "negative": te.NEGATIVE_PROMPT}
+
+    def text_cache_key(self, options: dict, precision: str) -> str:
+        """The ids depend on the tokenizer only (no encoder, no precision)."""
+        from library.models.family import file_fingerprint
+        from library.models.text_encoders import tokenizer_files
+
+        return f"{self.name}_{file_fingerprint(*tokenizer_files(self.tokenizer_folder))}"
+
+    def caption_token_limit(self, args):
+        from library.models.hidream_o1.text_encoder import hidream_o1_caption_token_limit
+
+        return hidream_o1_caption_token_limit(self.model_path, self.text_paths.get("tokenizer"))
+
+    def load_text_encoder(self, precision="bf16", device=None):
+        """encode(captions) -> per caption {"input_ids": int64 [T], "length": int64 []} (text_encoder.py)."""
+        from library.models.hidream_o1.text_encoder import load_hidream_o1_prompt_ids
+
+        return load_hidream_o1_prompt_ids(self.model_path, self.text_paths.get("tokenizer")).encode
+
+    def text_encoder_weights(self):
+        return []  # no text encoder: the ids enter the transformer
+
+    # -- the denoiser --------------------------------------------------------------------------
+    def pack_target(self, latents: torch.Tensor) -> torch.Tensor:
+        from library.models.latents import pack_latents
+
+        return pack_latents(latents, self.patch)
+
+    def unpack_target(self, tokens: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+        from library.models.latents import unpack_latents
+
+        return unpack_latents(tokens, shape[-2], shape[-1], self.patch)
+
+    def model_noise(self, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """The release's scaled (and for Dev clipped) noise (shaped_noise), as the model was trained on."""
+        return shaped_noise(noise, sigmas, *NOISE[self.version])
+
+    def predict(self, model, x_t, sigmas, text, h, w, guidance):
+        """x_t [B, h*w, 3072]: 32 px patches of the noisy pixels. The model predicts x0; returns the velocity
+        (x_t - x0) / sigma in float32 (sigma at least 1e-3, as the pipelines)."""
+        device = x_t.device
+        x0 = model(x_t, text["input_ids"].to(device), text["length"].to(device), sigmas, h, w)
+        floor = sigmas.float().clamp_min(SIGMA_FLOOR).reshape(-1, 1, 1)
+        return (x_t.float() - x0.float()) / floor
+
+    # -- sampling ------------------------------------------------------------------------------
+    def initial_noise(self, batch: int, lh: int, lw: int, generator: torch.Generator) -> torch.Tensor:
+        """The release's noise scale times randn (Full 8, Dev 7.5), the pipelines' starting point."""
+        start, _, _ = NOISE[self.version]
+        return start * torch.randn(batch, self.latent_channels, lh, lw, generator=generator, dtype=torch.float32)
+
+    @torch.no_grad()
+    def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None,
+                       flow_shift=None):
+        """Full: the base class's Euler on the velocity (shift 3). Dev at its 28 steps without --fs: the flash
+        scheduler on DEV_TIMESTEPS: x0 from the model, then re-noised to the next sigma with fresh clipped noise."""
+        if self.version != DEV or steps != len(DEV_TIMESTEPS) or flow_shift is not None:
+            return super().sample_latents(model, text, width, height, steps, seed, guidance, negative_text,
+                                          control, flow_shift)
+        h, w = height // self.patch, width // self.patch
+        batch, device = text["input_ids"].shape[0], text["input_ids"].device
+        gen = torch.Generator("cpu").manual_seed(seed)
+        x = self.initial_noise(batch, height, width, gen).to(device)
+        sigmas = [t / 1000 for t in DEV_TIMESTEPS] + [0.0]
+        start, end, clip = NOISE[DEV]
+        for k, (sigma, following) in enumerate(zip(sigmas[:-1], sigmas[1:])):
+            s = torch.full((batch,), sigma, device=device)
+            v = self.guided_velocity(model, self.pack_target(x), s, text, negative_text, h, w, guidance)
+            x0 = self.unpack_target(self.pack_target(x).float() - sigma * v, x.shape)
+            fresh = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(device)
+            scale = start + (end - start) * k / max(len(sigmas) - 2, 1)
+            x = following * shaped_noise(fresh, torch.zeros(batch), scale, scale, clip).to(device) \
+                + (1.0 - following) * x0
+        return x
