@@ -28,6 +28,7 @@ import os
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn as nn
@@ -661,6 +662,52 @@ class DiffusionFamily:
         """The release's own inference schedule (a spec Sampling) where it differs from the
         architecture's (one release of several with the same transformer); None: the architecture's."""
         return None
+
+
+class NamedReleases:
+    """A family's releases that share one file layout (no header tells them apart): the release is `model_version`,
+    else the one the model path's name says (release_in_name), else the first of `releases`; the spec's
+    sample_steps / sample_guidance are per release. Mixed into the family class before DiffusionFamily; its
+    __init__ calls set_release."""
+
+    releases: tuple[str, ...] = ()  # the model_version values; the first is the default
+
+    @staticmethod
+    def release_in_name(path: str) -> str | None:
+        """The release a file or folder name says, else None."""
+        raise NotImplementedError
+
+    def set_release(self, model_version: str | None) -> None:
+        if model_version is not None and model_version not in self.releases:
+            raise ValueError(f"model_version {model_version!r}: expected {', '.join(self.releases[:-1])} or "
+                             f"{self.releases[-1]}")
+        self._version = model_version
+
+    @cached_property
+    def version(self) -> str:
+        """model_version, else the release the model path's name says, else the first release."""
+        return self._version or self.release_in_name(self.model_path) or self.releases[0]
+
+    def model_version(self, model) -> str:
+        return self.version
+
+    def lora_release_note(self, metadata: dict) -> str | None:
+        """Where the release was guessed (no model_version, a path naming none) and the LoRA says another."""
+        trained = metadata.get("ss_base_model_version")
+        guessed = self._version is None and self.release_in_name(self.model_path) is None
+        if not guessed or trained not in self.releases or trained == self.version:
+            return None
+        return self.other_release_note(trained, f"a path naming no release is read as {self.releases[0]}")
+
+    @property
+    def sample_guidance(self) -> float:
+        """The release's default --g (the spec's sample_guidance)."""
+        return spec_of(self.name).sample_guidance[self.version]
+
+    @property
+    def sample_steps(self) -> int:
+        """The release's default --s (the spec's sample_steps)."""
+        return spec_of(self.name).sample_steps[self.version]
 
 
 # how a prompt sets each option: a line's flag (generate.py's option), a .json / .toml prompt object's key

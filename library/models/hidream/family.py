@@ -18,12 +18,10 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-from functools import cached_property
 
 import torch
 
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
-from library.models.hidream.spec import SPEC
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, NamedReleases
 
 FULL, DEV, FAST = "hidream-i1-full", "hidream-i1-dev", "hidream-i1-fast"
 VERSION_SHIFT = {FULL: 3.0, DEV: 6.0, FAST: 3.0}  # each release's scheduler shift (flow_shift / shift)
@@ -36,7 +34,7 @@ def release_in_name(path: str) -> str | None:
     return f"hidream-i1-{found[-1]}" if found else None
 
 
-class HiDreamFamily(DiffusionFamily):
+class HiDreamFamily(NamedReleases, DiffusionFamily):
     """HiDream-I1: the released names, FLUX.1's VAE, CLIP-L + CLIP-G + T5-XXL + Llama-3.1 text, CFG for Full."""
 
     name = "hidream"
@@ -47,45 +45,19 @@ class HiDreamFamily(DiffusionFamily):
     # CLIP-L resident; CLIP-G, T5-XXL and Llama take turns on a card that cannot hold the four together (14.8 GiB in
     # fp8_scaled; 7.9 taking turns): HiDreamTextEncoder.place
     text_encoders_take_turns = True
+    releases = (FULL, DEV, FAST)
+    release_in_name = staticmethod(release_in_name)
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
-        if model_version is not None and model_version not in VERSION_SHIFT:
-            raise ValueError(f"model_version {model_version!r}: expected {FULL}, {DEV} or {FAST}")
-        self._version = model_version
+        self.set_release(model_version)
 
     @classmethod
     def from_args(cls, args) -> "HiDreamFamily":
         return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
                    **{k: getattr(args, k) for k in cls.text_path_keys})
 
-    # -- the release ---------------------------------------------------------------------------
-    @cached_property
-    def version(self) -> str:
-        """model_version, else the release the model path's name says, else Full."""
-        return self._version or release_in_name(self.model_path) or FULL
-
-    def model_version(self, model) -> str:
-        return self.version
-
-    def lora_release_note(self, metadata: dict) -> str | None:
-        """Where the release was guessed (no model_version, a path naming none) and the LoRA says another."""
-        trained = metadata.get("ss_base_model_version")
-        guessed = self._version is None and release_in_name(self.model_path) is None
-        if not guessed or trained not in VERSION_SHIFT or trained == self.version:
-            return None
-        return self.other_release_note(trained, "a path naming no release is read as Full")
-
-    @property
-    def sample_guidance(self) -> float:
-        """The release's default --g: Full 5.0 (CFG with the negative prompt), Dev and Fast 0 (none)."""
-        return SPEC.sample_guidance[self.version]
-
-    @property
-    def sample_steps(self) -> int:
-        """The release's default --s: Full 50, Dev 28, Fast 16."""
-        return SPEC.sample_steps[self.version]
-
+    # -- the release (NamedReleases: model_version, else the path's name, else Full) ----------------
     def inference_sampling(self):
         """The spec's constant shift is Full's and Fast's (3.0); Dev's scheduler shifts by 6.0."""
         from library.models.flow_matching import sampling_of

@@ -24,8 +24,7 @@ from functools import cached_property
 import torch
 
 from library.models import flow_matching as fm
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
-from library.models.hidream_o1.spec import SPEC
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, NamedReleases
 
 FULL, DEV = "hidream-o1-full", "hidream-o1-dev"
 # each release's training / sampling noise: (scale at sigma 1, scale at sigma 0, clip in noise stds or 0: none)
@@ -53,7 +52,7 @@ def shaped_noise(noise: torch.Tensor, sigmas: torch.Tensor, start: float, end: f
     return noise * scale.reshape(-1, *([1] * (noise.dim() - 1)))
 
 
-class HiDreamO1Family(DiffusionFamily):
+class HiDreamO1Family(NamedReleases, DiffusionFamily):
     """HiDream-O1-Image: pixels in 32 px patches, the prompt's ids into the Qwen3-VL denoiser, CFG for Full."""
 
     name = "hidream_o1"
@@ -65,13 +64,13 @@ class HiDreamO1Family(DiffusionFamily):
     text_path_keys = ("tokenizer",)  # optional: the model folder's, or a tokenizer/ folder beside the file
     true_cfg = True  # Full runs the " " negative prompt; Dev defaults to guidance 0 (none run)
     cfg_above = 1.0
+    releases = (FULL, DEV)
+    release_in_name = staticmethod(release_in_name)
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None,
                  tokenizer: str | None = None):
         super().__init__(model_path, vae_path, tokenizer=tokenizer)
-        if model_version is not None and model_version not in NOISE:
-            raise ValueError(f"model_version {model_version!r}: expected {FULL} or {DEV}")
-        self._version = model_version
+        self.set_release(model_version)
 
     @classmethod
     def required_paths(cls) -> tuple[str, ...]:
@@ -82,30 +81,7 @@ class HiDreamO1Family(DiffusionFamily):
         return cls(args.pretrained_model_name_or_path, None, getattr(args, "model_version", None),
                    getattr(args, "tokenizer", None))
 
-    # -- the release ---------------------------------------------------------------------------
-    @cached_property
-    def version(self) -> str:
-        """model_version, else the release the model path's name says, else Full."""
-        return self._version or release_in_name(self.model_path) or FULL
-
-    def model_version(self, model) -> str:
-        return self.version
-
-    def lora_release_note(self, metadata: dict) -> str | None:
-        trained = metadata.get("ss_base_model_version")
-        guessed = self._version is None and release_in_name(self.model_path) is None
-        if not guessed or trained not in NOISE or trained == self.version:
-            return None
-        return self.other_release_note(trained, "a path naming no release is read as Full")
-
-    @property
-    def sample_guidance(self) -> float:
-        return SPEC.sample_guidance[self.version]
-
-    @property
-    def sample_steps(self) -> int:
-        return SPEC.sample_steps[self.version]
-
+    # -- the release (NamedReleases: model_version, else the path's name, else Full) ----------------
     def default_timestep_sampling(self, model) -> str:
         """sigma ~ U(0, 1): musubi-tuner's recommended draw (the paper's post-training)."""
         return "uniform"
