@@ -150,3 +150,6 @@ def test_the_planner_steps_hidream_o1_on_meta(tiny):
     args = plan_memory.default_args("hidream_o1")
     small, large = (memory_plan.training_plan(family, args, side, side, 1, 16) for side in (64, 128))
     assert 0 < small.activations < large.activations
+    # the released config on meta (--preset hidream-o1): its release is the preset's (no path to read it from)
+    preset = plan_memory.PresetFamily("hidream-o1")
+    assert preset.version == FULL and memory_plan.training_plan(preset, args, 64, 64, 1, 16).activations > 0
