@@ -62,8 +62,10 @@ def test_pack_unpack_match_diffusers_flux_and_qwen_pipelines():
 
 
 def test_pack_latents_rejects_odd_latent_size():
-    with pytest.raises(ValueError, match="even"):
+    with pytest.raises(ValueError, match="multiples of 2, got 5x8"):
         pack_latents(torch.zeros(1, 16, 5, 8))
+    with pytest.raises(ValueError, match="multiples of 32, got 64x48"):
+        pack_latents(torch.zeros(1, 3, 64, 48), 32)
     with pytest.raises(ValueError, match="do not fit"):
         unpack_latents(torch.zeros(1, 12, 64), 4, 4)
 
