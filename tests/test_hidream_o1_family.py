@@ -48,8 +48,8 @@ def test_hidream_o1_lora_trains_saves_and_samples_in_musubis_names(trained):
     names = {k.split(".")[0] for k in load_file(trained / "o1.safetensors")}
     # musubi-tuner's text-to-image targets: 2 layers x (q, k, v, o, gate, up, down), proj1, proj2, the final layer
     assert {"lora_unet_model_language_model_layers_0_self_attn_q_proj",
-            "lora_unet_model_language_model_layers_1_mlp_down_proj", "lora_unet_model_x_embedder_proj1", "lora_unet_model_x_embedder_proj2",
-            "lora_unet_model_final_layer2_linear"} <= names
+            "lora_unet_model_language_model_layers_1_mlp_down_proj", "lora_unet_model_x_embedder_proj1",
+            "lora_unet_model_x_embedder_proj2", "lora_unet_model_final_layer2_linear"} <= names
     assert len(names) == 2 * 7 + 3
     with safe_open(str(trained / "o1.safetensors"), "pt") as f:
         meta = f.metadata()
@@ -153,3 +153,14 @@ def test_the_planner_steps_hidream_o1_on_meta(tiny):
     # the released config on meta (--preset hidream-o1): its release is the preset's (no path to read it from)
     preset = plan_memory.PresetFamily("hidream-o1")
     assert preset.version == FULL and memory_plan.training_plan(preset, args, 64, 64, 1, 16).activations > 0
+
+
+def test_the_caption_cache_is_keyed_by_the_tokenizer_and_template_not_a_precision(tiny, monkeypatch):
+    """The ids depend on the tokenizer's files (found beside the model) and the template (text_encoding_constants):
+    another template re-encodes, another text_encoder_precision does not."""
+    family = HiDreamO1Family(tiny["hidream_o1"])
+    key = family.text_cache_key({}, "bf16")
+    assert family.text_cache_key({}, "fp8") == key
+    assert any(f.endswith("tokenizer_config.json") for f in family.text_files())
+    monkeypatch.setattr(HiDreamO1Family, "text_encoding_constants", lambda self: {"template": "another"})
+    assert family.text_cache_key({}, "bf16") != key

@@ -427,18 +427,22 @@ class DiffusionFamily:
     def text_cache_key(self, options: dict, precision: str) -> str:
         """Family + fingerprint of the encoder files + every other input of the encoding: the
         text_options (token lengths, encoder precision, ...), the dtype the encoders run in and
-        the family's fixed prompt handling (text_encoding_constants), and the tokenizer files (a single
-        encoder file's tokenizer lies beside it, and a folder's spiece.model is no .json). Change any,
-        re-encode."""
-        from library.models.text_encoders import tokenizer_files
-
+        the family's fixed prompt handling (text_encoding_constants), and the tokenizer files (text_files).
+        Change any, re-encode."""
         settings = (sorted(options.items()), str(precision), sorted(self.text_encoding_constants().items()))
         if precision == "fp16" and "t5_max_length" in options:  # a T5 family's: its fp16 caches before
             settings += ("t5 wo float32",)  # 2026-11-27 ran wo in the file's fp16 / bf16 (load_t5): encoded anew
         digest = hashlib.sha256(repr(settings).encode()).hexdigest()[:8]  # apart: a constant named as an option hid it
+        return f"{self.name}_{file_fingerprint(*self.text_files())}_{digest}"
+
+    def text_files(self) -> list[str]:
+        """The files the prompt encoding reads (text_cache_key fingerprints them): the text encoder paths, then the
+        tokenizer files in or beside them (a single encoder file's tokenizer lies beside it, and a folder's
+        spiece.model is no .json)."""
+        from library.models.text_encoders import tokenizer_files
+
         paths = [p for p in self.text_paths.values() if p]
-        tokenizers = sorted({f for p in paths if os.path.exists(p) for f in tokenizer_files(p)})
-        return f"{self.name}_{file_fingerprint(*paths, *tokenizers)}_{digest}"
+        return [*paths, *sorted({f for p in paths if os.path.exists(p) for f in tokenizer_files(p)})]
 
     def text_encoding_constants(self) -> dict:
         """Fixed inputs of the prompt encoding (templates, dropped tokens, maximum lengths)."""

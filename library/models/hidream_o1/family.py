@@ -127,11 +127,14 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
         return {"template": "chat + boi + tms", "negative": te.NEGATIVE_PROMPT}
 
     def text_cache_key(self, options: dict, precision: str) -> str:
-        """The ids depend on the tokenizer only (no encoder, no precision)."""
-        from library.models.family import file_fingerprint
+        """The ids depend on the tokenizer and the template (text_encoding_constants), not on a precision."""
+        return super().text_cache_key(options, "ids")
+
+    def text_files(self) -> list[str]:
+        """The tokenizer's files (the folder found beside the model where no `tokenizer` is given)."""
         from library.models.text_encoders import tokenizer_files
 
-        return f"{self.name}_{file_fingerprint(*tokenizer_files(self.tokenizer_folder))}"
+        return tokenizer_files(self.tokenizer_folder)
 
     def caption_token_limit(self, args):
         from library.models.hidream_o1.text_encoder import hidream_o1_caption_token_limit
