@@ -298,9 +298,9 @@ def test_text_encoders_take_turns_on_a_card_that_cannot_hold_them(tiny_set, tmp_
     assert encoder.clip_g.model.text_model.embeddings.token_embedding.weight.numel() == 0
     assert encoder.clip_l.model.text_model.embeddings.token_embedding.weight.numel() > 0
 
-    all_of, turns = (memory_plan.text_encoder_bytes(family, "fp32", taking) for taking in (False, True))
+    all_of, turns = memory_plan.text_encoder_bytes(family, "fp32")
     card = (all_of + turns) / 2 / 0.95 + memory_plan.CUDA_CONTEXT_BYTES  # usable between the two
-    assert [memory_plan.text_encoders_one_at_a_time(family, "fp32", c) for c in (card, 2 * card, None)] == [
+    assert [memory_plan.text_encoders_one_at_a_time(family, all_of, c) for c in (card, 2 * card, None)] == [
         True, False, False]
     planned = plan_memory.default_args("hidream")
     planned.text_encoder_precision = "fp32"

@@ -433,34 +433,36 @@ def caching_phase(family, args, width: int, height: int, references: int = 0,
     precision = args.text_encoder_precision
     # Weights as each loader keeps them in this precision (its fp8 Linears, what it keeps float32 in fp16); the
     # encoders' activations at batch 8 (a few hundred MB at most) are left out: the weights dominate by 20x.
-    if text_encoders_one_at_a_time(family, precision, card_bytes):
-        phase.parts[f"text encoders ({precision}, one at a time)"] = text_encoder_bytes(family, precision, True)
+    together, turns = text_encoder_bytes(family, precision)
+    if text_encoders_one_at_a_time(family, together, card_bytes):
+        phase.parts[f"text encoders ({precision}, one at a time)"] = turns
     else:
-        phase.parts[f"text encoders ({precision})"] = text_encoder_bytes(family, precision)
+        phase.parts[f"text encoders ({precision})"] = together
     phase.peak = max(phase.parts.values())
     return phase
 
 
-def text_encoder_bytes(family, precision: str, one_at_a_time: bool = False) -> int:
-    """The text encoders' weights on the device at once (as their loaders keep them in `precision`): all of them,
-    or, one_at_a_time, the first (it stays) with the largest other."""
+def text_encoder_bytes(family, precision: str) -> tuple[int, int]:
+    """The text encoders' weights on the device at once, as their loaders keep them in `precision` (one read of
+    their headers): (all of them together, taking turns: the first, which stays, with the largest other)."""
     weights = [w.bytes(precision) for w in family.text_encoder_weights()]
-    return weights[0] + max(weights[1:]) if one_at_a_time else sum(weights)
+    together = sum(weights)
+    return together, (weights[0] + max(weights[1:]) if len(weights) > 1 else together)
 
 
-def text_encoders_one_at_a_time(family, precision: str, card_bytes: int | None) -> bool:
+def text_encoders_one_at_a_time(family, together: int, card_bytes: int | None) -> bool:
     """Whether the text encoders take turns on this card (None: no card, the CPU): where the family's can
-    (text_encoders_take_turns) and together they are over what a plan may use (usable_bytes)."""
-    if card_bytes is None or not family.text_encoders_take_turns:
-        return False
-    return text_encoder_bytes(family, precision) > usable_bytes(card_bytes)
+    (text_encoders_take_turns) and `together` (text_encoder_bytes') is over what a plan may use (usable_bytes)."""
+    return card_bytes is not None and family.text_encoders_take_turns and together > usable_bytes(card_bytes)
 
 
 def text_encoder_turns(family, precision: str, card_bytes: int | None) -> str | None:
     """The line train_lora.py says where the text encoders take turns on this card, else None."""
-    if not text_encoders_one_at_a_time(family, precision, card_bytes):
+    if card_bytes is None or not family.text_encoders_take_turns:  # no header read where none can take turns
         return None
-    together, turns = (text_encoder_bytes(family, precision, taking) for taking in (False, True))
+    together, turns = text_encoder_bytes(family, precision)
+    if not text_encoders_one_at_a_time(family, together, card_bytes):
+        return None
     return (f"text encoders ({precision}): {together / GiB:.2f} GiB together, over the card's usable "
             f"{usable_bytes(card_bytes) / GiB:.1f}; they take turns on it ({turns / GiB:.2f} GiB at most, each "
             f"copied in once per batch of text_encoder_batch_size captions)")
