@@ -11,7 +11,8 @@ The order a loader goes in: the file opened (open_transformer: the dtype checked
 the reader), the file's prefix (marked_prefix), the config it states (diffusers_config_json, then stated_config; a
 `config=` given wins, but a foreign config.json is refused all the same), the model built on `meta` and every key
 and shape checked against the header (the family's, as its names differ), then fill_meta_model: the weights
-streamed in (or the meta model cast, for the memory planner). A family's inference of its config from the shapes counts its blocks with block_count.
+streamed in (or the meta model cast, for the memory planner). A family's inference of its config from the shapes
+counts its blocks with block_count.
 """
 
 from __future__ import annotations

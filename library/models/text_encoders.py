@@ -17,6 +17,7 @@ config.json beside it, or the built-in full-size config; its tokenizer from a fo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 
@@ -131,13 +132,23 @@ class OneAtATime:
         return self.swap.held(index)
 
 
-def place_text_encoders(models: list[torch.nn.Module], device, one_at_a_time: bool) -> OneAtATime | None:
-    """Every encoder on `device`, or, one_at_a_time, OneAtATime's placement (returned: encode in its stages)."""
+class Resident:
+    """Text encoders resident together (where they were loaded or placed): every stage is already there."""
+
+    def stage(self, index: int):
+        return contextlib.nullcontext()
+
+
+RESIDENT = Resident()
+
+
+def place_text_encoders(models: list[torch.nn.Module], device, one_at_a_time: bool) -> OneAtATime | Resident:
+    """Every encoder on `device` (RESIDENT), or, one_at_a_time, OneAtATime's placement; encode in its stages."""
     if one_at_a_time and len(models) > 1:
         return OneAtATime(models, device)
     for model in models:
         model.to(device)
-    return None
+    return RESIDENT
 
 
 # ----------------------------------------------------------------------------------------------

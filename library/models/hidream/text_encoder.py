@@ -55,7 +55,6 @@ loaded here (all 32 layers, the final norm, no head): 7,504,924,672 (fp8: 6,979,
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
 
@@ -68,7 +67,9 @@ from library.models.sd3.text_encoder import (
     CLIP_G_FILES, CLIP_L_FILES, T5_FILES, EncoderFiles, load_sd3_t5, resolve_encoder,
 )
 from library.models.spec import TextWeights
-from library.models.text_encoders import CLIPPenultimateEncoder, T5TextEncoder, place_text_encoders, tokenizer_folder
+from library.models.text_encoders import (
+    RESIDENT, CLIPPenultimateEncoder, T5TextEncoder, place_text_encoders, tokenizer_folder,
+)
 
 HIDREAM_MAX_LENGTH = 128  # the pipeline's max_sequence_length default (ai-toolkit's and ComfyUI's T5 / Llama length)
 CLIP_LENGTH_CAP = 218  # _get_clip_prompt_embeds: max_length = min(max_sequence_length, 218)
@@ -99,7 +100,7 @@ class HiDreamTextEncoder:
         self.clip_l, self.clip_g, self.t5 = clip_l, clip_g, t5
         self.llama, self.llama_tokenizer = llama.eval().requires_grad_(False), llama_tokenizer
         self.max_length = max_length
-        self.placement = None  # text_encoders.OneAtATime where the encoders take turns on the device (place)
+        self.placement = RESIDENT  # text_encoders.OneAtATime where the encoders take turns on the device (place)
 
     @property
     def models(self) -> list[torch.nn.Module]:
@@ -110,9 +111,6 @@ class HiDreamTextEncoder:
         (HiDreamFamily.text_encoders_take_turns; text_encoder_weights' order)."""
         self.placement = place_text_encoders(self.models, device, one_at_a_time)
 
-    def _stage(self, group: int):
-        return self.placement.stage(group) if self.placement else contextlib.nullcontext()
-
     @property
     def llama_layers(self) -> int:
         return self.llama.config.num_layers
@@ -121,7 +119,7 @@ class HiDreamTextEncoder:
         """[B, P_l + P_g] float32: each CLIP's text_embeds at clip_token_length tokens, joined."""
         parts = []
         for stage, encoder in enumerate((self.clip_l, self.clip_g)):
-            with self._stage(stage):
+            with self.placement.stage(stage):
                 positions = encoder.model.config.max_position_embeddings
                 parts.append(encoder.pooled(captions, clip_token_length(self.max_length, positions)))
         return torch.cat(parts, dim=-1)
@@ -150,9 +148,9 @@ class HiDreamTextEncoder:
 
     def encode(self, captions: list[str]) -> list[dict[str, torch.Tensor]]:
         pooled = self.pooled(captions)  # stages 0 and 1
-        with self._stage(2):
+        with self.placement.stage(2):
             t5 = self.t5_states(captions)
-        with self._stage(3):
+        with self.placement.stage(3):
             llama = self.llama_states(captions)
         return [{"t5": t5[i], "llama": llama[:, i], "pooled": pooled[i]} for i in range(len(captions))]
 

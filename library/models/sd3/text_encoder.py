@@ -48,7 +48,6 @@ elements under fp8_scaled, the 24 `wo` bf16; fp16: the `wo`, 1,006,632,960, floa
 
 from __future__ import annotations
 
-import contextlib
 import os
 
 import torch
@@ -56,7 +55,7 @@ import torch
 from library.io import CheckpointError, CheckpointReader, component_folder, read_json_file
 from library.models.spec import TextWeights
 from library.models.text_encoders import (
-    CLIP_G_CONFIG, CLIP_L_CONFIG, CLIP_MAX_LENGTH, T5_XXL_CONFIG, CLIPPenultimateEncoder, T5TextEncoder,
+    CLIP_G_CONFIG, CLIP_L_CONFIG, CLIP_MAX_LENGTH, RESIDENT, T5_XXL_CONFIG, CLIPPenultimateEncoder, T5TextEncoder,
     bundled_prefix, clip_with_projection_weights, load_clip_with_projection, load_t5, place_text_encoders,
     t5_text_weights, tokenizer_folder,
 )
@@ -154,7 +153,7 @@ class SD3TextEncoder:
                  t5_max_length: int = T5_MAX_LENGTH, context_width: int = CONTEXT_WIDTH):
         self.clip_l, self.clip_g, self.t5 = clip_l, clip_g, t5
         self.t5_max_length, self.context_width = t5_max_length, context_width
-        self.placement = None  # text_encoders.OneAtATime where the encoders take turns on the device (place)
+        self.placement = RESIDENT  # text_encoders.OneAtATime where the encoders take turns on the device (place)
 
     @property
     def models(self) -> list[torch.nn.Module]:
@@ -165,17 +164,14 @@ class SD3TextEncoder:
         (SD3Family.text_encoders_take_turns; text_encoder_weights' order)."""
         self.placement = place_text_encoders(self.models, device, one_at_a_time)
 
-    def _stage(self, index: int):
-        return self.placement.stage(index) if self.placement else contextlib.nullcontext()
-
     def encode_batch(self, captions: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """(context [B, 77 + L, W], pooled [B, Dl + Dg]), both float32 (each encoder's output widened from its
         weights' dtype before the join: the values are those of the pipeline's join in that dtype)."""
         l_hidden, l_pooled = self.clip_l.encode(captions)  # [B, 77, Dl], [B, Dl]
-        with self._stage(1):
+        with self.placement.stage(1):
             g_hidden, g_pooled = self.clip_g.encode(captions)  # [B, 77, Dg], [B, Dg]
         if self.t5 is not None:
-            with self._stage(2):
+            with self.placement.stage(2):
                 t5 = self.t5.encode(captions, self.t5_max_length)  # [B, L, W]
         else:
             t5 = l_hidden.new_zeros(len(captions), self.t5_max_length, self.context_width)
