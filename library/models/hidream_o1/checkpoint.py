@@ -29,8 +29,8 @@ from typing import Callable
 
 import torch
 
-from library.io import CheckpointError, CheckpointReader, check_keys_and_shapes, metadata_config, read_json_file, \
-    save_with_config, state_and_config
+from library.io import CheckpointError, CheckpointReader, RowSplitView, check_keys_and_shapes, metadata_config, \
+    read_json_file, save_with_config, state_and_config
 from library.models.checkpoint_files import block_count, fill_meta_model, marked_prefix, open_transformer, \
     spec_fp8_rules
 from library.models.hidream_o1.model import HIDREAM_O1, HiDreamO1, HiDreamO1Config, released_mrope_sections
@@ -66,42 +66,16 @@ def model_key(file_key: str, prefix: str) -> str | None:
     return file_key if "." not in file_key else None
 
 
-class ModelNamesReader:
+class ModelNamesReader(RowSplitView):
     """A checkpoint's HiDream-O1 tensors named as our modules (model_key), the rest unseen: what the key check, the
-    stored-layout readers (fp8 scales looked up by module name) and load_streaming read. The metadata is the file's."""
+    stored-layout readers (fp8 scales looked up by module name) and load_streaming read (io.RowSplitView's renaming,
+    no tensor split). The metadata is the file's."""
+
+    parts, part_names = 1, "whole tensors"
 
     def __init__(self, reader: CheckpointReader, prefix: str):
-        self.reader, self.prefix, self.path, self.files = reader, prefix, reader.path, reader.files
-        self.metadata = reader.metadata
-        self._file_key = {name: k for k in reader.keys() if (name := model_key(k, prefix)) is not None}
-
-    def keys(self) -> list[str]:
-        return list(self._file_key)
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._file_key
-
-    def shape(self, key: str) -> tuple[int, ...]:
-        return self.reader.shape(self._file_key[key])
-
-    def file_of(self, key: str) -> str:
-        return self.reader.file_of(self._file_key[key])
-
-    def dtype_name(self, key: str) -> str:
-        return self.reader.dtype_name(self._file_key[key])
-
-    def numel(self, keys=None) -> int:
-        return sum(math.prod(self.shape(k)) for k in (self.keys() if keys is None else keys))
-
-    def is_block_quantized(self, key: str) -> bool:
-        return self.reader.is_block_quantized(self._file_key[key])
-
-    def get(self, key: str, mapped: bool = False) -> torch.Tensor:
-        return self.reader.get(self._file_key[key], mapped)
-
-    def items(self):
-        for k in self.keys():
-            yield k, self.get(k)
+        super().__init__(reader)
+        self.sources = {name: (k, None) for k in reader.keys() if (name := model_key(k, prefix)) is not None}
 
 
 def skipped_keys(path: str) -> list[str]:
