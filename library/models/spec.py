@@ -368,6 +368,17 @@ class PeerDraw:
 
 
 @dataclass(frozen=True)
+class PeerFixed:
+    """A peer's own option for this family's models (musubi-tuner's script argument, ai-toolkit's model_kwargs entry)
+    that ours reads at one value: given at it, dropped; given otherwise, not carried (with `why` for both)."""
+    why: str
+    # the value ours trains at; a dict: per release (our model_version -> value); None: none (ours reads nothing of
+    # it, whatever it is: dropped)
+    ours: object = None
+    peer_default: object = None  # the peer's value where the option is left out (None: ours' at each release)
+
+
+@dataclass(frozen=True)
 class PeerSampleCfg:
     """How a peer's samples read a prompt line's --l on this model where ours reads it otherwise: the peer runs
     standard CFG (uncond + l (cond - uncond)) only above l = 1, and only with a --n where needs_negative; its l is
@@ -400,8 +411,11 @@ class MusubiModels:
     script: str  # its training script ("<name>_train_network.py")
     lora_module: str  # its LoRA module ("networks.lora_<name>")
     model_type: str  # our model_type its script and module train (without a version key)
-    # its model_version values -> our keys (model_type, and model_version where ours has one)
+    # its version key's values -> our keys (model_type, and model_version where ours has one)
     versions: dict[str, dict[str, str]] = field(default_factory=dict)
+    version_key: str = "model_version"  # its script's argument that names the version
+    # its script's version where the key is left out, written as ours' model_version ("": ours decides, as there)
+    default_version: str = ""
     # its version switches (edit_plus = true) -> the model_version value each stands for, in the order it reads them
     version_switches: dict[str, str] = field(default_factory=dict)
     versions_unread: str = ""  # why a version without our model_version is left to ours ("" : model_type says it)
@@ -417,6 +431,12 @@ class MusubiModels:
     swap_scale: int = 1
     draws: dict[str, PeerDraw] = field(default_factory=dict)  # its timestep_sampling values that are this model's
     default_draw: str = "sigma"  # its script's timestep_sampling default
+    # why other models' resolution-shift draws (another spec's `draws`) do not carry to this one ("": each by its
+    # PeerDraw, on a token layout like theirs)
+    other_draws: str = ""
+    # its weighting_scheme values its script takes -> ours (empty: every value, as ours reads it), with why
+    weighting: dict[str, str] = field(default_factory=dict)
+    weighting_note: str = ""
     token_grid: bool = False  # its latents are the token grid (else a 2x2 patch of them is one token)
     logsnr_draws: tuple[str, ...] = ()  # its logSNR-normal draws named after this model (ours has none)
     lora_args: tuple[PeerLoRAArg, ...] = ()
@@ -514,8 +534,12 @@ class ArchSpec:
     # trains is a line here, not in the peer.
     peer_models: dict[str, dict[str, dict[str, str]] | MusubiModels | SdScriptsModels] = field(default_factory=dict)
     # peer -> the bucket step (px) it trains this folder's models at whatever its config says (ai-toolkit: the
-    # model's get_bucket_divisibility, which replaces a dataset's bucket_tolerance)
+    # model's get_bucket_divisibility, which replaces a dataset's bucket_tolerance; musubi-tuner: its
+    # BucketSelector's step for the model, 16 where a spec gives none)
     peer_bucket_steps: dict[str, int] = field(default_factory=dict)
+    # peer -> {its own option for these models (musubi-tuner's script argument; ai-toolkit's
+    # "model.model_kwargs.<name>"): the value ours reads it at (PeerFixed)}
+    peer_options: dict[str, dict[str, PeerFixed]] = field(default_factory=dict)
     # its text encoder's padding is masked in attention (its pipeline's rule: a peer's mask switch is read by it)
     masks_text_padding: bool = False
 

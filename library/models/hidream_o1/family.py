@@ -25,8 +25,8 @@ import torch
 
 from library.models import flow_matching as fm
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, NamedReleases
+from library.models.hidream_o1.spec import DEV, FULL  # the releases (model_version), named in the spec
 
-FULL, DEV = "hidream-o1-full", "hidream-o1-dev"
 # each release's training / sampling noise: (scale at sigma 1, scale at sigma 0, clip in noise stds or 0: none)
 NOISE = {FULL: (8.0, 8.0, 0.0), DEV: (7.5, 7.5, 2.5)}
 # Dev's pipeline timesteps (musubi-tuner's hidream_o1/pipeline.py DEFAULT_TIMESTEPS, the official inference.py's)

@@ -97,6 +97,55 @@ CONFIG_KEYS = (
 MODELSPEC = {"hidream-o1": S.ModelSpecNames("HiDream-O1-Image", "https://github.com/HiDream-ai/HiDream-O1-Image")}
 
 
+# -- the peers' names and options (tools/convert_config.py, library/training/peers/)
+FULL, DEV = "hidream-o1-full", "hidream-o1-dev"  # family.py's releases (model_version)
+# musubi-tuner's hidream_o1_train_network.py: --model_type full / dev (default full) is the release; its loss is the
+# MSE of the predicted x0 and it takes weighting_scheme none only; its resolution shifts (flux_shift ...) read the
+# pixel-patch cache [B, H/32, W/32, 3072] as latents whose height and width are its last two sides; its pixel buckets
+# step 32 (BucketSelector's RESOLUTION_STEPS_HIDREAM_O1).
+MUSUBI = S.MusubiModels(
+    script="hidream_o1_train_network.py",
+    lora_module="networks.lora_hidream_o1",
+    model_type="hidream_o1",
+    versions={"full": {"model_type": "hidream_o1", "model_version": FULL},
+              "dev": {"model_type": "hidream_o1", "model_version": DEV}},
+    version_key="model_type",
+    default_version="full",
+    weighting={"none": "sigma_sq"},
+    weighting_note="its loss is the MSE of the predicted x0: ours' velocity loss x sigma^2 (sigma_sq)",
+    other_draws="its resolution shifts read this model's pixel-patch cache (the width in 32 px patches and a patch's "
+                "3072 values) as the latents' height and width: a shift no image size gives, which ours has not",
+    ignored_args={"skip_t2i_visual_dummy": "a dummy vision-tower pass for FSDP's gradients: ours runs no vision tower "
+                                           "for text-to-image",
+                  **dict.fromkeys(("dino_loss_backend", "dino_loss_model_type", "dino_loss_layer",
+                                   "dino_loss_feature_mode", "dino_loss_resize", "dino_loss_use_gram",
+                                   "dino_loss_no_norm", "dino_loss_every_n_steps"),
+                                  "read with dino_loss_weight only (its line says what became of it)")},
+)
+NOISE = "ours draws x_t from the release's noise (model_version: Full 8.0 x randn; Dev 7.5 x randn clipped at 2.5 std)"
+PEER_OPTIONS = {
+    "musubi-tuner": {
+        "task": S.PeerFixed("ours trains text-to-image: its i2i (reference images through the vision tower, their "
+                            "modules in the LoRA) is not ours", ours="t2i"),
+        "dino_loss_weight": S.PeerFixed("SenseCraft's DINOv3 perceptual loss on the predicted pixels: ours has none",
+                                        ours=0.0),
+        "noise_scale_start": S.PeerFixed(NOISE, ours={FULL: 8.0, DEV: 7.5}),
+        "noise_scale_end": S.PeerFixed(NOISE, ours={FULL: 8.0, DEV: 7.5}),
+        "noise_clip_std": S.PeerFixed(NOISE, ours={FULL: 0.0, DEV: 2.5}),
+    },
+    # ai-toolkit's HidreamO1Model: model_kwargs.noise_scale (8.0 unset) scales the noise of either release, never
+    # clipped; noise_scale_inference its samples'; is_comfy_weight how a full fine-tune is saved
+    "ai-toolkit": {
+        "model.model_kwargs.noise_scale": S.PeerFixed(f"ai-toolkit scales the noise by it, unclipped; {NOISE}",
+                                                      ours={FULL: 8.0, DEV: None}, peer_default=8.0),
+        "model.model_kwargs.noise_scale_inference": S.PeerFixed("its samples' starting noise: ours' samples start "
+                                                                "from the release's"),
+        "model.model_kwargs.is_comfy_weight": S.PeerFixed("how its full fine-tune saves the model: ours trains a "
+                                                          "LoRA"),
+    },
+}
+
+
 SPEC = S.ArchSpec(
     arch="hidream_o1",
     title="HiDream-O1-Image",
@@ -116,6 +165,14 @@ SPEC = S.ArchSpec(
     sample_steps={"hidream-o1-full": 50, "hidream-o1-dev": 28},
     sample_guidance={"hidream-o1-full": 5.0, "hidream-o1-dev": 0.0},
     modelspec=MODELSPEC,
-    peer_bucket_steps={"ai-toolkit": 32},
-    peer_models={"ai-toolkit": {"hidream_o1": {"model_type": "hidream_o1"}}},
+    peer_bucket_steps={"ai-toolkit": 32, "musubi-tuner": 32},  # both step 32 px: the patch
+    # ai-toolkit's LoRA (transformer_only, its default) wraps the decoder layers' Linears only (its
+    # get_transformer_block_names: model.language_model.layers), so ours leaves the patch embedder and final layer
+    # out; off (its UI's job for this model), every Linear of Qwen3VLForConditionalGeneration: the timestep MLP too,
+    # and the vision tower's and lm_head, which a text-to-image step never runs (its UI leaves them out by name)
+    peer_models={"ai-toolkit": {"hidream_o1": {"model_type": "hidream_o1", "network_args": "embedders_dim=0",
+                                               "whole_network_args": "t_embedder_dim={network_dim}",
+                                               "idle_modules": "visual patch_embed lm_head"}},
+                 "musubi-tuner": MUSUBI},
+    peer_options=PEER_OPTIONS,
 )

@@ -23,8 +23,8 @@ import os
 from typing import Any
 
 from library.training.peers.ai_toolkit_data import DATASET_RULES, SAMPLE_RULES, sample_prompts, to_dataset_toml
-from library.training.peers.ai_toolkit_model import (MODEL_RULES, NETWORK_RULES, PEER, SAVE_RULES, Job, model_keys,
-                                                    read_elsewhere)
+from library.training.peers.ai_toolkit_model import (ENTRY_ARGS, MODEL_RULES, NETWORK_RULES, PEER, SAVE_RULES, Job,
+                                                    entry_of, model_keys, read_elsewhere, unset_model_options)
 from library.training.peers.ai_toolkit_train import ADAPTIVE, TRAIN_RULES
 from library.training.peers.rules import (NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, custom, ignored,
                                           implied, renamed, unsupported)
@@ -94,7 +94,7 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
     t = Job(PEER, source, process=process)
     keys = model_keys(t, source, model_type)
     t.model_type = keys["model_type"]
-    t.config.update({k: v for k, v in keys.items() if k != "network_args"})  # (its block args: _modulation)
+    t.config.update({k: v for k, v in keys.items() if k not in ENTRY_ARGS})  # (its network args: _modulation)
     if not t.section("model").get("name_or_path"):
         raise ValueError(f"{source}: model.name_or_path is required (the model to train: a diffusers folder, a file "
                          f"or a Hub id)")
@@ -117,6 +117,7 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
     for key in ("skip_first_sample", "force_first_sample", "disable_sampling"):
         if key in train and (not text or key == "disable_sampling"):
             t.drop(f"train.{key}", train[key], "off" if text else "no samples")
+    unset_model_options(t)
     _modulation(t)
     _finish(t)
     return t
@@ -186,17 +187,21 @@ def _modulation(t: Job) -> None:
         t.network_args.append("train_modulation=true")
         t.lines.append(Line("network_args (added)", "train_modulation=true", RENAMED, "network_args",
                             "ai-toolkit's LoRA wraps every Linear of the blocks, their modulation too"))
-    # blocks ours trains only with a rank of their own: the model's peer entry names their rank args
+    # where the Linears its LoRA wraps are others than ours' default trains: the model's peer entry names the args
+    # (the ranks of modules ours trains only with their own, a 0 for one ours trains and it does not), for its
+    # transformer_only LoRA (its default) and its whole-model one
     rank = t.config.get("network_dim", SCHEMA["network_dim"].default)
-    entry = next(k for k in spec_of(t.model_type).peer_models[PEER].values() if k["model_type"] == t.model_type)
-    added = [arg.format(network_dim=rank) for arg in entry.get("network_args", "").split()]  # items, space-separated
+    entry = entry_of(t.model_type)
+    which = "network_args" if t.section("network").get("transformer_only", True) else "whole_network_args"
+    added = [arg.format(network_dim=rank) for arg in entry.get(which, "").split()]  # items, space-separated
     if added and t.config.get("network_module") == "lycoris.kohya":
         t.lines.append(Line("network_args (added)", added, NOT_CARRIED, f"ai-toolkit's LoKr wraps these blocks too; "
                                                                          f"ours' LyCORIS takes no rank args"))
     elif added:
         t.network_args += added
         t.lines.append(Line("network_args (added)", ", ".join(added), RENAMED, "network_args",
-                            "ai-toolkit's LoRA wraps every Linear of these blocks too, at its rank"))
+                            "the Linears ai-toolkit's LoRA wraps (those of the "
+                            + ("transformer blocks" if which == "network_args" else "whole model") + "), at its rank"))
 
 
 def _finish(t: Job) -> None:

@@ -9,8 +9,8 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from library.training.peers.rules import (KEPT, RENAMED, Line, Rule, Translation, custom,
-                                          ignored, implied, is_off, renamed, unsupported)
+from library.training.peers.rules import (KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, custom,
+                                          fixed_option, ignored, implied, is_off, renamed, unsupported)
 
 PEER = "ai-toolkit"
 # the older model switches -> ai-toolkit's arch (toolkit/config_modules.py ModelConfig): is_v<N> -> sd<N>, is_xl ->
@@ -40,6 +40,20 @@ def read_elsewhere(t, key, value) -> None:  # read with another key, which says 
 def read_as(text: str) -> Rule:
     """A key another part reads (the datasets, the samples): its line says what it became there."""
     return custom(lambda t, key, value: t.lines.append(Line(key, value, RENAMED, text)))
+
+
+# A model entry's keys that are no config keys of ours (library/models/spec.py peer_models): the network_args that
+# make ours train what its transformer_only LoRA (its default) wraps, those for its whole-model LoRA
+# (transformer_only false), and the substrings of its module names whose Linears no training step runs (a LoRA on
+# them stays zero), space-separated
+ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules")
+
+
+def entry_of(model_type: str) -> dict[str, str]:
+    """The spec's entry of ai-toolkit's arch for `model_type`."""
+    from library.models.registry import spec_of
+
+    return next(k for k in spec_of(model_type).peer_models[PEER].values() if k["model_type"] == model_type)
 
 
 def _peer_models() -> dict[str, dict[str, str]]:
@@ -80,7 +94,7 @@ def our_key(name: str, when: str | None = None, convert=None) -> Rule:
 def _arch(t: Job, key: str, value: Any) -> None:
     keys = _peer_models()[_arch_name(t.section("model"))]
     t.lines.append(Line(key, value, RENAMED, ", ".join(f"{k} = {v!r}" for k, v in keys.items()
-                                                       if k != "network_args")))  # (said where they are added)
+                                                       if k not in ENTRY_ARGS)))  # (said where they are added)
 
 
 def _arch_name(model: dict) -> str:
@@ -126,8 +140,12 @@ def _name_or_path(t: Job, key: str, value: Any) -> None:
     if not isinstance(value, str) or not value:
         raise ValueError(f"{t.source}: model.name_or_path must name the model, got {value!r}")
     model = t.section("model")
-    # a file key the arch's entry already names (ai-toolkit's own default file for it) is not in the folder
-    others = [k for k in family_class(t.model_type).required_paths()[1:]
+    # a file key the arch's entry already names (ai-toolkit's own default file for it) is not in the folder; a
+    # text file ours finds beside the model where not given (optional) is extras_name_or_path's where that is given
+    cls = family_class(t.model_type)
+    extras_given = bool(model.get("extras_name_or_path"))
+    optional = [k for k in cls.text_path_keys if k not in cls.required_paths()] if extras_given else []
+    others = [k for k in [*cls.required_paths()[1:], *optional]
               if not (k == "ae" and model.get("vae_path")) and k not in t.config]
     path, hub = _local(value)
     t.config["pretrained_model_name_or_path"] = path
@@ -152,13 +170,16 @@ def _name_or_path(t: Job, key: str, value: Any) -> None:
 
 def _model_kwargs(t: Job, key: str, value: Any) -> None:
     """A model's own options: those naming one of its files by our key (`<key>_model_path`, e.g. llama_model_path
-    for a Llama text encoder) set that key, in place of the arch entry's default; the others are not carried."""
+    for a Llama text encoder) set that key, in place of the arch entry's default; those its spec's peer_options
+    name, by them (model_option); the others are not carried."""
     from library.models.family import family_class
 
-    files, rest = family_class(t.model_type).required_paths(), {}
+    files, rest, options = family_class(t.model_type).required_paths(), {}, model_options(t.model_type)
     for name, path in (value.items() if isinstance(value, dict) else ()):
         ours = name.removesuffix("_model_path")
-        if ours in files and ours != name and isinstance(path, str) and path:
+        if f"{key}.{name}" in options:
+            model_option(t, f"{key}.{name}", path)
+        elif ours in files and ours != name and isinstance(path, str) and path:
             local, hub = _local(path)
             t.config[ours] = local  # replaces the arch entry's default file (no conflict: that was ours)
             t.lines.append(Line(f"{key}.{name}", path, RENAMED, ours + (f"; a Hub id, which ours does not download: "
@@ -168,6 +189,43 @@ def _model_kwargs(t: Job, key: str, value: Any) -> None:
             rest[name] = path
     if rest or not isinstance(value, dict):
         t.refuse(key, rest or value, "a model's own options in ai-toolkit: set ours by their keys")
+
+
+def model_options(model_type: str) -> dict:
+    """ai-toolkit's own options for the model that ours reads at one value (its spec's peer_options), by key."""
+    from library.models.registry import spec_of
+
+    return spec_of(model_type).peer_options.get(PEER, {})
+
+
+def model_option(t: Job, key: str, value: Any) -> None:
+    """One such option: dropped at ours' value (the release's, where it is per release), else not carried."""
+    fixed_option(t, key, value, model_options(t.model_type)[key.split(" (")[0]], release_of(t))
+
+
+def unset_model_options(t: Job) -> None:
+    """The options left out whose ai-toolkit default (PeerFixed.peer_default) is not ours: their line says so."""
+    given = t.section("model").get("model_kwargs")
+    given = given if isinstance(given, dict) else {}
+    for key, option in model_options(t.model_type).items():
+        name = key.removeprefix("model.model_kwargs.")
+        if option.peer_default is None or name in given:
+            continue
+        lines = len(t.lines)
+        model_option(t, f"{key} (ai-toolkit's default)", option.peer_default)
+        if t.lines[-1].verdict != NOT_CARRIED:  # its default is ours: no line
+            del t.lines[lines:]
+
+
+def release_of(t: Job) -> str | None:
+    """Our model_version of the release ai-toolkit trains (it names none): the one our config says, else the one
+    the model's path names, else the family's first (NamedReleases); None for a family of one release."""
+    from library.models.family import family_class
+
+    cls = family_class(t.model_type)
+    if t.config.get("model_version") or not getattr(cls, "releases", ()):
+        return t.config.get("model_version")
+    return cls.release_in_name(str(t.section("model").get("name_or_path", ""))) or cls.releases[0]
 
 
 def _local(value: str) -> tuple[str, str | None]:
@@ -185,7 +243,7 @@ def _path_read_with_name(t: Job, key: str, value: Any) -> None:
     if is_off(value):
         t.drop(key, value, "off")
     else:
-        t.lines.append(Line(key, value, RENAMED, "the text encoder / VAE keys (read with model.name_or_path)"))
+        t.lines.append(Line(key, value, RENAMED, "the model's other file keys (read with model.name_or_path)"))
 
 
 def _assistant_lora(t: Job, key: str, value: Any) -> None:
@@ -337,10 +395,26 @@ def _alpha(t: Job, key: str, value: Any) -> None:
         t.set("network_alpha", float(value), key, value, RENAMED, "network_alpha")
 
 
+def _transformer_only(t: Job, key: str, value: Any) -> None:
+    """On (its default): the transformer blocks' Linears, ours' default (with the entry's network_args). Off: every
+    Linear of the model, ours' where the entry gives whole_network_args."""
+    if value:
+        t.drop(key, value, "ours trains the transformer's blocks only")
+    elif entry_of(t.model_type).get("whole_network_args"):
+        t.lines.append(Line(key, value, RENAMED, "network_args (every Linear of the model: the line added says which)"))
+    else:
+        t.refuse(key, value, "ours trains the transformer's blocks only")
+
+
 def _module_names(t: Job, key: str, value: Any) -> None:
     words = [value] if isinstance(value, str) else list(value or [])
     if not words:
         t.drop(key, value, "off")
+        return
+    idle = entry_of(t.model_type).get("idle_modules", "").split()
+    if key.endswith("ignore_if_contains") and all(str(w) in idle for w in words):
+        t.drop(key, value, f"leaves out modules no training step of this model runs ({', '.join(idle)}): a LoRA on "
+                           f"them stays zero, and ours has none")
         return
     alternatives = "|".join(re.escape(str(w)) for w in words)
     pattern = f".*(?:{alternatives}).*" if key.endswith("ignore_if_contains") else f"(?!.*(?:{alternatives})).*"
@@ -358,7 +432,7 @@ NETWORK_RULES: dict[str, Rule] = {f"network.{k}": r for k, r in {
     "lokr_full_rank": custom(_lokr_key),
     "dropout": renamed("network_dropout", lambda v: float(v or 0.0)),
     "pretrained_lora_path": renamed("network_weights"),
-    "transformer_only": implied(bool, "ours trains the transformer's blocks only"),
+    "transformer_only": custom(_transformer_only),
     # the rank of Conv2d layers: these models' transformers have none (the UI writes conv: 16 into every job)
     "conv": ignored("no convolution layer in these models' transformers: ai-toolkit's conv rank wraps none"),
     "conv_alpha": ignored("no convolution layer in these models' transformers: ai-toolkit's conv rank wraps none"),

@@ -5,20 +5,21 @@
 
 becomes our [general] and, per image dataset, a [[datasets]] (resolution, batch_size, buckets, cache_dir) with
 one [[datasets.subsets]] (image_dir, num_repeats, caption_extension, control_directory, multiple_target).
-Its buckets (16 px steps, sides from half the resolution's side, BucketSelector) are written as ours'
-min_bucket_reso / max_bucket_reso / bucket_reso_steps, which hold every one of them and more (the line says how
-many). A JSONL or video dataset is not carried, with why."""
+Its buckets (16 px steps, or the model's where its spec's peer_bucket_steps says another; sides from half the
+resolution's side, BucketSelector) are written as ours' min_bucket_reso / max_bucket_reso / bucket_reso_steps,
+which hold every one of them and more (the line says how many). A JSONL or video dataset is not carried, with why."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
 
+from library.models.registry import spec_of
 from library.training.peers import musubi_models as models
 from library.training.peers.rules import KEPT, RENAMED, UNKNOWN, Line, Translation, is_off
 
 RESOLUTION = [960, 544]  # ImageDatasetParams' default
-BUCKET_STEP = 16  # BucketSelector's steps for every image model
+BUCKET_STEP = 16  # BucketSelector's steps for an image model whose spec names none (peer_bucket_steps)
 SHARED = ("resolution", "caption_extension", "batch_size", "num_repeats", "enable_bucket", "bucket_no_upscale")
 SUBSET_SIDE = ("num_repeats", "caption_extension")  # ours are a subset's: a [[datasets]] value goes there
 RENAMED_KEYS = {"image_directory": ("image_dir", "subset"), "cache_directory": ("cache_dir", "dataset")}
@@ -87,7 +88,7 @@ def _dataset(t: Translation, where: str, entry: dict, general: dict, model_type:
             (t.drop if is_off(value) else t.refuse)(label, value, "FramePack's one-frame training: a video model")
         else:
             t.lines.append(Line(label, value, UNKNOWN, f"not a [[datasets]] key of {t.peer}'s"))
-    _buckets(t, where, pick, ds)
+    _buckets(t, where, pick, ds, spec_of(model_type).peer_bucket_steps.get(models.PEER, BUCKET_STEP))
     return {**ds, "subsets": [subset]}
 
 
@@ -159,8 +160,8 @@ def _area(resolution: Any, key: str = "resolution") -> int:
     raise ValueError(f"{key}: expected an integer or [width, height], got {resolution!r}")
 
 
-def _buckets(t: Translation, where: str, pick: dict, ds: dict) -> None:
-    """The resolution its default gives, and its bucket grid as our three keys."""
+def _buckets(t: Translation, where: str, pick: dict, ds: dict, step: int) -> None:
+    """The resolution its default gives, and its bucket grid (at the model's `step`) as our three keys."""
     resolution = pick["resolution"]
     if resolution is None:
         ds["resolution"] = resolution = RESOLUTION
@@ -169,24 +170,24 @@ def _buckets(t: Translation, where: str, pick: dict, ds: dict) -> None:
         ds["bucket_no_upscale"] = False  # ours refuses it there; [general]'s would reach this dataset
         t.drop(f"{where}.bucket_no_upscale", True, "does nothing without enable_bucket (there too)")
     if pick["enable_bucket"]:
-        low, high = bucket_sides(resolution)
-        ds.update(min_bucket_reso=low, max_bucket_reso=high, bucket_reso_steps=BUCKET_STEP)
-        t.lines.append(Line(f"{where} buckets", f"{low}..{high} px, step {BUCKET_STEP}", RENAMED,
-                            "min_bucket_reso, max_bucket_reso, bucket_reso_steps", grid_note(t.peer, resolution, low,
-                                                                                              high)))
+        low, high = bucket_sides(resolution, step)
+        ds.update(min_bucket_reso=low, max_bucket_reso=high, bucket_reso_steps=step)
+        t.lines.append(Line(f"{where} buckets", f"{low}..{high} px, step {step}", RENAMED,
+                            "min_bucket_reso, max_bucket_reso, bucket_reso_steps",
+                            grid_note(t.peer, resolution, low, high, step)))
 
 
-def peer_buckets(resolution: Any) -> set[tuple[int, int]]:
+def peer_buckets(resolution: Any, step: int = BUCKET_STEP) -> set[tuple[int, int]]:
     """BucketSelector's buckets (musubi-tuner's dataset/bucket.py): widths from half the area's side to the side
-    in 16 px steps, each with the height the area leaves on the grid, and both orientations."""
+    in `step` px steps, each with the height the area leaves on the grid, and both orientations."""
     area = _area(resolution, "resolution")
     side = int(math.sqrt(area))
-    low = side // 2 - side // 2 % BUCKET_STEP
-    pairs = [(w, area // w - area // w % BUCKET_STEP) for w in range(low, side + BUCKET_STEP, BUCKET_STEP)]
+    low = side // 2 - side // 2 % step
+    pairs = [(w, area // w - area // w % step) for w in range(low, side + step, step)]
     return {*pairs, *((h, w) for w, h in pairs)}
 
 
-def grid_note(peer: str, resolution: Any, low: int, high: int) -> str:
+def grid_note(peer: str, resolution: Any, low: int, high: int, step: int = BUCKET_STEP) -> str:
     """What the three keys give against the peer's grid: every one of its buckets, and ours' sd-scripts-style
     grid has more (a height for every width on the grid), so an image may train at another one (the line said
     "musubi-tuner's bucket grid": 48 buckets of 95 at its default 960x544 were ours alone)."""
@@ -194,23 +195,23 @@ def grid_note(peer: str, resolution: Any, low: int, high: int) -> str:
 
     area = _area(resolution, "resolution")
     size = tuple(resolution) if isinstance(resolution, list) else (resolution, resolution)
-    ours, theirs = set(make_buckets(size, low, high, BUCKET_STEP)), peer_buckets(resolution)
+    ours, theirs = set(make_buckets(size, low, high, step)), peer_buckets(resolution, step)
     assert theirs <= ours, (theirs - ours, area)  # (a grid of ours would have lost one of theirs)
     more = len(ours - theirs)
     return (f"{peer}'s bucket grid" if not more else f"every bucket of {peer}'s grid ({len(theirs)}) and {more} more "
             f"(ours has a height for every width on the grid): an image may train at a nearer aspect ratio than there")
 
 
-def bucket_sides(resolution: Any) -> tuple[int, int]:
+def bucket_sides(resolution: Any, step: int = BUCKET_STEP) -> tuple[int, int]:
     """(shortest, longest) side of BucketSelector's buckets: widths from half the area's side, heights the
-    area over them, both on the 16 px grid."""
+    area over them, both on the `step` px grid."""
     area = _area(resolution, "resolution")
     half = int(math.sqrt(area)) // 2
-    low = half - half % BUCKET_STEP
+    low = half - half % step
     if low == 0:  # musubi-tuner's BucketSelector divides by it too
         raise ValueError(f"resolution: {resolution!r} is too small for its buckets (their shortest side is half the "
-                         f"resolution's, on the {BUCKET_STEP} px grid)")
-    return low, area // low - (area // low) % BUCKET_STEP
+                         f"resolution's, on the {step} px grid)")
+    return low, area // low - (area // low) % step
 
 
 def dataset_keys() -> set[str]:

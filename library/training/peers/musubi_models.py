@@ -6,7 +6,7 @@ trains is a line in its spec.py, not in these modules. No torch."""
 from __future__ import annotations
 
 from library.models.registry import arch_specs, spec_of
-from library.models.spec import MusubiModels, PeerDraw
+from library.models.spec import MusubiModels, PeerDraw, PeerFixed
 
 PEER = "musubi-tuner"
 
@@ -45,9 +45,15 @@ def family(model_type: str) -> str:
     return models_of(model_type).model_type
 
 
-def versions() -> dict[str, tuple[MusubiModels, dict[str, str]]]:
-    """Its model_version values (lowercase) -> (the spec's MusubiModels, our keys)."""
-    return {v.lower(): (m, keys) for m in every_model() for v, keys in m.versions.items()}
+def version_keys() -> tuple[str, ...]:
+    """Its scripts' version arguments (model_version, and a script's own: its MusubiModels.version_key), model_version
+    first."""
+    return tuple(dict.fromkeys(("model_version", *(m.version_key for m in every_model()))))
+
+
+def versions(key: str = "model_version") -> dict[str, tuple[MusubiModels, dict[str, str]]]:
+    """The values of its version argument `key` (lowercase) -> (the spec's MusubiModels, our keys)."""
+    return {v.lower(): (m, keys) for m in every_model() if m.version_key == key for v, keys in m.versions.items()}
 
 
 def version_switches() -> dict[str, tuple[MusubiModels, str]]:
@@ -78,6 +84,16 @@ def layered() -> dict[str, str]:
 def dataset_renames() -> dict[str, str]:
     """Its per-model dataset keys -> the name it reads each by (load_user_config's renames)."""
     return {old: new for m in every_model() for old, new in m.dataset_renames.items()}
+
+
+def options(model_type: str) -> dict[str, PeerFixed]:
+    """Its own options for `model_type`'s model that ours reads at one value (the spec's peer_options)."""
+    return spec_of(model_type).peer_options.get(PEER, {})
+
+
+def option_names() -> tuple[str, ...]:
+    """Every model's such options (each is read by the model it is for: options)."""
+    return tuple(dict.fromkeys(name for s in arch_specs().values() for name in s.peer_options.get(PEER, {})))
 
 
 def ignored_args() -> dict[str, str]:

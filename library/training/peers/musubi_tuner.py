@@ -1,11 +1,12 @@
 """musubi-tuner's LoRA training configs for its image models, read into ours (tools/convert_config.py).
 
 musubi-tuner names the model by its script (<model>_train_network.py); a config file says it only through its
-LoRA module (networks.lora_<model>) and version keys (model_version, and switches such as edit / edit_plus).
-The model comes from whichever of these, and --model_type, say it (they must agree); from none of them it is
-one ValueError asking for --model_type. RULES holds every argument the image scripts accept: the common parser
-(training/parser_common.py), hv_train_network.py's (a HunyuanVideo config copied over), and the six scripts' own
-with their *_utils version arguments. Where musubi-tuner's default differs from ours and changes the training
+LoRA module (networks.lora_<model>) and version keys (model_version, a script's own version argument, and switches
+such as edit / edit_plus). The model comes from whichever of these, and --model_type, say it (they must agree);
+from none of them it is one ValueError asking for --model_type. RULES holds every argument the image scripts
+accept: the common parser (training/parser_common.py), hv_train_network.py's (a HunyuanVideo config copied over),
+and the image scripts' own with their *_utils version arguments (a model's own options that ours reads at one
+value: its spec's peer_options). Where musubi-tuner's default differs from ours and changes the training
 (network_alpha 1, the sigma draw, fp8_scaled off ...), the translation writes theirs (settle_defaults). Its
 dataset TOML: musubi_dataset.py. Which script, module, version and draw is which model's the family specs say
 (peer_models["musubi-tuner"], read through musubi_models.py): this module names no model."""
@@ -18,6 +19,7 @@ from functools import partial
 from typing import Any
 
 from library.models.registry import arch_specs, spec_of
+from library.models.spec import MusubiModels
 from library.training.config_keys import SCHEDULE_KEY_READERS
 from library.training.config_schema import SCHEMA
 from library.training.peers import musubi_models as models
@@ -31,6 +33,7 @@ from library.training.peers.rules import (
     apply_rules,
     carry_schedule,
     copy_prompts_without,
+    fixed_option,
     flatten_tables,
     ignored,
     implied,
@@ -99,16 +102,19 @@ def choose_model(flat: dict, source: str, script: str | None, model_type: str | 
 
 def version_said(flat: dict, source: str) -> tuple[str, str, str | None] | None:
     """(the key as written, our model_type, our model_version) of the version keys, in musubi-tuner's order
-    (model_version, then the switches as their spec lists them); None where none is given."""
-    value, versions = flat.get("model_version"), models.versions()
-    if isinstance(value, str):
+    (model_version, a script's own version argument, then the switches as their spec lists them); None where none
+    is given."""
+    for key in models.version_keys():
+        value, versions = flat.get(key), models.versions(key)
+        if not isinstance(value, str):
+            continue
         if value.lower() in versions:
             keys = versions[value.lower()][1]
-            return f"model_version {value}", keys["model_type"], keys.get("model_version")
-        listed = "; ".join(f"{spec.title}: {', '.join(spec.peer_models[models.PEER].versions)}"
-                           for spec in arch_specs().values() if models.PEER in spec.peer_models
-                           and spec.peer_models[models.PEER].versions)
-        raise ValueError(f"{source}: model_version {value!r}: not one of musubi-tuner's ({listed})")
+            return f"{key} {value}", keys["model_type"], keys.get("model_version")
+        listed = "; ".join(f"{spec.title}: {', '.join(m.versions)}" for spec in arch_specs().values()
+                           if isinstance(m := spec.peer_models.get(models.PEER), MusubiModels)
+                           and m.versions and m.version_key == key)
+        raise ValueError(f"{source}: {key} {value!r}: not one of musubi-tuner's ({listed})")
     for key, (m, version) in models.version_switches().items():
         if is_true(flat.get(key)):
             keys = m.versions[version]
@@ -156,6 +162,8 @@ def timestep_draw(flat: dict, model_type: str, peer: str) -> tuple[str | None, s
             return draw.ours, draw.note
         if draw.elsewhere:
             return None, f"{draw.elsewhere}: ours has no such draw"
+        if models.models_of(model_type).other_draws:
+            return None, models.models_of(model_type).other_draws
         if models.models_of(model_type).token_grid:  # the draw counts (h // 2) * (w // 2) tokens of 2x2 patches
             return None, f"on this model its {peer} counts a quarter of the tokens: ours has no such draw"
         return peer, ""
@@ -187,7 +195,14 @@ def _sigmoid_scale(t: Translation, key: str, value: Any, run: Run) -> None:
 
 
 def _weighting_scheme(t: Translation, key: str, value: Any, run: Run) -> None:
-    if value in ("none", "sigma_sqrt", "cosmap"):  # by the drawn sigma there too (k / 1000 of the unshifted schedule)
+    m = models.models_of(run.model_type)
+    if m.weighting:  # the script takes these only, each ours' by another name where its loss is another's
+        if value in m.weighting:
+            ours = m.weighting[value]
+            t.set(key, ours, key, value, KEPT if ours == value else RENAMED, f"{key} = {ours!r}", m.weighting_note)
+        else:
+            t.refuse(key, value, f"{m.script} refuses it (it takes {', '.join(m.weighting)})")
+    elif value in ("none", "sigma_sqrt", "cosmap"):  # by the drawn sigma there too (k / 1000 of the unshifted schedule)
         t.set(key, value, key, value)
     elif run.peer_draw() == "sigma":
         t.drop(key, value, "its density is the sigma draw's: timestep_sampling's line says what that became")
@@ -246,6 +261,24 @@ def _version_key(t: Translation, key: str, value: Any, run: Run) -> None:
         t.drop(key, value, models.models_of(said[1]).versions_unread)
     else:
         t.drop(key, value, f"says model_type {said[1]}")
+
+
+def release_of(run: Run) -> str | None:
+    """Our model_version of the release it trains: its version key's, else its script's default version's (None:
+    ours decides from the model's files)."""
+    said, m = version_said(run.flat, run.source), models.models_of(run.model_type)
+    if said is not None:
+        return said[2]
+    return m.versions[m.default_version].get("model_version") if m.default_version else None
+
+
+def _option(t: Translation, key: str, value: Any, run: Run) -> None:
+    """A model's own option ours reads at one value (its spec's peer_options): dropped at it, else not carried."""
+    option = models.options(run.model_type).get(key)
+    if option is None:
+        t.refuse(key, value, f"not an argument of {models.models_of(run.model_type).script}")
+        return
+    fixed_option(t, key, value, option, release_of(run))
 
 
 def _network_module(t: Translation, key: str, value: Any, run: Run) -> None:
@@ -511,7 +544,8 @@ RULES: dict[str, Rule] = {
     "vae_dtype": ignored("the VAE's dtype while caching: ours encodes in float32"),
     "dit_dtype": ignored("ours keeps the base in the compute dtype (mixed_precision) or base_precision"),
     "num_layers": ignored("ours reads the layer count from the checkpoint"),
-    "model_version": joint(_version_key), "edit": joint(_version_key), "edit_plus": joint(_version_key),
+    **dict.fromkeys(models.version_keys(), joint(_version_key)), "edit": joint(_version_key),
+    "edit_plus": joint(_version_key),
     # HunyuanVideo's parser (a config copied from a video run)
     "dit_in_channels": unsupported("HunyuanVideo's (SkyReels I2V): not a model of ours"),
     "text_encoder_dtype": ignored("HunyuanVideo's text encoder dtype: ours is text_encoder_precision"),
@@ -523,6 +557,7 @@ RULES: dict[str, Rule] = {
                      "sampler_preset", "initial_sigma"), ignored(SAMPLES)),
     "log_loss_stats": ignored("diagnostics in the log"),
     **{name: ignored(why) for name, why in models.ignored_args().items()},  # the scripts' own, from the specs
+    **dict.fromkeys(models.option_names(), joint(_option)),
     **dict.fromkeys(("validate_caption_structure", "warn_on_caption_issues"),
                     ignored("a check of sample prompts' JSON structure")),
 }
@@ -536,6 +571,13 @@ def settle_defaults(t: Translation, run: Run) -> None:
     def default(ours, value, key, note):
         t.set(ours, value, f"{key} (unset)", value, KEPT, note=f"musubi-tuner's default{note}")
 
+    m = models.models_of(run.model_type)
+    if m.default_version and version_said(flat, run.source) is None and release_of(run):
+        t.set("model_version", release_of(run), f"{m.version_key} (unset)", m.default_version, RENAMED,
+              note=f"its script's default ({m.default_version}); ours would read the release from the file name")
+    if "weighting_scheme" not in flat and m.weighting.get("none", "none") != "none":
+        t.set("weighting_scheme", m.weighting["none"], "weighting_scheme (unset)", "none", RENAMED,
+              f"weighting_scheme = {m.weighting['none']!r}", f"musubi-tuner's default; {m.weighting_note}")
     if "network_alpha" not in flat:
         default("network_alpha", 1.0, "network_alpha", "; ours is 16 (scale alpha / rank)")
     if "network_dim" not in flat:

@@ -161,6 +161,28 @@ def apply_rules(t: Translation, flat: dict[str, Any], rules: dict[str, Rule]) ->
         apply_rule(t, key, value, rules.get(key))
 
 
+def fixed_option(t: Translation, key: str, value: Any, option, release: str | None) -> None:
+    """A peer's own option that ours reads at one value (a spec's PeerFixed; per release: `release`, our
+    model_version): dropped at it (or where ours reads none of it), else not carried; its why on both."""
+    ours = option.ours.get(release) if isinstance(option.ours, dict) else option.ours
+    if option.ours is None or (ours is not None and _same_value(value, ours)):
+        t.drop(key, value, option.why)
+    elif isinstance(option.ours, dict) and ours is not None:
+        t.refuse(key, value, f"{option.why}; {release}'s: {ours!r}")
+    else:
+        t.refuse(key, value, option.why)
+
+
+def _same_value(value: Any, ours: Any) -> bool:
+    """A given value that is ours' (numbers by value: 8 is 8.0, and a YAML's text "8")."""
+    if isinstance(ours, (int, float)) and not isinstance(ours, bool):
+        try:
+            return float(value) == float(ours)
+        except (TypeError, ValueError):
+            return False
+    return value == ours
+
+
 def peer_file(path: str, source: str) -> str:
     """A file a peer's config names, where the peer would have found it: the working folder's, else the one
     beside the config (`source`; a command line has no folder); `path` as given where neither exists."""
