@@ -39,8 +39,10 @@ def title_list(titles: list[str]) -> str:
     return ", ".join(titles[:-1]) + " or " + titles[-1] if len(titles) > 1 else "".join(titles)
 
 
-def base_arch_of_names(keys) -> str:
-    """The base architecture whose names the keys have (a variant sharing them: `variant_of`)."""
+def base_arch_of_names(keys, metadata: dict[str, str] | None = None) -> str:
+    """The base architecture whose names the keys have (a variant sharing them: `variant_of`). Where two have
+    every module named (a language model's decoder layers: an LLM's and a diffusion model built on one), the one
+    the header names (header_arch); none: a CheckpointError asking for --model_type."""
     flat = [k.replace(".", "_") for k in keys if not k.startswith(tuple(TEXT_ENCODER_PREFIXES))]  # CLIP / T5: no arch
     if not flat:
         raise CheckpointError("LoRA holds text-encoder modules only (lora_te1_ / lora_te2_ / lora_te3_), no transformer's")
@@ -56,7 +58,15 @@ def base_arch_of_names(keys) -> str:
         bases = {lora_files()[a].names_of or a for a in archs_holding(list(dict.fromkeys(map(module_of_key, keys))))}
         if len(holding := [arch for arch in found if arch in bases]) == 1:
             return holding[0]
+        said = header_arch(metadata or {})
+        if said is not None and (lora_files()[said].names_of or said) in holding:
+            return lora_files()[said].names_of or said
         (a, ka), (b, kb) = list(found.items())[:2]
+        if len(holding) > 1:  # every module is each one's: only the header could have told
+            example = module_of_key(next(k for k in keys if k.replace(".", "_") == ka))
+            raise CheckpointError(f"cannot tell {' from '.join(title[h] for h in holding)} by the names (each has "
+                                  f"every module named, e.g. '{example}') nor by the header (its "
+                                  f"ss_base_model_version / modelspec.architecture names neither): pass --model_type")
         raise CheckpointError(f"LoRA names both {title[a]} ('{ka}') and {title[b]} ('{kb}') modules")
     if not found:
         raise CheckpointError(f"cannot tell {title_list(list(title.values()))} by the names (e.g. '{flat[0]}'): pass --model_type")
@@ -77,7 +87,7 @@ def variant_of(arch: str, tensors: dict, metadata: dict[str, str]) -> str:
 
 def detect_arch(tensors: dict, metadata: dict[str, str]) -> str:
     """The architecture of a LoRA from its names, metadata and shapes."""
-    return variant_of(base_arch_of_names(tensors), tensors, metadata)
+    return variant_of(base_arch_of_names(tensors, metadata), tensors, metadata)
 
 
 def block_counts(keys, pattern: str) -> dict[str, int]:
@@ -98,6 +108,15 @@ def arch_of(modules: list[str]) -> tuple[str, str | None]:
         if (names := naming_of(arch, modules)) is not None:
             return arch, names
     return "unknown", None
+
+
+def other_holders(arch: str, modules: list[str]) -> list[str]:
+    """The base architectures other than `arch`'s whose Linears hold every module named too (names both have: a
+    language model's decoder layers), for a LoRA whose names `arch`'s info_markers matched."""
+    files = lora_files()
+    base = files[arch].names_of or arch
+    bases = (files[a].names_of or a for a in archs_holding(modules))
+    return list(dict.fromkeys(b for b in bases if b != base))
 
 
 def archs_holding(modules: list[str]) -> list[str]:
@@ -175,8 +194,10 @@ def arch_by_shapes(held: list[str], widths: dict[str, int]) -> str:
     """Of the architectures whose Linears hold every module named (lora_arch.archs_holding), the one whose
     release the width and block counts fit: exactly (a LoRA on every block) before loosely; a variant
     sharing the names of another that fits as well counts as it (variant_of tells them apart). "unknown":
-    none or several."""
+    none or several, or one of them of any size (no releases: an LLM's layers fit every width and depth)."""
     files = lora_files()
+    if len({files[a].names_of or a for a in held}) > 1 and any(not files[a].releases for a in held):
+        return "unknown"
     fitted = {a: fitted_releases(a, widths) for a in held}
     for exact in (True, False):
         tier = {a for a, fit in fitted.items() if any(e for e, _ in fit) or not exact and fit}

@@ -82,10 +82,12 @@ from networks.lora_arch import (  # noqa: E402
     arch_of,
     archs_holding,
     fitted_releases,
+    header_arch,
     info_block_counts,
     lora_files,
     module_of_key,
     naming_of,
+    other_holders,
     text_encoder_labels,
     title_list,
     variant_of,
@@ -114,6 +116,9 @@ def shared_names_fit(held: list[str], widths: dict[str, int]) -> str:
     """The fits line of a LoRA whose names several architectures have and whose shapes tell none."""
     fitted = [name for a in held for _, name in fitted_releases(a, widths)]
     titles = title_list([arch_specs()[a].title for a in held])
+    if any(not lora_files()[a].releases for a in held):  # one of any size: no width or depth tells it
+        return (f"names {' and '.join(arch_specs()[a].title for a in held)} all have, and a header naming none of "
+                f"them (ss_base_model_version): unknown")
     return (f"{title_list(fitted)} alike (names and shapes they share)" if fitted else
             f"names {titles} all have, at a width and block count of no released size (e.g. the tiny test models)")
 
@@ -183,6 +188,12 @@ def _read_info(path: str) -> dict:
             alphas[f"{w.alpha:g}"] += 1
     widths = {m: w.down.shape[1] for m, w in weights.items()}
     held = archs_holding(transformer) if arch == "unknown" else []  # names many have: shapes and block counts tell
+    if arch != "unknown" and (others := other_holders(arch, transformer)):  # names another has whole: the header
+        said = header_arch(metadata)
+        if said is not None and (lora_files()[said].names_of or said) in [arch, *others]:
+            arch, naming = said, naming_of(said, transformer) or naming
+        else:
+            held, naming = [arch, *others], None
     if held:
         arch = arch_by_shapes(held, widths)
     if any(f.names_of == arch for f in lora_files().values()):  # names shared: shapes and metadata tell (headers only)

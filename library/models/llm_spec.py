@@ -26,6 +26,7 @@ LORA_FILES = S.LoRAFiles(
     module_paths="library.models.llm_lora_files:module_paths",
     module_map="library.models.llm_lora_files:module_map_of_lora",  # a vision-language base's PEFT names
     layouts=("kohya", "peft"),
+    model_versions=("llm",),  # training's ss_base_model_version: llm-<layers>x<width>
     info_markers=(("hf", r"layers_\d+_(self_attn|mlp)_"),),
     info_blocks=(("block", r"layers_(\d+)_"),),
     width_modules=r"self_attn_[qkv]_proj|mlp_(gate|up)_proj",
