@@ -164,3 +164,24 @@ def test_the_caption_cache_is_keyed_by_the_tokenizer_and_template_not_a_precisio
     assert any(f.endswith("tokenizer_config.json") for f in family.text_files())
     monkeypatch.setattr(HiDreamO1Family, "text_encoding_constants", lambda self: {"template": "another"})
     assert family.text_cache_key({}, "bf16") != key
+
+
+def test_the_patch_is_the_files(tiny, tmp_path):
+    """The family packs pixels in the file's patch_size (released 32), read from its header, as the model builds its
+    embedder from it: a 16 px file's 64 px image is 4 x 4 tokens of 768 values, and its loss runs on them."""
+    from library.models.hidream_o1.checkpoint import save_hidream_o1_single_file
+    from library.models.hidream_o1.tiny import random_hidream_o1, tiny_config
+
+    assert HiDreamO1Family(tiny["hidream_o1"]).patch == 32
+    config = tiny_config(vocab_size=1088)
+    small = type(config)(**{**config.__dict__, "patch_size": 16})
+    path = str(tmp_path / "o1-patch16.safetensors")
+    save_hidream_o1_single_file(random_hidream_o1(small).state_dict(), path, small)
+    family = HiDreamO1Family(path)
+    assert family.patch == 16
+    pixels = torch.rand(1, 3, 64, 64) * 2 - 1
+    assert family.pack_target(pixels).shape == (1, 16, 768)
+    ids = {"input_ids": torch.tensor([[5, 6, 1087]]), "length": torch.tensor([3])}
+    loss = family.loss_at(family.load_transformer(torch.float32), pixels, ids, torch.randn_like(pixels),
+                          torch.tensor([0.5]), None)
+    assert torch.isfinite(loss)

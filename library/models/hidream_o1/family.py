@@ -1,6 +1,6 @@
 """HiDream-O1-Image (Full, Dev) as a diffusion family: a pixel-space model whose denoiser is a Qwen3-VL language
 model (model.py, loaded by checkpoint.py) reading the prompt's token ids (text_encoder.py: the ids are what is
-cached) and 32 x 32 pixel patches; no VAE (the pixel VAE: images as they are, [-1, 1]).
+cached) and 32 x 32 pixel patches (the file's patch_size); no VAE (the pixel VAE: images as they are, [-1, 1]).
 
 Training follows musubi-tuner's hidream_o1_train_network.py (the release's recommended settings, its docs): the
 noisy input x_t = (1 - sigma) x0 + sigma s clip(n) with the release's noise scale s (Full 8.0, Dev 7.5) and clip
@@ -59,7 +59,6 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
     vae = "library.models.vae:PixelVAE"  # no VAE: the pixels themselves, [-1, 1]
     vae_file = False
     vae_downsample = 1
-    patch = 32
     latent_channels = 3
     text_path_keys = ("tokenizer",)  # optional: the model folder's, or a tokenizer/ folder beside the file
     true_cfg = True  # Full runs the " " negative prompt; Dev defaults to guidance 0 (none run)
@@ -91,6 +90,12 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
         import dataclasses
 
         return dataclasses.replace(fm.sampling_of(self.arch), shift=1.0) if self.version == DEV else None
+
+    @cached_property
+    def patch(self) -> int:
+        """Pixels a side of an image token: the file's patch_size (released 32; the model builds its embedder and final
+        layer from it), from its header alone (the meta model's config; once per family)."""
+        return self.load_transformer(torch.float32, read_weights=False).config.patch_size
 
     # -- files ---------------------------------------------------------------------------------
     @cached_property
@@ -166,8 +171,8 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
         return shaped_noise(noise, sigmas, *NOISE[self.version])
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance):
-        """x_t [B, h*w, 3072]: 32 px patches of the noisy pixels. The model predicts x0; returns the velocity
-        (x_t - x0) / sigma in float32 (sigma at least 1e-3, as the pipelines)."""
+        """x_t [B, h*w, 3 p^2]: p px patches of the noisy pixels (3072 values at the released 32). The model predicts
+        x0; returns the velocity (x_t - x0) / sigma in float32 (sigma at least 1e-3, as the pipelines)."""
         device = x_t.device
         x0 = model(x_t, text["input_ids"].to(device), text["length"].to(device), sigmas, h, w)
         floor = sigmas.float().clamp_min(SIGMA_FLOOR).reshape(-1, 1, 1)
