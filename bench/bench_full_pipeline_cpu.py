@@ -25,9 +25,11 @@ files in the released formats, with the peak memory of every phase. Qwen-Image a
         # SD3.5-Medium whole (or --sd3-release large --sd3-blocks N: SD3.5-Large at full width, N of 38 blocks)
     python bench/bench_full_pipeline_cpu.py --family hidream --work /tmp/fullhidream --hidream-blocks 2,2
         # HiDream-I1 at full width, 2 of 16 double and 2 of 32 single blocks, the full-size text encoders; ~30 GB
+    python bench/bench_full_pipeline_cpu.py --family hidream_o1 --work /tmp/fullo1 --sample-steps 2 --mixed-precision no
+        # HiDream-O1-Image whole (7.6 B, pixel space: no VAE, no text encoder), Comfy-Org's single file; ~15 GB
 
 The writers of the generic files and of FLUX.3's, ERNIE-Image's, Nucleus-Image's, Anima's, Lumina 2's and
-HunyuanImage-2.1's, SD3.5's and HiDream-I1's are in bench/full_size_files.py.
+HunyuanImage-2.1's, SD3.5's, HiDream-I1's and HiDream-O1-Image's are in bench/full_size_files.py.
 
 Qwen-Image (20.4 B) does not fit this 24 GiB machine whole in fp8 with its 15 GB encoder, so: the
 Qwen2.5-VL-7B language model at full size (bf16 HF folder, 15.2 GB) through caching, the full-size
@@ -78,10 +80,11 @@ from tools.merge_lora import Entry, write_safetensors_streaming  # noqa: E402
 
 from bench.full_size_files import (  # noqa: E402, F401 (meta_shapes, write_random: bench_planner_cpu.py's)
     ANIMA_FILE, ANIMA_TEXT_FILE, ERNIE_IMAGE_FILE, FLUX3_FILE, HIDREAM_FILE, HIDREAM_LLAMA_FOLDER, HIDREAM_TEXT_FILES,
-    HIDREAM_VAE_FILE, HUNYUAN_IMAGE_FILE, HUNYUAN_IMAGE_GLYPH_FILE,
+    HIDREAM_O1_FILE, HIDREAM_VAE_FILE, HUNYUAN_IMAGE_FILE, HUNYUAN_IMAGE_GLYPH_FILE,
     HUNYUAN_IMAGE_TEXT_FILE, HUNYUAN_IMAGE_VAE_FILE, LUMINA2_FILE, LUMINA2_TEXT_FILE, GiB, QWEN3_VL_8B_TEXT,
     QWEN3_VL_8B_VISION, SD3_FILES, SD3_TEXT_FILES, meta_shapes, qwen3_vl_4b, random_tensor, write_anima_files,
     write_ernie_image_files, write_flux2_vae, write_flux3_files, write_flux_vae, write_hidream_files,
+    write_hidream_o1_files,
     write_hunyuan_image_files,
     write_lumina2_files, write_nucleus_image_files, write_qwen3_vl_folder, write_qwen_image_vae, write_random,
     write_random_sharded, write_sd3_files)
@@ -522,6 +525,10 @@ t5xxl = "{work}/{HIDREAM_TEXT_FILES['t5xxl']}"
 llama = "{work}/{HIDREAM_LLAMA_FOLDER}"
 output_name = "full_hidream"
 ''',
+        "hidream_o1": f'''model_type = "hidream_o1"
+pretrained_model_name_or_path = "{work}/{HIDREAM_O1_FILE}"
+output_name = "full_hidream_o1"
+''',
         "qwen_image21": f'''model_type = "qwen_image21"
 pretrained_model_name_or_path = "{work}"
 ae = "{work}/vae"
@@ -636,7 +643,7 @@ def main(argv=None):
     p.add_argument("--skip-write", action="store_true")
     p.add_argument("--family", choices=["flux", "qwen_image", "flux2", "zimage", "chroma", "qwen_image21", "krea2",
                                         "ideogram4", "qwen_image_layered", "flux3", "ernie_image", "nucleus_image",
-                                        "anima", "lumina2", "hunyuan_image", "sd3", "hidream"],
+                                        "anima", "lumina2", "hunyuan_image", "sd3", "hidream", "hidream_o1"],
                    default="flux",
                    help="flux: FLUX.1-dev; qwen_image: --qwen-blocks of 60; flux2: FLUX.2 [klein] 4B, whole; "
                         "zimage: Z-Image-Turbo, whole; chroma: Chroma1-HD, whole; qwen_image21: Qwen-Image-2.1, "
@@ -645,7 +652,7 @@ def main(argv=None):
                         "ERNIE-Image, whole; nucleus_image: Nucleus-Image, whole; anima: Anima, whole; "
                         "lumina2: Lumina Image 2.0, whole; hunyuan_image: HunyuanImage-2.1, --hunyuan-blocks of "
                         "20,40; sd3: --sd3-release (Large or Medium), --sd3-blocks of it; hidream: HiDream-I1 Full, "
-                        "--hidream-blocks of 16,32")
+                        "--hidream-blocks of 16,32; hidream_o1: HiDream-O1-Image, whole")
     p.add_argument("--single-file", action="store_true",
                    help="zimage: the transformer as ComfyUI's single file instead of the repo's transformer/ folder")
     p.add_argument("--qwen-blocks", type=int, default=6, help="Qwen-Image transformer blocks written (of 60)")
@@ -661,7 +668,8 @@ def main(argv=None):
                         "base would take most of an hour a step on 2 cores")
     p.add_argument("--mixed-precision", choices=["bf16", "no"], default="bf16",
                    help="the transformer's compute dtype; 'no' (float32) on a CPU without native bf16, where bf16 "
-                        "matmuls run ~5x slower than float32 (the text encoder stays bf16 either way)")
+                        "matmuls run ~3-5x slower than float32 and a backward's grad @ W ~100x (0.1-0.2 GFLOPS on an "
+                        "AMD EPYC without avx512_bf16; the text encoder stays bf16 either way)")
     p.add_argument("--references", type=int, default=0,
                    help="flux2: reference images per target (256x256, control_directory) and in the sample")
     p.add_argument("--train-steps", type=int, default=2,
@@ -707,6 +715,8 @@ def main(argv=None):
         elif args.family == "hidream":
             double, single = (int(n) for n in args.hidream_blocks.split(","))
             write_hidream_files(args.work, double, single)
+        elif args.family == "hidream_o1":
+            write_hidream_o1_files(args.work)
         else:
             write_qwen_files(args.work, args.qwen_blocks, layered=args.family == "qwen_image_layered")
         print(f"files written in {time.time() - t:.0f} s", flush=True)

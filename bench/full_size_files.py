@@ -1,7 +1,7 @@
 """Random-weight files at the released sizes, tensor by tensor, for bench/bench_full_pipeline_cpu.py (which
 imports them; bench/bench_planner_cpu.py too): the generic writers (one file, sharded, a Qwen3-VL folder, FLUX.1's,
 FLUX.2's and Qwen-Image's VAEs) and the per-family writers of FLUX.3 [klein], ERNIE-Image, Nucleus-Image, Anima,
-Lumina Image 2.0 and HunyuanImage-2.1.
+Lumina Image 2.0, HunyuanImage-2.1, SD3.5, HiDream-I1 and HiDream-O1-Image.
 
 Weights are N(0, 0.02), norm scales 1 (random_tensor); writing never holds a model (each tensor drawn and written
 one at a time by tools/merge_lora.write_safetensors_streaming). Tensors a run never reads can be written as holes
@@ -680,3 +680,69 @@ def write_hidream_transformer_holes(path: str) -> None:
 
     os.makedirs(os.path.dirname(path), exist_ok=True)
     write_random_with_holes(path, {}, meta_shapes(lambda: HiDream(hidream_release_config())), 1, dtype=torch.float16)
+
+
+# ----------------------------------------------------------------------------------------------
+# HiDream-O1-Image
+
+# Comfy-Org/HiDream-O1-Image's checkpoints/hidream_o1_image_bf16.safetensors, the processor's tokenizer in tokenizer/
+# beside it (configs/hidream_o1.toml's single-file layout)
+HIDREAM_O1_FILE = "hidream_o1_image_bf16.safetensors"
+# The released tokenizer's special tokens at their ids: Qwen2.5 / Qwen3-VL's (<|endoftext|> 151643 ...) and HiDream-O1's
+# five after them; a file without metadata is read with the released config, whose tms id is 151673
+HIDREAM_O1_TOKEN_IDS = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+                        "<|vision_start|>": 151652, "<|vision_end|>": 151653, "<|image_pad|>": 151655,
+                        "<|video_pad|>": 151656, "<|boi_token|>": 151669, "<|bor_token|>": 151670,
+                        "<|eor_token|>": 151671, "<|bot_token|>": 151672, "<|tms_token|>": 151673}
+
+
+def write_hidream_o1_tokenizer(folder: str) -> None:
+    """The tiny HiDream-O1 processor files (hidream_o1/tiny_text.py: its BPE, chat template and added tokens) with
+    each special token at its released id (HIDREAM_O1_TOKEN_IDS): tokenizer.json's BPE vocabulary gets them at
+    those ids, so the tokenizers library keeps them there (an added token's own id it would renumber after the
+    vocabulary's). The learned tokens keep their small ids, valid for the 151,936 rows; the template's text
+    tokenizes as before, only the special ids differ."""
+    from library.models.hidream_o1.tiny_text import build_hidream_o1_tokenizer, save_hidream_o1_processor
+
+    tokenizer = build_hidream_o1_tokenizer()
+    special = [t.content for t in tokenizer.added_tokens_decoder.values()]
+    if sorted(special) != sorted(HIDREAM_O1_TOKEN_IDS):
+        raise ValueError(f"the tiny HiDream-O1 tokenizer's special tokens {special} are not "
+                         f"{list(HIDREAM_O1_TOKEN_IDS)}")
+    save_hidream_o1_processor(folder, tokenizer)
+    path = os.path.join(folder, "tokenizer.json")
+    with open(path) as f:
+        spec = json.load(f)
+    spec["model"]["vocab"].update(HIDREAM_O1_TOKEN_IDS)
+    for token in spec["added_tokens"]:
+        token["id"] = HIDREAM_O1_TOKEN_IDS[token["content"]]
+    with open(path, "w") as f:
+        json.dump(spec, f, ensure_ascii=False)
+    config_path = os.path.join(folder, "tokenizer_config.json")  # its added_tokens_decoder, if any, by the new ids
+    with open(config_path) as f:
+        config = json.load(f)
+    if config.get("added_tokens_decoder"):
+        config["added_tokens_decoder"] = {str(HIDREAM_O1_TOKEN_IDS[v["content"]]): v
+                                          for v in config["added_tokens_decoder"].values()}
+        with open(config_path, "w") as f:
+            json.dump(config, f, indent=2)
+
+
+def write_hidream_o1_files(work: str) -> None:
+    """HiDream-O1-Image as people download it for ComfyUI / musubi-tuner: HIDREAM_O1_FILE (Comfy-Org's single file:
+    `model.language_model.*`, `model.t_embedder1.*`, `model.x_embedder.*`, `model.final_layer2.*` drawn in bf16,
+    HIDREAM_O1's 7,606,169,600 parameters, 14.17 GiB; no lm_head; no metadata: the loader reads the config from
+    the shapes) with the vision tower `model.visual.*` at Qwen3-VL-8B's shapes (transformers'
+    Qwen3VLForConditionalGeneration with QWEN3_VL_8B_VISION, deepstack mergers included: 576 M parameters, 1.07 GiB)
+    listed after them as a sparse hole (the loader skips it: text-to-image never runs it), and tokenizer/ beside it
+    (write_hidream_o1_tokenizer: the released special ids)."""
+    from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
+
+    from library.models.hidream_o1.model import HIDREAM_O1, HiDreamO1
+
+    os.makedirs(work, exist_ok=True)
+    released = Qwen3VLConfig(text_config=QWEN3_VL_8B_TEXT, vision_config=QWEN3_VL_8B_VISION)
+    visual = {k: v for k, v in meta_shapes(lambda: Qwen3VLForConditionalGeneration(released)).items()
+              if k.startswith("model.visual.")}
+    write_random_with_holes(os.path.join(work, HIDREAM_O1_FILE), meta_shapes(lambda: HiDreamO1(HIDREAM_O1)), visual, 1)
+    write_hidream_o1_tokenizer(os.path.join(work, "tokenizer"))

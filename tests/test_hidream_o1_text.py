@@ -125,3 +125,17 @@ def test_the_tiny_processor_folder(folder):
     with open(os.path.join(folder, "preprocessor_config.json")) as f:
         config = json.load(f)
     assert config["processor_class"] == "Qwen3VLProcessor" and (config["patch_size"], config["merge_size"]) == (16, 2)
+
+
+def test_the_full_size_benchs_tokenizer_has_the_released_special_ids(ids, tmp_path):
+    """bench/full_size_files.py's tokenizer beside the released-shape file (read with the released tms id, 151673):
+    the tiny tokenizer with each special token at its released id. Each caption's row is the tiny one's with the
+    special ids renumbered, the learned tokens unchanged."""
+    from bench.full_size_files import HIDREAM_O1_TOKEN_IDS, write_hidream_o1_tokenizer as write_released
+
+    write_released(str(tmp_path))
+    released = te.load_hidream_o1_prompt_ids(str(tmp_path))
+    assert (released.boi_id, released.tms_id) == (151669, 151673)
+    renumbered = {ids.tokenizer.convert_tokens_to_ids(t): i for t, i in HIDREAM_O1_TOKEN_IDS.items()}
+    for tiny, row in zip(ids.encode(CAPTIONS), released.encode(CAPTIONS)):
+        assert row["input_ids"].tolist() == [renumbered.get(i, i) for i in tiny["input_ids"].tolist()]
