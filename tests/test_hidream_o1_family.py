@@ -185,3 +185,25 @@ def test_the_patch_is_the_files(tiny, tmp_path):
     loss = family.loss_at(family.load_transformer(torch.float32), pixels, ids, torch.randn_like(pixels),
                           torch.tensor([0.5]), None)
     assert torch.isfinite(loss)
+
+
+def test_a_tokenizer_whose_tms_id_is_not_the_transformers_is_refused_before_caching(tiny, tmp_path, capsys):
+    """The tokenizer's <|tms_token|> must be the transformer config's tms_token_id (the model replaces that id's
+    embedding by the time): a file of another id beside the tiny tokenizer (as a released-shape file, read with the
+    released 151673, beside a small tokenizer) would train and sample with no time in the model and fail nowhere.
+    train_lora stops before caching with one line naming the tokenizer's folder and both ids."""
+    import os
+    import shutil
+
+    from library.models.hidream_o1.tiny import write_tiny_hidream_o1
+
+    folder = os.path.join(os.path.dirname(tiny["hidream_o1"]), "tokenizer")
+    tms = HiDreamO1Family(tiny["hidream_o1"]).prompt_ids.tms_id
+    path = write_tiny_hidream_o1(str(tmp_path), 0, tms_token_id=tms - 1)["hidream_o1"]
+    shutil.copytree(folder, os.path.join(os.path.dirname(path), "tokenizer"))
+    args = run_args(tiny, tmp_path / "out", "--pretrained_model_name_or_path", path)
+    assert train_lora.main(args) == 2
+    err = capsys.readouterr().err
+    assert f"the tokenizer's <|tms_token|> is id {tms}, the transformer's" in err
+    assert f"tms_token_id is {tms - 1}" in err
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())

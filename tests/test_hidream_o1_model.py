@@ -146,20 +146,6 @@ def test_a_batch_equals_each_row_alone():
     assert diff <= 1e-6
 
 
-def test_ids_whose_rows_do_not_end_in_the_configs_tms_token_are_refused():
-    """A row whose last real id is not the config's tms token (a tokenizer of other ids beside a released file, read
-    with the released tms id 151673) is refused, naming the row and both ids: the time would replace no embedding, so
-    training and sampling would run with no time in the model and fail nowhere else. The rows as built pass."""
-    ours = HiDreamO1(TINY)
-    img, ids, lengths, sigmas = inputs(2, 2)
-    with torch.no_grad():
-        assert torch.isfinite(ours(img, ids, lengths, sigmas, 2, 2)).all()
-        other = ids.masked_fill(ids == TMS, 7)  # the same rows, their tms token another tokenizer's id
-        other[0, LENGTHS[0] - 1] = TMS  # row 0 as built, row 1 not
-        with pytest.raises(ValueError, match=f"caption row 1 ends in id 7, not the transformer's tms token {TMS}"):
-            ours(img, other, lengths, sigmas, 2, 2)
-
-
 def test_two_passes_equal_the_dense_mask(monkeypatch):
     """The forward's two-pass attention (CausalThenFull) against the same layout as one boolean 4D mask through the
     same layers: equal to float32 summation order (measured 3.5e-7 of the output's max)."""

@@ -111,7 +111,7 @@ def test_the_processor_files_chat_template_and_the_folder_beside_a_single_file(f
 
 
 def test_caption_token_limit_counts_the_row_and_refuses_what_reaches_the_image(folder, ids):
-    limit = te.hidream_o1_caption_token_limit(folder)
+    limit = te.hidream_o1_caption_token_limit(ids)
     assert limit.max_tokens == 4096 and limit.refuses and limit.encoder == "Qwen3-VL"
     assert [limit.count(c) for c in CAPTIONS] == [len(r) for r in ids.token_ids(CAPTIONS)]
     fits = "a" + " a" * (4096 - 11)  # one token a word: 4086 + the template's 10

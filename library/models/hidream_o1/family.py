@@ -92,10 +92,16 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
         return dataclasses.replace(fm.sampling_of(self.arch), shift=1.0) if self.version == DEV else None
 
     @cached_property
+    def transformer_config(self):
+        """The file's config (our metadata, config.json or the shapes) from its header alone: the meta model's, built
+        once per family."""
+        return self.load_transformer(torch.float32, read_weights=False).config
+
+    @property
     def patch(self) -> int:
         """Pixels a side of an image token: the file's patch_size (released 32; the model builds its embedder and final
-        layer from it), from its header alone (the meta model's config; once per family)."""
-        return self.load_transformer(torch.float32, read_weights=False).config.patch_size
+        layer from it)."""
+        return self.transformer_config.patch_size
 
     # -- files ---------------------------------------------------------------------------------
     @cached_property
@@ -141,16 +147,23 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
 
         return tokenizer_files(self.tokenizer_folder)
 
+    @cached_property
+    def prompt_ids(self):
+        """The tokenizer's prompt ids (text_encoder.py), its <|tms_token|> checked against the transformer's config
+        (before caching: caption_token_limit is the run's first use)."""
+        from library.models.hidream_o1.text_encoder import load_hidream_o1_prompt_ids
+
+        return load_hidream_o1_prompt_ids(self.model_path, self.text_paths.get("tokenizer"),
+                                          self.transformer_config.tms_token_id)
+
     def caption_token_limit(self, args):
         from library.models.hidream_o1.text_encoder import hidream_o1_caption_token_limit
 
-        return hidream_o1_caption_token_limit(self.model_path, self.text_paths.get("tokenizer"))
+        return hidream_o1_caption_token_limit(self.prompt_ids)
 
     def load_text_encoder(self, precision="bf16", device=None):
         """encode(captions) -> per caption {"input_ids": int64 [T], "length": int64 []} (text_encoder.py)."""
-        from library.models.hidream_o1.text_encoder import load_hidream_o1_prompt_ids
-
-        return load_hidream_o1_prompt_ids(self.model_path, self.text_paths.get("tokenizer")).encode
+        return self.prompt_ids.encode
 
     def text_encoder_weights(self):
         return []  # no text encoder: the ids enter the transformer

@@ -18,8 +18,8 @@ comfy/ldm/hidream_o1/model.py agree):
   No adaLN anywhere.
 
 The forward (text-to-image; musubi's _forward_generation): a row is [its prompt's ids (the chat template + boi + tms,
-the tms token its last real one: a row ending in another id is refused, check_time_tokens), zeros up to the batch's
-longest, the h x w image patches]. Positions: the text's 0..T-1 on the three M-RoPE axes, the patch at (r, c) (4096,
+the tms token its last real one: the family checks the tokenizer's tms id against the config's as it loads), zeros
+up to the batch's longest, the h x w image patches]. Positions: the text's 0..T-1 on the three M-RoPE axes, the patch at (r, c) (4096,
 4096 + r, 4096 + c) whatever T is (musubi's get_rope_index_fix_point with fix point 4096). Attention: the text before
 tms is causal over its real tokens; tms and every patch (the "gen" rows) see every real key; pads are no key. The
 prediction is x0, the clean patch pixels, read at the image positions. Time: the model's t = 1 - sigma (1 = clean).
@@ -142,23 +142,6 @@ def generation_attention(text_lengths: torch.Tensor, text_len: int, image_tokens
     return CausalThenFull(text_len, lengths - 1, shortest - 1, key_mask)
 
 
-def check_time_tokens(input_ids: torch.Tensor, text_lengths: torch.Tensor, tms_token_id: int) -> None:
-    """Each row's last real id (at its length - 1) must be the config's tms token, whose embedding the time replaces:
-    ids from a tokenizer whose <|tms_token|> has another id (another model's, or a small one beside a released file,
-    which is read with the released 151673) would train and sample with no time in the model, and nothing else
-    fails. One host sync; none on meta (the planner's step). The lengths lie in 1..T (generation_attention)."""
-    if input_ids.device.type == "meta":
-        return
-    last = input_ids.gather(1, text_lengths.to(input_ids.device, torch.long)[:, None] - 1)[:, 0]
-    wrong = (last != tms_token_id).nonzero()
-    if wrong.numel():
-        row = int(wrong[0, 0])
-        raise ValueError(f"HiDream-O1: caption row {row} ends in id {int(last[row])}, not the transformer's tms token "
-                         f"{tms_token_id} (its config's tms_token_id): the tokenizer's <|tms_token|> is another id, so "
-                         f"the time would never enter the model; use the tokenizer of this model's release (a file "
-                         f"without our metadata is read with the released id 151673)")
-
-
 # ----------------------------------------------------------------------------------------------
 # Layers
 
@@ -240,7 +223,6 @@ class HiDreamO1(nn.Module):
         x = torch.cat((text, self.model.x_embedder(img.to(dtype))), dim=1)  # [B, T + h*w, width]
         positions = sequence_positions(text_len, h, w, cfg.image_position_start, img.device)
         attention = generation_attention(text_lengths.to(img.device), text_len, n)
-        check_time_tokens(input_ids, text_lengths, cfg.tms_token_id)
         states = self.model.language_model.run_embeddings(x, positions, attention, self.gradient_checkpointing,
                                                           self.block_swap)
         return self.model.final_layer2(states[:, text_len:]).float()

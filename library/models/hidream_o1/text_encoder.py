@@ -86,17 +86,26 @@ def hidream_o1_tokenizer_folder(weights_path: str, tokenizer: str | None = None)
     return tokenizer_folder(weights_path, tokenizer, "tokenizer", "Qwen2", beside_file=True)
 
 
-def load_hidream_o1_prompt_ids(weights_path: str, tokenizer: str | None = None) -> HiDreamO1PromptIds:
-    """The prompt ids of the transformer at `weights_path` (an HF folder or ComfyUI's single file)."""
+def load_hidream_o1_prompt_ids(weights_path: str, tokenizer: str | None = None,
+                               tms_token_id: int | None = None) -> HiDreamO1PromptIds:
+    """The prompt ids of the transformer at `weights_path` (an HF folder or ComfyUI's single file). tms_token_id: the
+    transformer config's, which the tokenizer's <|tms_token|> must be: the model replaces the embedding of that id
+    by the time, so ids of another (another release's tokenizer, a small one beside a released file, read with the
+    released 151673) would train and sample with no time in the model and fail nowhere. Checked once, here."""
     from library.models.text_encoders import load_chat_tokenizer
 
     folder = hidream_o1_tokenizer_folder(weights_path, tokenizer)
-    return HiDreamO1PromptIds(load_chat_tokenizer(folder), os.path.abspath(folder))
+    ids = HiDreamO1PromptIds(load_chat_tokenizer(folder), os.path.abspath(folder))
+    if tms_token_id is not None and ids.tms_id != tms_token_id:
+        raise CheckpointError(f"{ids.folder}: the tokenizer's {TMS_TOKEN} is id {ids.tms_id}, the transformer's "
+                              f"({weights_path}) tms_token_id is {tms_token_id} (its config; a file without our "
+                              f"metadata or config.json is read with the released 151673): the time would never "
+                              f"enter the model; use the tokenizer of this model's release")
+    return ids
 
 
-def hidream_o1_caption_token_limit(weights_path: str, tokenizer: str | None = None):
+def hidream_o1_caption_token_limit(ids: HiDreamO1PromptIds):
     """-> TokenLimit: a caption's row counted as encode builds it; over MAX_TEXT_TOKENS it is refused (nothing cut)."""
     from library.data.check import TokenLimit
 
-    ids = load_hidream_o1_prompt_ids(weights_path, tokenizer)
     return TokenLimit("Qwen3-VL", MAX_TEXT_TOKENS, lambda text: len(ids.token_ids([text])[0]), refuses=True)
