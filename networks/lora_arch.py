@@ -19,6 +19,18 @@ def lora_files() -> dict[str, LoRAFiles]:
     return {arch: spec.lora_files for arch, spec in arch_specs().items() if spec.lora_files is not None}
 
 
+def base_arch(arch: str) -> str:
+    """The architecture whose names `arch`'s LoRAs have: itself, or the one it is a variant of (LoRAFiles.names_of)."""
+    return lora_files()[arch].names_of or arch
+
+
+def header_decides(metadata: dict[str, str] | None, bases) -> str | None:
+    """For names several base architectures hold whole: the architecture the header names (header_arch) where its
+    base is one of `bases`, else None (the names cannot tell; the header names none of them)."""
+    said = header_arch(metadata or {})
+    return said if said is not None and base_arch(said) in bases else None
+
+
 def text_encoder_labels(arch: str | None) -> dict[str, str]:
     """Kohya text-encoder prefix -> the encoder it is in `arch`'s files where sd-scripts' names say another
     (LoRAFiles.text_encoders), for lora_files.text_encoder_note; {} for an arch without (or None)."""
@@ -30,8 +42,8 @@ def _marker_groups(files: dict[str, LoRAFiles]) -> dict[str, tuple[tuple[str, ..
     """Base arch -> (the markers of it and of the architectures that share its names, their titles)."""
     groups: dict[str, tuple[tuple[str, ...], list[str]]] = {}
     for arch, f in files.items():
-        markers, titles = groups.get(f.names_of or arch, ((), []))
-        groups[f.names_of or arch] = (markers + f.markers, titles + [arch_spec(arch).title])
+        markers, titles = groups.get(base_arch(arch), ((), []))
+        groups[base_arch(arch)] = (markers + f.markers, titles + [arch_spec(arch).title])
     return groups
 
 
@@ -55,12 +67,11 @@ def base_arch_of_names(keys, metadata: dict[str, str] | None = None) -> str:
     title = {arch: " / ".join(titles) for arch, (_, titles) in groups.items()}
     if len(found) > 1:  # names two groups' markers hit (a diffusers attn2.to_k of a cross-attention model and of one
         # with a second self-attention): the group whose architectures hold every module named, where one does
-        bases = {lora_files()[a].names_of or a for a in archs_holding(list(dict.fromkeys(map(module_of_key, keys))))}
+        bases = {base_arch(a) for a in archs_holding(list(dict.fromkeys(map(module_of_key, keys))))}
         if len(holding := [arch for arch in found if arch in bases]) == 1:
             return holding[0]
-        said = header_arch(metadata or {})
-        if said is not None and (lora_files()[said].names_of or said) in holding:
-            return lora_files()[said].names_of or said
+        if said := header_decides(metadata, holding):
+            return base_arch(said)
         (a, ka), (b, kb) = list(found.items())[:2]
         if len(holding) > 1:  # every module is each one's: only the header could have told
             example = module_of_key(next(k for k in keys if k.replace(".", "_") == ka))
@@ -113,10 +124,8 @@ def arch_of(modules: list[str]) -> tuple[str, str | None]:
 def other_holders(arch: str, modules: list[str]) -> list[str]:
     """The base architectures other than `arch`'s whose Linears hold every module named too (names both have: a
     language model's decoder layers), for a LoRA whose names `arch`'s info_markers matched."""
-    files = lora_files()
-    base = files[arch].names_of or arch
-    bases = (files[a].names_of or a for a in archs_holding(modules))
-    return list(dict.fromkeys(b for b in bases if b != base))
+    bases = (base_arch(a) for a in archs_holding(modules))
+    return list(dict.fromkeys(b for b in bases if b != base_arch(arch)))
 
 
 def archs_holding(modules: list[str]) -> list[str]:
@@ -196,7 +205,7 @@ def arch_by_shapes(held: list[str], widths: dict[str, int]) -> str:
     sharing the names of another that fits as well counts as it (variant_of tells them apart). "unknown":
     none or several, or one of them of any size (no releases: an LLM's layers fit every width and depth)."""
     files = lora_files()
-    if len({files[a].names_of or a for a in held}) > 1 and any(not files[a].releases for a in held):
+    if len({base_arch(a) for a in held}) > 1 and any(not files[a].releases for a in held):
         return "unknown"
     fitted = {a: fitted_releases(a, widths) for a in held}
     for exact in (True, False):

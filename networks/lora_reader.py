@@ -42,6 +42,7 @@ from networks.lora_arch import (
     arch_by_shapes,
     arch_of,
     archs_holding,
+    base_arch,
     base_only_modules,
     block_counts,
     detect_arch,
@@ -538,8 +539,7 @@ def foreign_arch(tensors: dict, metadata: dict[str, str], arch: str) -> str | No
         found = _released_size_of(tensors, arch) or _header_of_holder(tensors, metadata)
         if found is None:
             return None
-    base = lambda a: files[a].names_of or a  # noqa: E731
-    if base(found) != base(arch) or (found != arch and files[found].names_of):
+    if base_arch(found) != base_arch(arch) or (found != arch and files[found].names_of):
         return found
     if found != arch and is_base_lora(found, arch, tensors, metadata):  # the base's LoRA on a variant's model
         return found
@@ -562,8 +562,8 @@ def shared_shapes_note(name: str, tensors: dict, metadata: dict[str, str], arch:
         return None
     modules = list(dict.fromkeys(module_of_key(k) for k in tensors))
     widths = down_widths(tensors)
-    base = lambda a: files[a].names_of or a  # noqa: E731
-    others = list(dict.fromkeys(base(a) for a in archs_holding(modules) if base(a) != base(arch) and fitted_releases(a, widths)))
+    others = list(dict.fromkeys(base_arch(a) for a in archs_holding(modules)
+                                  if base_arch(a) != base_arch(arch) and fitted_releases(a, widths)))
     if not others or not fitted_releases(arch, widths):
         return None
     blocks = sum(info_block_counts(widths, arch).values())

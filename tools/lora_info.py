@@ -82,7 +82,7 @@ from networks.lora_arch import (  # noqa: E402
     arch_of,
     archs_holding,
     fitted_releases,
-    header_arch,
+    header_decides,
     info_block_counts,
     lora_files,
     module_of_key,
@@ -189,8 +189,7 @@ def _read_info(path: str) -> dict:
     widths = {m: w.down.shape[1] for m, w in weights.items()}
     held = archs_holding(transformer) if arch == "unknown" else []  # names many have: shapes and block counts tell
     if arch != "unknown" and (others := other_holders(arch, transformer)):  # names another has whole: the header
-        said = header_arch(metadata)
-        if said is not None and (lora_files()[said].names_of or said) in [arch, *others]:
+        if said := header_decides(metadata, [arch, *others]):
             arch, naming = said, naming_of(said, transformer) or naming
         else:
             held, naming = [arch, *others], None
