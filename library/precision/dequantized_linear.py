@@ -13,6 +13,46 @@ import torch
 import torch.nn.functional as F
 
 
+def _native_cpu_gemms() -> dict[torch.dtype, bool]:
+    """Whether the CPU's bf16 / fp16 GEMMs run in oneDNN (bf16: AVX-512 or newer; fp16: AVX-512 FP16 or AMX), as
+    torch reports (an environment's ONEDNN_MAX_CPU_ISA counts: AVX2 there is an AVX2-only CPU); read once, at import,
+    so a compiled graph sees a constant. A build without oneDNN's probes: taken as native."""
+    try:
+        return {torch.bfloat16: bool(torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+                torch.float16: bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())}
+    except (AttributeError, RuntimeError):
+        return {}
+
+
+NATIVE_CPU_GEMMS = _native_cpu_gemms()
+
+
+def native_cpu_matmul(dtype: torch.dtype) -> bool:
+    """True where the CPU multiplies `dtype` natively (float32 always). Elsewhere (bf16 on an AVX2-only CPU, fp16 on
+    most) PyTorch's fallback runs a row-major A @ row-major B 60x below the same product with A column-major."""
+    return NATIVE_CPU_GEMMS.get(dtype, True)
+
+
+def layout_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (2D, or batched as torch.bmm), b in the product's dtype. On a CPU without native GEMMs in that dtype
+    (native_cpu_matmul), where b is row-major, a is copied column-major first: PyTorch's fallback runs a row-major
+    a @ row-major b at 0.3 GFLOPS and a column-major a at 18 (bf16, [320, 3072] @ [3072, 3072], one thread of an
+    AMD EPYC with oneDNN held to AVX2, bench/RESULTS.md); the copy is ~1% of the product's time. A row-major a
+    times a transposed b (F.linear's x @ w^T) runs at ~15 as it is. The same products and sums in another loop
+    order: equal to float32 rounding, not bit for bit."""
+    a = a.to(b.dtype)
+    if a.device.type == "cpu" and not native_cpu_matmul(b.dtype) and b.stride(-1) == 1:
+        a = a.transpose(-1, -2).contiguous().transpose(-1, -2)
+    return a @ b
+
+
+def input_gradient(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """grad_out [..., out] @ weight [out, in]: a frozen Linear's input gradient, in weight's dtype (layout_matmul on
+    the rows)."""
+    rows = grad_out.reshape(-1, grad_out.shape[-1])
+    return layout_matmul(rows, weight).reshape(*grad_out.shape[:-1], weight.shape[1])
+
+
 def needs_backward(x: torch.Tensor) -> bool:
     """True where a frozen quantized Linear's input will get a gradient: only then does its weight
     need dequantizing again in backward (DequantizedLinearFunction); otherwise plain ops save nothing."""
@@ -40,8 +80,7 @@ class DequantizedLinearFunction(torch.autograd.Function):
     def backward(ctx, grad_out):
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w = ctx.dequantize(*ctx.args)
-            grad_x = grad_out.to(w.dtype) @ w
+            grad_x = input_gradient(grad_out, ctx.dequantize(*ctx.args))
         return (grad_x, None, None) + (None,) * len(ctx.args)
 
 
@@ -63,7 +102,7 @@ class DequantizedBmmFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, dequantize, *args):
         ctx.dequantize, ctx.args = dequantize, args
-        return torch.bmm(x, dequantize(*args))
+        return layout_matmul(x, dequantize(*args))
 
     @staticmethod
     def backward(ctx, grad_out):
@@ -78,5 +117,5 @@ def dequantized_bmm(x: torch.Tensor, dequantize, *args) -> torch.Tensor:
     """torch.bmm(x, dequantize(*args)) for a frozen packed low-bit weight: through DequantizedBmmFunction where x
     needs a gradient, else as plain ops (the same bits). x in the dtype dequantize returns."""
     if not needs_backward(x):
-        return torch.bmm(x, dequantize(*args))
+        return layout_matmul(x, dequantize(*args))
     return DequantizedBmmFunction.apply(x, dequantize, *args)
