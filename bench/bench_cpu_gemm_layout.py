@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import time
 
 import torch
 import torch.nn as nn
@@ -71,7 +72,8 @@ def bench_gemms(args):
         t = {k: median(v["times"]) for k, v in res.items()}
         print(f"[{name}: [{tokens}, {fan_in}] -> {fan_out}, forward + input gradient]")
         for k, s in t.items():
-            print(f"  {k:12s} {s * 1e3:9.1f} ms  {flops / s / 1e9:6.2f} GFLOPS  (x{s / t['bf16 copy']:.2f} of bf16 copy)")
+            print(f"  {k:12s} {s * 1e3:9.1f} ms  {flops / s / 1e9:6.2f} GFLOPS  "
+                  f"(x{s / t['bf16 copy']:.2f} of bf16 copy)")
 
 
 def bench_step(args):
@@ -102,14 +104,13 @@ def main(argv=None):
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--double", type=int, default=1)
     p.add_argument("--single", type=int, default=1)
-    p.add_argument("--qwen-blocks", type=int, default=1)
     p.add_argument("--image-tokens", type=int, default=64)
     p.add_argument("--text-tokens", type=int, default=16)
     args = p.parse_args(argv)
     torch.set_num_threads(1)
-    args.clock = __import__("time").thread_time
+    args.clock = time.thread_time
     native = dq.native_cpu_matmul(torch.bfloat16)
-    print(f"{machine_summary()}; torch {torch.__version__}; ONEDNN_MAX_CPU_ISA="
+    print(f"{machine_summary()}; ONEDNN_MAX_CPU_ISA="
           f"{os.environ.get('ONEDNN_MAX_CPU_ISA', '(unset)')}; native bf16 GEMMs: {native}"
           + f" (the trainer runs bf16 {'plain' if native else 'copy'} here)")
     if "gemm" in args.parts:

@@ -79,7 +79,8 @@ def test_float32_and_non_cpu_products_are_left_as_they_are(monkeypatch):
 @pytest.mark.skipif(not sys.platform.startswith("linux") or os.uname().machine != "x86_64", reason="x86 oneDNN ISA")
 def test_the_probe_reads_onednns_isa_as_an_avx2_only_cpu_would():
     """ONEDNN_MAX_CPU_ISA=AVX2 (what an AVX2-only CPU gives oneDNN) makes bf16 a fallback dtype at import."""
-    code = "from library.precision.dequantized_linear import NATIVE_CPU_GEMMS as n; import torch; print(n[torch.bfloat16])"
+    code = ("from library.precision.dequantized_linear import NATIVE_CPU_GEMMS as n; import torch; "
+            "print(n[torch.bfloat16])")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -215,8 +215,8 @@ class DiffusionTask:
         self.stored_precision, self.widened_precision = check_before_caching(args, self.family)
         self._say_unreferenced_samples()
         self._say_idle_block_swap()
-        self._say_slow_cpu_compute()
         self.compute_dtype = compute_dtype(args)
+        self._say_slow_cpu_compute()
         self.blueprint = load_dataset_config(args.dataset_config)
         self._refuse_output_in_image_dirs()
         limit = self.family.caption_token_limit(args)  # captions and sample prompts, as the text encoder counts them
