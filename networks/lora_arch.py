@@ -42,8 +42,9 @@ def _marker_groups(files: dict[str, LoRAFiles]) -> dict[str, tuple[tuple[str, ..
     """Base arch -> (the markers of it and of the architectures that share its names, their titles)."""
     groups: dict[str, tuple[tuple[str, ...], list[str]]] = {}
     for arch, f in files.items():
-        markers, titles = groups.get(base_arch(arch), ((), []))
-        groups[base_arch(arch)] = (markers + f.markers, titles + [arch_spec(arch).title])
+        base = base_arch(arch)
+        markers, titles = groups.get(base, ((), []))
+        groups[base] = (markers + f.markers, titles + [arch_spec(arch).title])
     return groups
 
 
@@ -124,8 +125,8 @@ def arch_of(modules: list[str]) -> tuple[str, str | None]:
 def other_holders(arch: str, modules: list[str]) -> list[str]:
     """The base architectures other than `arch`'s whose Linears hold every module named too (names both have: a
     language model's decoder layers), for a LoRA whose names `arch`'s info_markers matched."""
-    bases = (base_arch(a) for a in archs_holding(modules))
-    return list(dict.fromkeys(b for b in bases if b != base_arch(arch)))
+    base, bases = base_arch(arch), (base_arch(a) for a in archs_holding(modules))
+    return list(dict.fromkeys(b for b in bases if b != base))
 
 
 def archs_holding(modules: list[str]) -> list[str]:

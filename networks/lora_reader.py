@@ -562,8 +562,9 @@ def shared_shapes_note(name: str, tensors: dict, metadata: dict[str, str], arch:
         return None
     modules = list(dict.fromkeys(module_of_key(k) for k in tensors))
     widths = down_widths(tensors)
+    base = base_arch(arch)
     others = list(dict.fromkeys(base_arch(a) for a in archs_holding(modules)
-                                  if base_arch(a) != base_arch(arch) and fitted_releases(a, widths)))
+                                if base_arch(a) != base and fitted_releases(a, widths)))
     if not others or not fitted_releases(arch, widths):
         return None
     blocks = sum(info_block_counts(widths, arch).values())
