@@ -47,8 +47,11 @@ def layout_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def input_gradient(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """grad_out [..., out] @ weight [out, in]: a frozen Linear's input gradient, in weight's dtype (layout_matmul on
-    the rows)."""
+    """grad_out [..., out] @ weight [out, in]: a frozen Linear's input gradient, in weight's dtype. Where the product
+    is native, matmul as it is (its own fold into rows: the ops a plain Linear's backward takes); elsewhere
+    layout_matmul on the rows (a column-major copy of a 3-D grad_out would be undone by matmul's fold)."""
+    if grad_out.device.type != "cpu" or native_cpu_matmul(weight.dtype):
+        return grad_out.to(weight.dtype) @ weight
     rows = grad_out.reshape(-1, grad_out.shape[-1])
     return layout_matmul(rows, weight).reshape(*grad_out.shape[:-1], weight.shape[1])
 
