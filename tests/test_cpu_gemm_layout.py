@@ -10,9 +10,12 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
+
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from library.precision import dequantized_linear as dq, fp8
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)
 
@@ -83,24 +86,40 @@ def test_the_probe_reads_onednns_isa_as_an_avx2_only_cpu_would():
             "print(n[torch.bfloat16])")
     env = {**os.environ, "ONEDNN_MAX_CPU_ISA": "AVX2"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True,
-                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+                         cwd=ROOT)
     assert out.stdout.strip() == "False"
 
 
 @pytest.mark.parametrize("native", [True, False])
-def test_bf16_compute_on_a_cpu_without_native_gemms_is_said_before_caching(monkeypatch, capsys, native):
-    """The run says in one line that float32 compute is the faster one on such a CPU; nothing on a native one."""
+def test_bf16_compute_on_a_cpu_without_native_gemms_is_said(monkeypatch, native):
+    """One line says float32 compute is the faster one on such a CPU; nothing on a native one or off the CPU."""
     from types import SimpleNamespace
 
-    from library.training.diffusion_task import DiffusionTask
+    from library.training.config import slow_cpu_compute_line
 
     monkeypatch.setitem(dq.NATIVE_CPU_GEMMS, torch.bfloat16, native)
     args = SimpleNamespace(mixed_precision="bf16", key_origins={"mixed_precision": "run.toml"}, config_file="run.toml")
-    task = SimpleNamespace(args=args, compute_dtype=torch.bfloat16, device=torch.device("cpu"),
-                           accelerator=SimpleNamespace(print=print))
-    DiffusionTask._say_slow_cpu_compute(task)
-    err = capsys.readouterr().err
-    assert (err == "") == native
+    line = slow_cpu_compute_line(args, torch.device("cpu"))
+    assert (line is None) == native and slow_cpu_compute_line(args, torch.device("meta")) is None
     if not native:
-        assert err.startswith('run.toml: mixed_precision = "bf16" on a CPU without native bf16 matrix products')
-        assert '"no" (float32 compute) is the fastest here' in err
+        assert line.startswith('run.toml: mixed_precision = "bf16" on a CPU without native bf16 matrix products')
+        assert line.endswith('"no" (float32 compute) is the fastest here')
+    assert slow_cpu_compute_line(SimpleNamespace(mixed_precision="no"), torch.device("cpu")) is None
+
+
+def test_both_trainers_say_it_before_reading_data(monkeypatch, capsys, tiny_set, tmp_path):
+    """The diffusion and the LLM trainer print the line (bf16 taken as not native here) and train on: each stops
+    at its first refusal of the data, after the line."""
+    import train_lora
+
+    monkeypatch.setitem(dq.NATIVE_CPU_GEMMS, torch.bfloat16, False)
+    missing = str(tmp_path / "missing.toml")
+    runs = (["--config_file", os.path.join(ROOT, "configs", "quickstart.toml"), "--pretrained_model_name_or_path",
+             tiny_set["flux_bfl"], "--ae", tiny_set["flux_vae_single"], "--clip_l", tiny_set["clip_l"], "--t5xxl",
+             tiny_set["t5xxl"], "--dataset_config", missing, "--output_dir", str(tmp_path / "a")],
+            ["--model_type", "llm", "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data",
+             str(tmp_path / "missing.txt"), "--output_dir", str(tmp_path / "b")])
+    for argv in runs:
+        assert train_lora.main([*argv, "--mixed_precision", "bf16"]) != 0
+        err = capsys.readouterr().err
+        assert 'mixed_precision = "bf16" on a CPU without native bf16 matrix products' in err, err

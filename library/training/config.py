@@ -44,6 +44,20 @@ def compute_dtype(args) -> torch.dtype:
     return {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[args.mixed_precision]
 
 
+def slow_cpu_compute_line(args, device) -> str | None:
+    """One line for bf16 / fp16 compute on a CPU without native GEMMs in that dtype (precision/dequantized_linear.py):
+    a quantized base's products take the fallback's fast layout, yet float32 runs them faster; a plain base's
+    backward cannot (autograd's own product). None elsewhere. Both trainers say it before caching or reading data."""
+    from library.precision.dequantized_linear import native_cpu_matmul
+
+    mp = args.mixed_precision
+    if device.type != "cpu" or native_cpu_matmul(compute_dtype(args)):
+        return None
+    return (f"{where_set(args, 'mixed_precision')}: mixed_precision = \"{mp}\" on a CPU without native {mp} matrix "
+            f"products (oneDNN needs AVX-512{' FP16' if mp == 'fp16' else ''}): a quantized base's step runs ~1.1x "
+            f"float32's, a {mp} base's backward ~20x slower; \"no\" (float32 compute) is the fastest here")
+
+
 def _fp8_keys_precision(args) -> str:
     return ("fp8_scaled" if args.fp8_scaled else "fp8") if args.fp8_base else "bf16"
 

@@ -35,7 +35,8 @@ from library.data.prompts import (NegativePrompt, SamplePrompt, default_sample_s
 from library.training import fsdp, memory_plan, preservation
 from library.training.host_memory import release_freed_memory
 from library.training.config import (ConfigError, base_precision, check_fp8_compute_layout, check_stored_precision,
-                                     compute_dtype, lora_network_args, network_modules_from, where_set)
+                                     compute_dtype, lora_network_args, network_modules_from, slow_cpu_compute_line,
+                                     where_set)
 from library.training.config_schema import KEEPING_KEYS, SCHEMA
 from library.training.run_length import check_planned_steps, plan_steps
 from library.training.lora_inputs import (check_lora_inputs, check_network_fits, check_network_settings,
@@ -216,7 +217,8 @@ class DiffusionTask:
         self._say_unreferenced_samples()
         self._say_idle_block_swap()
         self.compute_dtype = compute_dtype(args)
-        self._say_slow_cpu_compute()
+        if line := slow_cpu_compute_line(args, self.device):
+            self.accelerator.print(line, file=sys.stderr)
         self.blueprint = load_dataset_config(args.dataset_config)
         self._refuse_output_in_image_dirs()
         limit = self.family.caption_token_limit(args)  # captions and sample prompts, as the text encoder counts them
@@ -280,20 +282,6 @@ class DiffusionTask:
             self.accelerator.print(f"{where_set(self.args, 'blocks_to_swap')}: blocks_to_swap = "
                                    f"{self.args.blocks_to_swap} on the CPU saves no memory (its weights are in host "
                                    f"memory either way) and costs time every step; 0 trains the same", file=sys.stderr)
-
-    def _say_slow_cpu_compute(self):
-        """bf16 / fp16 compute on a CPU without native GEMMs in that dtype (precision/dequantized_linear.py): a
-        quantized base's products take the fallback's fast layout, yet float32 runs them faster; a bf16 base's
-        backward cannot (autograd's own product): said before caching."""
-        from library.precision.dequantized_linear import native_cpu_matmul
-
-        mp, dtype = self.args.mixed_precision, self.compute_dtype
-        if self.device.type == "cpu" and not native_cpu_matmul(dtype):
-            self.accelerator.print(f"{where_set(self.args, 'mixed_precision')}: mixed_precision = \"{mp}\" on a CPU "
-                                   f"without native {mp} matrix products (oneDNN needs AVX-512"
-                                   f"{' FP16' if mp == 'fp16' else ''}): a quantized base's step runs ~1.1x float32's, "
-                                   f"a {mp} base's backward ~20x slower; \"no\" (float32 compute) is the fastest "
-                                   f"here", file=sys.stderr)
 
     def _read_images(self, limit: TokenLimit | None, largest: tuple[int, int] | None) -> tuple[ImageDataset, ImageDataset]:
         """(training set, validation set): the validation_split share of each subset and every

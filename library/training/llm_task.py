@@ -20,6 +20,7 @@ import json
 import math
 import os
 import random
+import sys
 import warnings
 from typing import Callable
 
@@ -39,7 +40,7 @@ from library.models.llm_lora_files import nested_path, nests_language_model, pef
 from library.data.tokenizer import load_tokenizer
 from library.io import append_csv_row
 from library.training.config import (ConfigError, base_precision, check_stored_precision, compute_dtype, lora_formats,
-                                     lora_network_args, network_modules_from)
+                                     lora_network_args, network_modules_from, slow_cpu_compute_line)
 from library.training.lora_inputs import (check_lora_inputs, check_network_fits, check_network_settings,
                                           load_network_weights)
 from library.training.optim import drop_rows_after
@@ -157,6 +158,8 @@ class LLMTask:
         self._epochs_shuffled: dict[int, list[list[int]]] = {}  # _global_batches' shuffles
         self._step_tokens: tuple = (None, {})  # loss_weight's (step, trained tokens per batch and process)
         self.dtype = compute_dtype(args)
+        if line := slow_cpu_compute_line(args, self.device):
+            accelerator.print(line, file=sys.stderr)
         # Pretraining keeps fp32 master weights and computes in self.dtype under autocast (bf16
         # weights round most small AdamW updates away; a GradScaler refuses fp16 gradients); the
         # residual stream then stays fp32, as in torch AMP. A LoRA's frozen base is stored in self.dtype.

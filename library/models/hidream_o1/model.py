@@ -22,7 +22,8 @@ the tms token its last real one: the family checks the tokenizer's tms id agains
 up to the batch's longest, the h x w image patches]. Positions: the text's 0..T-1 on the three M-RoPE axes, the patch
 at (r, c) (4096, 4096 + r, 4096 + c) whatever T is (musubi's get_rope_index_fix_point with fix point 4096).
 Attention: the text before tms is causal over its real tokens; tms and every patch (the "gen" rows) see every real
-key; pads are no key. The prediction is x0, the clean patch pixels, read at the image positions. Time: the model's t = 1 - sigma (1 = clean).
+key; pads are no key. The prediction is x0, the clean patch pixels, read at the image positions. Time: the model's
+t = 1 - sigma (1 = clean).
 
 Precision (shared/DESIGN.md): positions are int64 and their RoPE tables float32 from float64 angles
 (llm.mrope_tables_per_axis, through core.rope_tables), computed per forward, never a buffer; the peers compute the
