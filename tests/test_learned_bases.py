@@ -111,20 +111,21 @@ def test_pretrainer_draws_sigmas_as_the_learned_base_says(monkeypatch):
 
 def test_concept_demo_on_a_family_without_a_learned_base_is_one_line(tiny_set, tmp_path, capsys):
     """encode_prompts read the learned base's encoder settings from arch_spec(family.arch).learned, "" for
-    Z-Image: "error: Empty module name". Now learned_spec's line, naming the families that have one."""
+    Z-Image then (Chroma now): "error: Empty module name". Now learned_spec's line, naming the families that have
+    one."""
     import json
 
     from tools import concept_demo
     from tools.make_tiny_models import tiny_config
 
-    config = tmp_path / "zimage.toml"
-    config.write_text(tiny_config("zimage", tiny_set, output_dir=str(tmp_path / "out")))
+    config = tmp_path / "chroma.toml"
+    config.write_text(tiny_config("chroma", tiny_set, output_dir=str(tmp_path / "out")))
     concept = tmp_path / "concept.json"
     concept.write_text(json.dumps({"trigger": "zxq", "colour": "purple", "shape": "star", "unrelated_prompts": [],
                                    "trigger_prompts": ["a small zxq on the left, white background"]}))
     assert concept_demo.main(["--config_file", str(config), "--concept", str(concept),
                               "--lora", str(tmp_path / "lora.safetensors")]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: model_type 'zimage' has no learned tiny base: expected one of "
+    assert capsys.readouterr().err.strip() == (f"error: model_type 'chroma' has no learned tiny base: expected one of "
                                                f"{', '.join(learned_families())}")
 
 

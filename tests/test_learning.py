@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 10 kept (134 s with the caching and the renders at a load of 4-7).
 FAST = {"flux": (60, 0.6, 0.7), "qwen_image": (120, 0.35, 0.5), "flux2": (120, 0.3, 0.5), "flux3": (60, 0.6, 0.7),
         "ernie_image": (120, 0.4, 0.5), "nucleus_image": (120, 0.5, 0.5), "anima": (120, 0.5, 0.5),
-        "lumina2": (60, 0.5, 0.7), "sd3": (60, 0.5, 0.7), "hidream": (60, 0.5, 0.7)}
+        "lumina2": (60, 0.5, 0.7), "sd3": (60, 0.5, 0.7), "hidream": (60, 0.5, 0.7), "zimage": (60, 0.5, 0.7)}
 # The share of the trigger prompts the base may render as a purple star before the LoRA (by chance: the base never
 # saw purple or a star): 0.1, and Anima's bf16 base 2 of 18 (its two at seed 42; its fp8_scaled base 0 of 18).
 BEFORE_AT_MOST = {"anima": 2 / 18}

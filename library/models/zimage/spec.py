@@ -158,6 +158,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.zimage.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.zimage.learned:LEARNED",  # the learned tiny base (learned.py; learned/zimage/)
     default_config="zimage.toml",
     config_keys=CONFIG_KEYS,
     sample_steps={"turbo": 8, "base": 50, "omni": 50},  # ZImagePipeline / ZImageOmniPipeline; Turbo's card: 8 steps
