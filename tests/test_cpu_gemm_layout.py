@@ -10,7 +10,6 @@ import sys
 import pytest
 import torch
 import torch.nn as nn
-
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from library.precision import dequantized_linear as dq, fp8
