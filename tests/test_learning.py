@@ -17,32 +17,12 @@ from tools.concept_demo import concept_demo
 from tools.learned_base import learned_families, learned_paths, learned_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Fast settings per family: AdamW at 3e-3 on the bf16 (fp32-compute) base, rank 8, batch 8 (concept + reg
-# images, make_tiny_dataset's concept set), each family's quickstart otherwise: (steps, share of the
-# trigger prompts rendered with the concept after training, share of the unrelated prompts the base
-# renders right still right with the LoRA).
-# Measured (2026-11-25, the shipped bases, 2 threads): FLUX.1, 60 steps: 0/18 before, 15/18 after, 10 of
-# 10 unrelated kept; flipped flow target 0/18. Qwen-Image (a weaker VAE at these widths; the base
-# regenerated 2026-11-25), 120 steps: 13/18 after, 8 of 10 kept. (With 10 regularisation images instead
-# of 200 and the previous Qwen-Image base, 2026-11-24: FLUX.1 15/18 and 9 of 10 kept; Qwen-Image 9/18
-# and 6 of 10 kept.) FLUX.2 (2026-12-01), 120 steps: 10/18, 9 of 11 kept. FLUX.3 (2026-12-01, its base at 194/216),
-# 60 steps: 0/18 before, 13/18 after, 10 of 10 kept (training seeds 1, 2, 3: 14, 14, 13 after, 9 of 10 kept; 40
-# steps 11/18, 120 steps 12/18); flipped flow target 0/18 (60 and 120 steps). ERNIE-Image (2026-12-01, its base at
-# 166/216), 120 steps: 0/18 before, 10/18 after, 8 of 10 kept (60 steps: 7/18, 9 of 10 kept); flipped 0/18.
-# Nucleus-Image (2026-12-01, its base at 189/216), 120 steps: 0/18 before, 14/18 after, 9 of 11 kept (40 steps: 12/18,
-# 7 of 11 kept; 60 steps: 16/18, 6 of 11 kept); flipped, 60 steps: 2/18. Anima (2026-12-02, its base at 187/216),
-# 120 steps: 2/18 before, 14/18 after, 9 of 9 kept (60 steps: 15/18, 6 of 9 kept). Lumina 2 (2026-12-02, its base at
-# 193/216), 60 steps: 0/18 before, 15/18 after, 9 of 10 kept (training seeds 1, 2, 3: 11, 11, 14 after, 9 of 10 kept;
-# 120 steps 10/18, 10 of 10 kept). SD3 (2026-12-02, its 1000-step base at 169/216), 60 steps: 0/18 before, 16/18 after,
-# 8 of 10 kept (training seeds 1, 2, 3: 11, 15, 12 after, 8, 8, 9 of 10 kept; 120 steps 17/18, 8 of 10 kept).
-# HiDream-I1 (2026-12-02, its 1000-step base at 192/216; a loaded machine), 60 steps: 0/18 before, 13/18 after, 10 of
-# 10 kept (134 s with the caching and the renders at a load of 4-7).
-FAST = {"flux": (60, 0.6, 0.7), "qwen_image": (120, 0.35, 0.5), "flux2": (120, 0.3, 0.5), "flux3": (60, 0.6, 0.7),
-        "ernie_image": (120, 0.4, 0.5), "nucleus_image": (120, 0.5, 0.5), "anima": (120, 0.5, 0.5),
-        "lumina2": (60, 0.5, 0.7), "sd3": (60, 0.5, 0.7), "hidream": (60, 0.5, 0.7), "zimage": (60, 0.5, 0.7)}
-# The share of the trigger prompts the base may render as a purple star before the LoRA (by chance: the base never
-# saw purple or a star): 0.1, and Anima's bf16 base 2 of 18 (its two at seed 42; its fp8_scaled base 0 of 18).
-BEFORE_AT_MOST = {"anima": 2 / 18}
+# Fast settings per family (spec.LearnedBase.learning_test; each family's learned.py says what it measured): AdamW at
+# 3e-3 on the bf16 (fp32-compute) base, rank 8, batch 8 (concept + reg images, make_tiny_dataset's concept set), each
+# family's quickstart otherwise: (steps, share of the trigger prompts rendered with the concept after training, share
+# of the unrelated prompts the base renders right still right with the LoRA). LearnedBase.before_at_most: the share
+# of the trigger prompts the base may render as a purple star before the LoRA (by chance: it never saw purple or a
+# star).
 
 # Every family with a learned base: its files ship in learned/ (a missing one fails, it is not skipped).
 BASES = learned_families()
@@ -96,7 +76,8 @@ def learn(concept_set, out, model_type: str, network_args: tuple[str, ...] = ())
     overrides = [f"--{k}={v}" for k, v in learned_paths(model_type).items()] + [
         "--dataset_config", concept_set["concept_dataset_config"], "--output_dir", str(out),
         "--fp8_base", "false", "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "3e-3",
-        "--max_train_steps", str(FAST[model_type][0]), "--sample_prompts", "", "--sample_at_first", "false",
+        "--max_train_steps", str(learned_spec(model_type).learning_test[0]),
+        "--sample_prompts", "", "--sample_at_first", "false",
         "--save_every_n_steps", "0", "--cache_latents_to_disk", "true", "--cache_text_encoder_outputs_to_disk", "true"]
     if network_args:
         overrides += ["--network_args", *network_args]
@@ -108,8 +89,9 @@ def learn(concept_set, out, model_type: str, network_args: tuple[str, ...] = ())
 @pytest.mark.parametrize("model_type", BASES)
 def test_lora_teaches_the_concept(concept_set, each_base_rendered_once, tmp_path, model_type):
     result = learn(concept_set, tmp_path, model_type)
-    n, (_, threshold, kept) = result["trigger_prompts"], FAST[model_type]
-    assert result["before"] / n <= BEFORE_AT_MOST.get(model_type, 0.1), result
+    learned = learned_spec(model_type)
+    n, (_, threshold, kept) = result["trigger_prompts"], learned.learning_test
+    assert result["before"] / n <= learned.before_at_most, result
     assert result["after"] / n >= threshold, result
     assert result["unrelated_kept"] >= kept * result["unrelated_right_before"], result
 
@@ -123,7 +105,7 @@ def test_flipped_flow_target_does_not_teach_it(concept_set, each_base_rendered_o
     monkeypatch.setattr(flow_matching, "flow_target", lambda x0, noise: -real(x0, noise))
     assert torch.equal(flow_matching.flow_target(torch.zeros(1), torch.ones(1)), -torch.ones(1))
     result = learn(concept_set, tmp_path, model_type)
-    assert result["after"] / result["trigger_prompts"] < FAST[model_type][1], result
+    assert result["after"] / result["trigger_prompts"] < learned_spec(model_type).learning_test[1], result
 
 
 def test_a_lora_of_the_packed_experts_alone_teaches_the_concept(concept_set, each_base_rendered_once, tmp_path):

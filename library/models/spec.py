@@ -350,6 +350,11 @@ class LearnedBase:
     # 16 tokens, where a render's layout is decided (its learned.py says what it measured)
     dit_sampling: str = ""
     dit_shift: float = 3.0
+    # tests/test_learning.py's concept LoRA on this base (AdamW at 3e-3, rank 8, the bf16 base, fp32 compute):
+    # (steps, share of the trigger prompts rendered with the concept after at least, share of the unrelated prompts
+    # the base renders right kept right at least); the learned.py says what it measured
+    learning_test: tuple[int, float, float] = (60, 0.5, 0.7)
+    before_at_most: float = 0.1  # share of the trigger prompts the base may render as the concept by chance
 
 
 # ----------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import os
 import torch
 
 from library.models import spec as S
-from library.models.qwen_image.learned import LEARNED as QWEN_IMAGE_LEARNED
+from library.models.qwen_image.learned import VAE_RECIPE as QWEN_IMAGE_VAE_RECIPE
 
 DIT = dict(hidden_size=128, num_heads=4, num_blocks=4, adaln_lora_dim=64, text_dim=64, adapter_layers=2,
            adapter_dim=64, adapter_heads=2, min_text_len=64)
@@ -69,19 +69,20 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_anima_single_file, save_anima_diffusers, "")
 
 
-_HERE, _QWEN_IMAGE = "library.models.anima.learned:", "library.models.qwen_image.learned:"
+_HERE = "library.models.anima.learned:"
 LEARNED = S.LearnedBase(
     files=(("pretrained_model_name_or_path", "anima-learned.safetensors"), ("ae", "vae"),
            ("text_encoder", "text_encoder")),
     family=_HERE + "family",
     write_text_encoders=_HERE + "write_text_encoders",
-    new_vae=_QWEN_IMAGE + "new_vae", save_vae=_QWEN_IMAGE + "save_vae",
     new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_anima.toml",
-    # Qwen-Image's VAE recipe whole: its learning rate, steps and compiled loss (qwen_image/learned.py says why)
-    vae_lr=QWEN_IMAGE_LEARNED.vae_lr,
-    vae_steps=QWEN_IMAGE_LEARNED.vae_steps,
-    compile_vae=QWEN_IMAGE_LEARNED.compile_vae,
+    # tests/test_learning.py's concept LoRA, measured (2026-12-02, the base at 187/216), 120 steps: 2/18 before, 14/18
+    # after, 9 of 9 kept (60 steps: 15/18, 6 of 9 kept). The bf16 base renders 2 of the 18 trigger prompts as a purple
+    # star before (its two at seed 42; the fp8_scaled base 0 of 18).
+    learning_test=(120, 0.5, 0.5),
+    before_at_most=2 / 18,
+    **QWEN_IMAGE_VAE_RECIPE,  # its VAE recipe whole: class, files, learning rate, steps, compiled loss
     # The family's own draw (anima_shift, k = 3: time_shift(ln 3) of the sigmoid draw, s' = 3 s / (1 + 2 s)) is the
     # "shift" draw at 3 that Nucleus-Image's base needed: no override. Measured (2026-12-01, seed 0, 2 threads under
     # a load of ~6 then ~2, the VAE reused): 2000 steps (the shipped base; 718 s wall) colour 100%, shape 87%,

@@ -82,4 +82,6 @@ LEARNED = S.LearnedBase(
     write_text_encoders=_HERE + "write_text_encoders", new_vae=_HERE + "new_vae", save_vae=_HERE + "save_vae",
     new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_flux2.toml",
+    # tests/test_learning.py's concept LoRA, measured (2026-12-01), 120 steps: 10/18 after, 9 of 11 kept.
+    learning_test=(120, 0.3, 0.5),
 )

@@ -27,7 +27,7 @@ import os
 import torch
 
 from library.models import spec as S
-from library.models.flux1.learned import LEARNED as FLUX1_LEARNED
+from library.models.flux1.learned import VAE_RECIPE as FLUX1_VAE_RECIPE
 
 DOUBLE, SINGLE = 2, 2  # blocks (released 16 + 32)
 # T5's and Llama's tokens: the tokenizers' model_max_length, which the pipeline's min(max_sequence_length 128,
@@ -94,19 +94,18 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_hidream_single_file, save_hidream_diffusers)
 
 
-_HERE, _FLUX1 = "library.models.hidream.learned:", "library.models.flux1.learned:"
+_HERE = "library.models.hidream.learned:"
 LEARNED = S.LearnedBase(
     files=(("pretrained_model_name_or_path", "hidream-learned.safetensors"), ("ae", "ae.safetensors"),
            ("clip_l", "text_encoder"), ("clip_g", "text_encoder_2"), ("t5xxl", "text_encoder_3"), ("llama", "llama")),
     family=_HERE + "family",
     write_text_encoders=_HERE + "write_text_encoders",
-    new_vae=_FLUX1 + "new_vae", save_vae=_FLUX1 + "save_vae",
     new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_hidream.toml",
-    # FLUX.1's VAE recipe whole: its learning rate, steps and (no) compiled loss
-    vae_lr=FLUX1_LEARNED.vae_lr,
-    vae_steps=FLUX1_LEARNED.vae_steps,
-    compile_vae=FLUX1_LEARNED.compile_vae,
+    # tests/test_learning.py's concept LoRA, measured (2026-12-02, the 1000-step base at 192/216; a loaded machine), 60
+    # steps: 0/18 before, 13/18 after, 10 of 10 kept (134 s with the caching and the renders at a load of 4-7).
+    learning_test=(60, 0.5, 0.7),
+    **FLUX1_VAE_RECIPE,  # its VAE recipe whole: class, files, learning rate, steps, compiled loss
     # The family's own draw (hidream_shift, k = 3: sigmoid(randn) shifted to 3 s / (1 + 2 s)) favours the high-noise
     # sigmas where a 16-token render's layout is decided: no dit_sampling override. Measured (2026-12-02, seed 0, the
     # VAE and encoders reused, 1 thread, 2 cores shared with other sessions at a load of 4-7): 1000 steps at batch 32

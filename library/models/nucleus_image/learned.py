@@ -27,7 +27,7 @@ import math
 import torch
 
 from library.models import spec as S
-from library.models.qwen_image.learned import LEARNED as QWEN_IMAGE_LEARNED
+from library.models.qwen_image.learned import VAE_RECIPE as QWEN_IMAGE_VAE_RECIPE
 
 DIT = dict(num_layers=4, attention_head_dim=32, num_attention_heads=4, num_key_value_heads=2,
            axes_dims_rope=(8, 12, 12), dense_moe_strategy="leave_first_block_dense", num_experts=8,
@@ -72,18 +72,17 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_nucleus_image_diffusers(sd, model.config, paths["pretrained_model_name_or_path"])
 
 
-_HERE, _QWEN_IMAGE = "library.models.nucleus_image.learned:", "library.models.qwen_image.learned:"
+_HERE = "library.models.nucleus_image.learned:"
 LEARNED = S.LearnedBase(
     files=(("pretrained_model_name_or_path", "transformer"), ("ae", "vae"), ("text_encoder", "text_encoder")),
     family=_HERE + "family",
     write_text_encoders=_HERE + "write_text_encoders",
-    new_vae=_QWEN_IMAGE + "new_vae", save_vae=_QWEN_IMAGE + "save_vae",
     new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_nucleus_image.toml",
-    # Qwen-Image's VAE recipe whole: its learning rate, steps and compiled loss (qwen_image/learned.py says why)
-    vae_lr=QWEN_IMAGE_LEARNED.vae_lr,
-    vae_steps=QWEN_IMAGE_LEARNED.vae_steps,
-    compile_vae=QWEN_IMAGE_LEARNED.compile_vae,
+    # tests/test_learning.py's concept LoRA, measured (2026-12-01, the base at 189/216), 120 steps: 0/18 before, 14/18
+    # after, 9 of 11 kept (40 steps: 12/18, 7 of 11 kept; 60 steps: 16/18, 6 of 11 kept); flipped, 60 steps: 2/18.
+    learning_test=(120, 0.5, 0.5),
+    **QWEN_IMAGE_VAE_RECIPE,  # its VAE recipe whole: class, files, learning rate, steps, compiled loss
     # The transformer's sigmas: the sigmoid draw shifted by 3, not the family's default (nucleus_shift: the sigmoid draw
     # unshifted, as released at shift 1.0), which draws few of the high-noise sigmas where a 16-token render's layout
     # is decided. Measured (2026-12-01, 2000 steps, seed 0, 2 threads): unshifted 44 of 216 base prompts right

@@ -156,28 +156,33 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
 
 
 _HERE = "library.models.qwen_image.learned:"
+# The VAE recipe whole (its class and files, learning rate, steps, compiled loss): a family that ships Qwen-Image's
+# VAE spreads it into its LearnedBase, so the pretrainer trains the same bytes as learned/qwen_image/vae.
+# The Qwen-Image VAE (RMS norms over channels, causal 3-D convolutions) is slower to fit at these widths
+# than FLUX.1's AutoencoderKL. Measured (seed 0, 1 thread): 1.5e-3 for 800 steps gave grey blobs; 3e-3
+# for 2000 steps reconstructs colour and shape right in 188 of 360 scenes, for 4000 steps in 320 (the
+# shipped base); base_dim 12 at 1.5e-3 and two residual blocks at 3e-3 trailed (0.14 / 0.46 at step 1200).
+# With ImageQwenVAE's single-frame path (2 threads): 4000 steps 553 s; 6e-3 for 2000 steps 140 / 360;
+# batch 8 for 4000 steps 269 / 360 (338 s).
+# torch.compile fuses the norms, SiLUs and the residual adds around the tiny convolutions: a step
+# 0.125 -> 0.078 s (2 threads, batch 16) for ~50 s of compiling; FLUX.1's GroupNorm VAE gains 10%
+# (0.104 -> 0.093 s), less than its compile costs over 1500 steps. Compiled (2 threads, one run each):
+# 4000 steps 300 / 360 scenes reconstructed right, base 166 / 216; 5000 steps (428 s) 336 / 360, base
+# 185 / 216 (the eager 4000-step one before it: 342 / 360, 177 / 216, 553 s).
+# one_frame_init (the causal kernels at Conv2d's init) fits faster: 3500 steps (281 s warm, 329 s cold)
+# 317 / 360, MSE 0.0061, base 183 / 216, its quickstart 14 / 18 (the shipped base; 5000 steps without
+# it: 333 / 360, 0.0049 read the same way, 185 / 216, 12 / 18); 3000 steps: base 164 / 216.
+VAE_RECIPE = dict(new_vae=_HERE + "new_vae", save_vae=_HERE + "save_vae", vae_lr=3e-3, vae_steps=3500, compile_vae=True)
 LEARNED = S.LearnedBase(
     files=(("pretrained_model_name_or_path", "transformer"), ("ae", "vae"), ("text_encoder", "text_encoder")),
-    family=_HERE + "family", write_text_encoders=_HERE + "write_text_encoders", new_vae=_HERE + "new_vae",
-    save_vae=_HERE + "save_vae", new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
+    family=_HERE + "family", write_text_encoders=_HERE + "write_text_encoders",
+    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_qwen_image.toml",
-    # The Qwen-Image VAE (RMS norms over channels, causal 3-D convolutions) is slower to fit at these widths
-    # than FLUX.1's AutoencoderKL. Measured (seed 0, 1 thread): 1.5e-3 for 800 steps gave grey blobs; 3e-3
-    # for 2000 steps reconstructs colour and shape right in 188 of 360 scenes, for 4000 steps in 320 (the
-    # shipped base); base_dim 12 at 1.5e-3 and two residual blocks at 3e-3 trailed (0.14 / 0.46 at step 1200).
-    # With ImageQwenVAE's single-frame path (2 threads): 4000 steps 553 s; 6e-3 for 2000 steps 140 / 360;
-    # batch 8 for 4000 steps 269 / 360 (338 s).
-    # torch.compile fuses the norms, SiLUs and the residual adds around the tiny convolutions: a step
-    # 0.125 -> 0.078 s (2 threads, batch 16) for ~50 s of compiling; FLUX.1's GroupNorm VAE gains 10%
-    # (0.104 -> 0.093 s), less than its compile costs over 1500 steps. Compiled (2 threads, one run each):
-    # 4000 steps 300 / 360 scenes reconstructed right, base 166 / 216; 5000 steps (428 s) 336 / 360, base
-    # 185 / 216 (the eager 4000-step one before it: 342 / 360, 177 / 216, 553 s).
-    # one_frame_init (the causal kernels at Conv2d's init) fits faster: 3500 steps (281 s warm, 329 s cold)
-    # 317 / 360, MSE 0.0061, base 183 / 216, its quickstart 14 / 18 (the shipped base; 5000 steps without
-    # it: 333 / 360, 0.0049 read the same way, 185 / 216, 12 / 18); 3000 steps: base 164 / 216.
-    vae_lr=3e-3,
-    vae_steps=3500,
-    compile_vae=True,
+    # tests/test_learning.py's concept LoRA, measured (2026-11-25, the base regenerated that day, 2 threads; a weaker
+    # VAE at these widths), 120 steps: 13/18 after, 8 of 10 kept (with 10 regularisation images instead of 200 and the
+    # base before, 2026-11-24: 9/18, 6 of 10 kept).
+    learning_test=(120, 0.35, 0.5),
+    **VAE_RECIPE,
 )
 
 
