@@ -111,22 +111,22 @@ def test_pretrainer_draws_sigmas_as_the_learned_base_says(monkeypatch):
 
 def test_concept_demo_on_a_family_without_a_learned_base_is_one_line(tiny_set, tmp_path, capsys):
     """encode_prompts read the learned base's encoder settings from arch_spec(family.arch).learned, "" for
-    Z-Image then (Chroma now): "error: Empty module name". Now learned_spec's line, naming the families that have
-    one."""
+    Z-Image then (HunyuanImage-2.1 now): "error: Empty module name". Now learned_spec's line, naming the families
+    that have one."""
     import json
 
     from tools import concept_demo
     from tools.make_tiny_models import tiny_config
 
-    config = tmp_path / "chroma.toml"
-    config.write_text(tiny_config("chroma", tiny_set, output_dir=str(tmp_path / "out")))
+    config = tmp_path / "hunyuan_image.toml"
+    config.write_text(tiny_config("hunyuan_image", tiny_set, output_dir=str(tmp_path / "out")))
     concept = tmp_path / "concept.json"
     concept.write_text(json.dumps({"trigger": "zxq", "colour": "purple", "shape": "star", "unrelated_prompts": [],
                                    "trigger_prompts": ["a small zxq on the left, white background"]}))
     assert concept_demo.main(["--config_file", str(config), "--concept", str(concept),
                               "--lora", str(tmp_path / "lora.safetensors")]) == 2
-    assert capsys.readouterr().err.strip() == (f"error: model_type 'chroma' has no learned tiny base: expected one of "
-                                               f"{', '.join(learned_families())}")
+    assert capsys.readouterr().err.strip() == ("error: model_type 'hunyuan_image' has no learned tiny base: expected "
+                                               f"one of {', '.join(learned_families())}")
 
 
 def test_the_edit_text_encoder_built_on_the_learned_base_reads_text_as_the_base_does(tmp_path):

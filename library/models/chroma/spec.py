@@ -125,6 +125,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.chroma.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.chroma.learned:LEARNED",  # the learned tiny base (learned.py; learned/chroma/)
     default_config="chroma.toml",
     config_keys=CONFIG_KEYS,
     sample_steps={"chroma": 35},  # ChromaPipeline
