@@ -104,3 +104,32 @@ def test_single_file_and_taps(tiny_files, tmp_path):
     with pytest.raises(CheckpointError, match=r"alone\.safetensors: embedding width 32 is not Qwen3-VL-4B's \(2560\)"):
         load_krea2_text_encoder(alone, tokenizer=tiny_files["krea2_tokenizer"])
     assert KREA2_DROP_TOKENS == 34
+
+
+def test_the_family_checks_its_taps_against_the_transformer_where_there_is_one(tiny_files, tmp_path):
+    """Krea2Family's text encoder taps as many layers as the transformer's text fusion takes, else one line naming
+    the transformer file; with no transformer file yet (tools/pretrain_tiny_base.py encodes the captions of the
+    base it is about to train) the encoder taps model_index.json's layers."""
+    import json
+    from pathlib import Path
+
+    from library.models.krea2.family import Krea2Family
+    from library.models.krea2.tiny import write_krea2
+
+    folder = os.path.dirname(tiny_files["krea2_text_encoder"])
+    transformer = str(tmp_path / "krea2-tiny.safetensors")
+    os.replace(write_krea2(str(tmp_path / "written"), 0)["krea2"], transformer)
+    family = Krea2Family(transformer, None, text_encoder=tiny_files["krea2_text_encoder"])
+    embeds = family.load_text_encoder("fp32", torch.device("cpu"))(["a cat"])[0]["embeds"]
+    assert embeds.shape[1] == len(TEXT_TAPS)
+    index = Path(folder) / "model_index.json"
+    released = index.read_text()
+    try:
+        index.write_text(json.dumps({**json.loads(released), "text_encoder_select_layers": [1, 2]}))
+        with pytest.raises(ValueError, match=rf"{transformer}: the transformer takes 3 text layers per token, the "
+                                             r"text encoder taps 2 \(\[1, 2\]: model_index.json or Krea 2's\)"):
+            Krea2Family(transformer, None, text_encoder=tiny_files["krea2_text_encoder"]).load_text_encoder("fp32")
+        before = Krea2Family(str(tmp_path / "not_yet.safetensors"), None, text_encoder=tiny_files["krea2_text_encoder"])
+        assert before.load_text_encoder("fp32", torch.device("cpu"))(["a cat"])[0]["embeds"].shape[1] == 2
+    finally:
+        index.write_text(released)

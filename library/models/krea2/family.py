@@ -125,7 +125,9 @@ class Krea2Family(DiffusionFamily):
         from library.models.krea2.text_encoder import load_krea2_text_encoder
         from library.models.text_encoders import encoder_precision
 
-        layers = self.load_transformer(torch.float32, read_weights=False).config.num_text_layers  # headers only
+        # headers only; no transformer yet where tools/pretrain_tiny_base.py encodes the captions it will learn from
+        layers = (self.load_transformer(torch.float32, read_weights=False).config.num_text_layers
+                  if os.path.exists(self.model_path) else len(self.taps))
         if layers != len(self.taps):
             raise ValueError(f"{self.model_path}: the transformer takes {layers} text layers per token, the text "
                              f"encoder taps {len(self.taps)} ({list(self.taps)}: model_index.json or Krea 2's)")

@@ -162,6 +162,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.krea2.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.krea2.learned:LEARNED",  # the learned tiny base (learned.py; learned/krea2/)
     default_config="krea2.toml",
     config_keys=CONFIG_KEYS,
     sample_steps={"raw": 28, "turbo": 8},  # Krea2Pipeline (turbo: is_distilled); the edit variant: its release's
