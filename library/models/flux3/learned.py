@@ -15,6 +15,7 @@ import os
 import torch
 
 from library.models import spec as S
+from library.models.flux2.learned import VAE_RECIPE as FLUX2_VAE_RECIPE
 
 DIT = dict(hidden_size=128, num_heads=4, depth=2, depth_single=2, axes_dim=(8, 8, 8, 8), flow_map=False)
 
@@ -51,14 +52,15 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_flux3_bfl, save_flux3_diffusers)
 
 
-_HERE, _FLUX2 = "library.models.flux3.learned:", "library.models.flux2.learned:"
+_HERE = "library.models.flux3.learned:"
 LEARNED = S.LearnedBase(
     files=(("pretrained_model_name_or_path", "flux3-learned.safetensors"), ("ae", "vae"),
            ("text_encoder", "text_encoder")),
     family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders", new_vae=_FLUX2 + "new_vae", save_vae=_FLUX2 + "save_vae",
+    write_text_encoders=_HERE + "write_text_encoders",
     new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_flux3.toml",
+    **FLUX2_VAE_RECIPE,  # its VAE recipe whole: class, files, learning rate, steps, compiled loss
     # tests/test_learning.py's concept LoRA, measured (2026-12-01, the base at 194/216), 60 steps: 0/18 before, 13/18
     # after, 10 of 10 kept (training seeds 1, 2, 3: 14, 14, 13 after, 9 of 10 kept; 40 steps 11/18, 120 steps 12/18);
     # flipped flow target 0/18 (60 and 120 steps).

@@ -129,6 +129,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.ideogram4.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
+    learned="library.models.ideogram4.learned:LEARNED",  # the learned tiny base (learned.py; learned/ideogram4/)
     default_config="ideogram4.toml",
     config_keys=CONFIG_KEYS,
     sample_steps={"ideogram4": 48},  # Ideogram4Pipeline
