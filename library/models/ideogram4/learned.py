@@ -25,11 +25,11 @@ from library.models.flux2.learned import VAE_RECIPE as FLUX2_VAE_RECIPE
 
 DIT = dict(num_layers=4, attention_head_dim=64, num_attention_heads=2, intermediate_size=336, adaln_dim=64,
            mrope_section=(6, 5, 5))
-TEXT_FEATURES = 2 * 32  # two taps of the tiny encoder's width (the tiny set's, tiny.TINY_TEXT_FEATURES)
 
 
 def family(paths: dict[str, str]):
     from library.models.ideogram4.family import Ideogram4Family
+    from library.models.ideogram4.tiny import TINY_TEXT_FEATURES  # the tiny encoder's taps (0, 3) x its width
 
     path = paths["pretrained_model_name_or_path"]
     family = Ideogram4Family(path, paths["ae"], text_encoder=paths["text_encoder"])
@@ -39,7 +39,7 @@ def family(paths: dict[str, str]):
         """The pretrainer encodes before it writes the transformer; the taps read llm_features_dim from its header."""
         if os.path.exists(path):
             return load_transformer(*args, **kwargs)
-        return SimpleNamespace(config=SimpleNamespace(llm_features_dim=TEXT_FEATURES))
+        return SimpleNamespace(config=SimpleNamespace(llm_features_dim=TINY_TEXT_FEATURES))
 
     family.load_transformer = header_until_written
     return family
