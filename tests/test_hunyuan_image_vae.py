@@ -172,3 +172,26 @@ def test_hunyuan_image_vae_memory_plan_counts_a_real_pass(files):
     tiled = vae_pass_peak(released, 1024, 1024, 1, decode=True, downsample=32, tiled=True)
     # 405.6 M parameters (1.51 GiB float32) + 1792.5 bytes per decoded pixel whole, 459 in 512 px tiles
     assert module_bytes(released.vae) == 1_622_301_964 and whole - tiled > 1.2 * 2**30
+
+
+def test_the_family_reads_its_vae_downsampling_from_the_vae_config(files, tmp_path):
+    """HunyuanImageFamily.vae_downsample: the release's 32 for the tiny set's VAE (its config says 32), a file without
+    a config and a path not written yet; a 16x AutoencoderKLHunyuanImage (the learned tiny base's) is read at 16, the
+    latent grid its wrapper encodes to (the family sizes buckets and sampled latents by it)."""
+    from diffusers import AutoencoderKLHunyuanImage
+
+    from library.io import save_diffusers_folder
+    from library.models.hunyuan_image.family import HunyuanImageFamily
+    from library.models.hunyuan_image.tiny_vae import tiny_vae_config
+
+    unwritten = str(tmp_path / "not_yet")
+    for path in (files["hunyuan_image_vae"], files["root"], unwritten, None):
+        assert HunyuanImageFamily("transformer.safetensors", path).vae_downsample == 32, path
+    config = {**tiny_vae_config(), "block_out_channels": [32, 32, 32, 64, 128], "spatial_compression_ratio": 16}
+    torch.manual_seed(0)
+    folder = str(tmp_path / "vae16")
+    save_diffusers_folder(AutoencoderKLHunyuanImage(**config).state_dict(),
+                          {"_class_name": "AutoencoderKLHunyuanImage", **config}, folder)
+    family = HunyuanImageFamily("transformer.safetensors", folder)
+    assert family.vae_downsample == 16
+    assert family.load_vae(torch.float32).encode(images(1)).shape == (1, 64, 4, 6)

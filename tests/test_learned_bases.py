@@ -17,15 +17,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 @pytest.mark.parametrize("model_type", learned_families())
 def test_saved_vae_normalises_latents_as_the_pretrainer_set_them(model_type, tmp_path):
     """The pretrainer sets latents = (z - shift) * scale (z: the posterior's mode); every family's
-    saved VAE, loaded by the family, encodes to exactly that (Qwen-Image: as latents_mean / latents_std)."""
+    saved VAE, loaded by the family, encodes to exactly that (Qwen-Image: as latents_mean / latents_std; a format
+    without a shift, LearnedBase.latent_shift False, gets shift 0 from the pretrainer)."""
     learned, paths = learned_spec(model_type), learned_paths(model_type, str(tmp_path))
     torch.manual_seed(0)
     vae = load_symbol(learned.new_vae)(IMAGE_SIZE).eval()
-    vae.register_to_config(shift_factor=0.25, scaling_factor=2.5)
+    shift = 0.25 if learned.latent_shift else 0.0
+    vae.register_to_config(shift_factor=shift, scaling_factor=2.5)
     load_symbol(learned.save_vae)(vae, paths, False)
     images = torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE) * 2 - 1
     with torch.no_grad():
-        expected = (vae.encode(images).latent_dist.mode() - 0.25) * 2.5
+        expected = (vae.encode(images).latent_dist.mode() - shift) * 2.5
     latents = learned_family(model_type, str(tmp_path)).load_vae(torch.float32).encode(images)
     torch.testing.assert_close(latents, expected, rtol=1e-5, atol=1e-5)
 
@@ -51,6 +53,27 @@ def test_quickstart_config_trains_the_shipped_base(model_type):
     for key, path in learned_paths(model_type).items():
         assert os.path.normpath(os.path.join(ROOT, getattr(args, key))) == os.path.normpath(path), key
         assert os.path.exists(path), f"{path}: the learned base is shipped (tools/pretrain_tiny_base.py writes it)"
+
+
+def test_pretrainer_latent_factors_give_unit_latents_in_the_family_format():
+    """train_vae's factors: (z - mean) / std where the format holds a shift; a scale-only format (LearnedBase
+    .latent_shift False, HunyuanImage-2.1's z * scaling_factor) gets shift 0 and a mean square of 1, not the std's
+    scale applied to latents that keep z's mean."""
+    from tools import pretrain_tiny_base as pretrainer
+
+    pixels = torch.rand(4, 3, IMAGE_SIZE, IMAGE_SIZE) * 2 - 1
+    for model_type in ("flux", "hunyuan_image"):
+        learned = learned_spec(model_type)
+        vae = pretrainer.train_vae(learned, pixels, 0, 2, 0)  # no step: the factors of the initial VAE
+        with torch.no_grad():
+            z = vae.encode(pixels).latent_dist.mode()
+        shift, scale = vae.config.shift_factor, vae.config.scaling_factor
+        latents = (z - shift) * scale
+        assert learned.latent_shift == (model_type == "flux")
+        if learned.latent_shift:
+            assert abs(shift - z.mean().item()) < 1e-4 and abs(latents.std().item() - 1) < 1e-3
+        else:
+            assert shift == 0.0 and abs(latents.pow(2).mean().sqrt().item() - 1) < 1e-3
 
 
 def test_pretrainer_compiles_the_transformer_blocks_and_the_vae_where_its_family_asks(monkeypatch, capsys):
@@ -111,21 +134,21 @@ def test_pretrainer_draws_sigmas_as_the_learned_base_says(monkeypatch):
 
 def test_concept_demo_on_a_family_without_a_learned_base_is_one_line(tiny_set, tmp_path, capsys):
     """encode_prompts read the learned base's encoder settings from arch_spec(family.arch).learned, "" for
-    Z-Image then (HunyuanImage-2.1 now): "error: Empty module name". Now learned_spec's line, naming the families
+    Z-Image then (Qwen-Image-2.1 now): "error: Empty module name". Now learned_spec's line, naming the families
     that have one."""
     import json
 
     from tools import concept_demo
     from tools.make_tiny_models import tiny_config
 
-    config = tmp_path / "hunyuan_image.toml"
-    config.write_text(tiny_config("hunyuan_image", tiny_set, output_dir=str(tmp_path / "out")))
+    config = tmp_path / "qwen_image21.toml"
+    config.write_text(tiny_config("qwen_image21", tiny_set, output_dir=str(tmp_path / "out")))
     concept = tmp_path / "concept.json"
     concept.write_text(json.dumps({"trigger": "zxq", "colour": "purple", "shape": "star", "unrelated_prompts": [],
                                    "trigger_prompts": ["a small zxq on the left, white background"]}))
     assert concept_demo.main(["--config_file", str(config), "--concept", str(concept),
                               "--lora", str(tmp_path / "lora.safetensors")]) == 2
-    assert capsys.readouterr().err.strip() == ("error: model_type 'hunyuan_image' has no learned tiny base: expected "
+    assert capsys.readouterr().err.strip() == ("error: model_type 'qwen_image21' has no learned tiny base: expected "
                                                f"one of {', '.join(learned_families())}")
 
 

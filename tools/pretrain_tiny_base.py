@@ -9,7 +9,8 @@ learned, for the tests and the demo that check a LoRA teaches what a person sees
 2. A tiny VAE of the family's released architecture (small channels), trained on every scene, the
    demo's concept (purple stars) included, as a released VAE has seen every colour and shape:
    reconstruction (a shape-weighted MSE) plus a small KL; its shift and scaling factors are then set
-   so that the latents have mean 0 and standard deviation 1, as released VAEs' factors aim to.
+   so that the latents have mean 0 and standard deviation 1, as released VAEs' factors aim to (a format
+   without a shift, LearnedBase.latent_shift False: a mean square of 1).
 3. A tiny transformer of the family's architecture, trained with the trainer's own flow-matching loss
    (DiffusionFamily.loss_at; the family's default timestep sampling unless its LearnedBase.dit_sampling
    names another) on the base scenes only: circles,
@@ -154,7 +155,10 @@ def train_vae(learned, pixels: torch.Tensor, steps: int, batch: int, seed: int, 
     vae.eval().requires_grad_(False)
     with torch.no_grad():
         z = torch.cat([vae.encode(pixels[i: i + 256]).latent_dist.mode() for i in range(0, len(pixels), 256)])
-    shift, scale = z.mean().item(), 1.0 / z.std().item()
+    if learned.latent_shift:
+        shift, scale = z.mean().item(), 1.0 / z.std().item()
+    else:  # a scale-only format (z * scale): unit mean square
+        shift, scale = 0.0, 1.0 / z.pow(2).mean().sqrt().item()
     vae.register_to_config(shift_factor=round(shift, 4), scaling_factor=round(scale, 4))
     return vae
 

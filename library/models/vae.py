@@ -131,6 +131,17 @@ def _resolve(path: str) -> tuple[str, dict | None]:
     return path, json.loads(metadata["diffusers_config"]) if "diffusers_config" in metadata else None
 
 
+def found_vae_config(path: str | None) -> dict | None:
+    """The config found with the VAE at `path` (as load_vae reads it), or None: no path, nothing there yet, a
+    folder without config.json (the file checks name that), a single file without config metadata."""
+    if not path or not os.path.exists(path):
+        return None
+    try:
+        return _resolve(path)[1]
+    except CheckpointError:
+        return None
+
+
 def _build(cls, config: dict):
     """The diffusers model on `meta` (parameters only; buffers stay real), from a config dict."""
     with init_empty_weights():

@@ -19,6 +19,8 @@ with quoted text (the pipeline's ocr_guider; sd-scripts' apg_start_step_general 
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile
@@ -38,9 +40,16 @@ class HunyuanImageFamily(DiffusionFamily):
     sample_guidance = SPEC.sample_guidance[RELEASE]
     sample_steps = SPEC.sample_steps[RELEASE]
     true_cfg = True
-    vae_downsample = 32
     patch = 1  # the transformer takes latent pixels
     latent_channels = 64
+
+    @functools.cached_property
+    def vae_downsample(self) -> int:
+        """32, the release's; a VAE whose config says another (the learned tiny base's 16) is read at its own, so
+        buckets, latents and samples agree with it."""
+        from library.models.hunyuan_image.vae import hunyuan_image_vae_downsample
+
+        return hunyuan_image_vae_downsample(self.vae_path)
 
     def model_version(self, model) -> str:
         return RELEASE

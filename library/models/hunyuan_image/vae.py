@@ -41,7 +41,7 @@ from library.io import CheckpointError, check_model_file, component_folder
 from library.models.vae import frozen_in, load_vae, vae_markers
 
 LATENT_CHANNELS = 64
-SPATIAL_COMPRESSION = 32  # the family's vae_downsample
+SPATIAL_COMPRESSION = 32  # the release's: the family's vae_downsample unless the VAE's config says otherwise
 
 # The released VAE's config (AutoencoderKLHunyuanImage's constructor has no defaults: a single file without a
 # config.json beside it, or config metadata, gets this one).
@@ -177,6 +177,14 @@ class HunyuanImageVAE:
         z = latents.float() / self.scaling_factor  # float32, then the VAE's dtype
         images = self.vae.decode(z.to(self.dtype)).sample
         return images.float().clamp(-1, 1)  # (diffusers' decode does not clamp; its image processor does)
+
+
+def hunyuan_image_vae_downsample(path: str | None) -> int:
+    """The VAE's spatial_compression_ratio as its config says (diffusers' AutoencoderKLHunyuanImage takes any power of
+    2: the learned tiny base's is 16, learned.py), else the release's 32."""
+    from library.models.vae import found_vae_config
+
+    return int((found_vae_config(path) or {}).get("spatial_compression_ratio", SPATIAL_COMPRESSION))
 
 
 def hunyuan_image_vae_file(path: str | None):
