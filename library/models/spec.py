@@ -345,8 +345,8 @@ class LearnedBase:
     vae_lr: float = 1.5e-3  # the pretrainer's peak learning rate for the VAE (cosine schedule)
     vae_steps: int = 1500  # the pretrainer's VAE steps (batch 16) unless --vae_steps says otherwise
     compile_vae: bool = False  # the pretrainer's VAE step under torch.compile (CPU: where fused kernels repay the compile)
-    # The family's VAE format holds a latent shift (latents = (z - shift) * scale); False: scale only (z * scaling_factor),
-    # and the pretrainer's scale is 1 / the RMS of z, not 1 / its std
+    # The family's VAE format holds a latent shift (latents = (z - shift) * scale); False: scale only
+    # (z * scaling_factor), and the pretrainer's scale is 1 / the RMS of z, not 1 / its std
     latent_shift: bool = True
     # The pretrainer's sigma draw for the transformer (flow_matching.sample_sigmas' method and shift): "" = the
     # family's default timestep sampling. For a family whose default draws few high-noise sigmas at the scenes'

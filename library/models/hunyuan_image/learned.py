@@ -91,8 +91,8 @@ LEARNED = S.LearnedBase(
     new_vae=_HERE + "new_vae", save_vae=_HERE + "save_vae",
     new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_hunyuan_image.toml",
-    # tests/test_learning.py's concept LoRA, measured (2026-12-03, the base at 180/216, 2 threads): 60 steps 0/18 before,
-    # 12/18 after, 5 of the 9 the base renders right kept (120 steps: 8/18, 7 of 9)
+    # tests/test_learning.py's concept LoRA, measured (2026-12-03, the base at 180/216, 2 threads): 60 steps 0/18
+    # before, 12/18 after, 5 of the 9 the base renders right kept (120 steps: 8/18, 7 of 9)
     learning_test=(60, 0.5, 0.4),
     # Measured (2026-12-03, seed 0, 2 quiet threads): the VAE 3000 steps at 3e-3 (736 s; 1.5e-3 for layers_per_block 1:
     # as good, twice the time; 3e-3 there diverged) reconstructs colour, shape and position in 346 of 360 scenes; the

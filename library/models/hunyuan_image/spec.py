@@ -210,7 +210,7 @@ SPEC = S.ArchSpec(
                                    random_inputs="library.models.hunyuan_image.model:random_inputs"),
     planner=PLANNER,
     tiny=TINY,
-    learned="library.models.hunyuan_image.learned:LEARNED",  # the learned tiny base (learned.py; learned/hunyuan_image/)
+    learned="library.models.hunyuan_image.learned:LEARNED",  # the learned tiny base (learned/hunyuan_image/)
     default_config="hunyuan_image.toml",
     config_keys=CONFIG_KEYS,
     # HunyuanImagePipeline's 50 steps; guidance 3.5 with the empty negative prompt (sd-scripts' sample default, the
