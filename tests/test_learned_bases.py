@@ -56,9 +56,9 @@ def test_quickstart_config_trains_the_shipped_base(model_type):
 
 
 def test_pretrainer_latent_factors_give_unit_latents_in_the_family_format():
-    """train_vae's factors: (z - mean) / std where the format holds a shift; a scale-only format (LearnedBase
-    .latent_shift False, HunyuanImage-2.1's z * scaling_factor) gets shift 0 and a mean square of 1, not the std's
-    scale applied to latents that keep z's mean."""
+    """train_vae's factors: (z - mean) / std where the format holds a shift; a scale-only format (latent_shift
+    False: HunyuanImage-2.1's z * scaling_factor) gets shift 0 and a mean square of 1, not the std's scale applied to
+    latents that keep z's mean."""
     from tools import pretrain_tiny_base as pretrainer
 
     pixels = torch.rand(4, 3, IMAGE_SIZE, IMAGE_SIZE) * 2 - 1
