@@ -114,21 +114,24 @@ def test_pretrainer_compiles_the_transformer_blocks_and_the_vae_where_its_family
 
 def test_pretrainer_draws_sigmas_as_the_learned_base_says(monkeypatch):
     """LearnedBase.dit_sampling / dit_shift name the transformer's sigma draw (Nucleus-Image: "shift" by 3; its
-    default unshifted draw left a base at 44 of 216 prompts right, the shifted one 189); "" = the family's draw."""
+    default unshifted draw left a base at 44 of 216 prompts right, the shifted one 189); "" = the family's draw. A
+    resolution-dependent draw reads the scenes' tokens as training_loss counts them: 16, patch 1 (HunyuanImage-2.1,
+    4 x 4 latents) as patch 2 (8 x 8), where the pretrainer counted 2 x 2 patches for every family."""
     from library.models import flow_matching as fm
     from library.models.flow_matching import sampling_of
     from tools import pretrain_tiny_base as pretrainer
 
     draws, real = [], fm.sample_sigmas
-    monkeypatch.setattr(fm, "sample_sigmas", lambda batch, method, **kw: draws.append((method, kw.get("shift"))) or
-                        real(batch, method, **kw))
+    monkeypatch.setattr(fm, "sample_sigmas", lambda batch, method, **kw: draws.append(
+        (method, kw.get("shift"), kw.get("image_seq_len"))) or real(batch, method, **kw))
     pixels = torch.rand(2, 3, IMAGE_SIZE, IMAGE_SIZE) * 2 - 1
-    for model_type in ("nucleus_image", "flux"):
+    for model_type in ("nucleus_image", "flux", "hunyuan_image"):
         learned, family = learned_spec(model_type), learned_family(model_type)
         latents = family.load_vae(torch.float32).encode(pixels)
         text = encode_prompts(family, ["a red circle", "a blue square"])
         pretrainer.train_transformer(family, learned, latents, text, torch.arange(2), 1, 2, 0)
-    assert draws == [("shift", 3.0), (sampling_of(family.arch).method, 3.0)]
+    assert draws == [("shift", 3.0, 16), (sampling_of("flux").method, 3.0, 16),
+                     (sampling_of(family.arch).method, 3.0, 16)]
     assert learned_spec("flux").dit_sampling == ""
 
 

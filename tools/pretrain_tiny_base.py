@@ -178,7 +178,7 @@ def train_transformer(family, learned, latents: torch.Tensor, text: dict, captio
     method = learned.dit_sampling or sampling_of(family.arch).method
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0, fused=True)
     gen = torch.Generator().manual_seed(seed * 1000 + 202)
-    tokens = (latents.shape[2] // 2) * (latents.shape[3] // 2)  # 2 x 2 latent patches per token
+    tokens = (latents.shape[2] // family.patch) * (latents.shape[3] // family.patch)  # as training_loss counts them
     for step in range(steps):
         for group in optimizer.param_groups:
             group["lr"] = cosine_lr(step, steps, 1e-3)
