@@ -165,9 +165,10 @@ def train_vae(learned, pixels: torch.Tensor, steps: int, batch: int, seed: int, 
 
 def train_transformer(family, learned, latents: torch.Tensor, text: dict, caption_of: torch.Tensor, steps: int,
                       batch: int, seed: int, compile: bool = False):
-    """The family's tiny transformer (float32) trained on (latents [N, C, 8, 8], caption_of [N] -> text rows)
-    with the trainer's loss: the family's default timestep sampling (or its LearnedBase.dit_sampling), guidance
-    1.0. compile: each block under torch.compile, as the trainer's torch_compile does."""
+    """The family's tiny transformer (float32) trained on (latents [N, C, h, w]: 8 x 8 at 8x, 4 x 4 at 16x;
+    caption_of [N] -> text rows) with the trainer's loss: the family's default timestep sampling (or its
+    LearnedBase.dit_sampling), guidance 1.0. compile: each block under torch.compile, as the trainer's torch_compile
+    does."""
     from library.models import flow_matching as fm
 
     torch.manual_seed(seed * 1000 + 201)
