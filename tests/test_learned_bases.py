@@ -7,11 +7,24 @@ import os
 import pytest
 import torch
 
+from library.models.registry import spec_of
 from library.models.spec import load_symbol
 from library.training.config import load_config
 from tools.learned_base import IMAGE_SIZE, encode_prompts, learned_families, learned_family, learned_paths, learned_spec
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_learned_base_functions_default_to_its_modules_and_load():
+    """A learned.py names its module once (module=__name__): family / write_text_encoders / new_transformer /
+    save_transformer left out are that module's functions of those names; the VAE's come from a recipe. Every
+    one of the six loads as a function."""
+    for model_type in learned_families():
+        learned = learned_spec(model_type)
+        assert learned.module == spec_of(model_type).learned.partition(":")[0], model_type
+        for name in ("family", "write_text_encoders", "new_vae", "save_vae", "new_transformer", "save_transformer"):
+            assert callable(load_symbol(getattr(learned, name))), (model_type, name)
+        assert learned.new_transformer == f"{learned.module}:new_transformer", model_type
 
 
 @pytest.mark.parametrize("model_type", learned_families())

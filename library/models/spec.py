@@ -331,14 +331,18 @@ class TinySpec:
 class LearnedBase:
     """The architecture's tiny base that has learned the synthetic scenes (library/data/shapes.py):
     tools/pretrain_tiny_base.py trains it, learned/<model_type>/ ships it, the concept demo and the
-    learning tests use it. Functions are "module:function" strings (imported on use)."""
+    learning tests use it. Functions are "module:function" strings (imported on use); the four that
+    every family writes for itself default to the functions of those names in `module`."""
 
     files: tuple[tuple[str, str], ...]  # (training-config key, its file or folder inside the base's folder)
-    family: str  # family(paths: {config key: path}) -> the DiffusionFamily on those files
+    module: str  # the learned.py that declares it (its __name__): where the four defaults below are found
+    # The VAE's functions, no default: a VAE recipe (a learned.py's VAE_RECIPE) names them for the
+    # families that share that VAE
+    new_vae: str  # new_vae(image_size) -> the family's VAE class, tiny, random, float32
+    save_vae: str  # save_vae(vae, paths, diffusers: bool): as released (diffusers folders too)
+    family: str = ""  # family(paths: {config key: path}) -> the DiffusionFamily on those files
     encode_kwargs: tuple[tuple[str, int], ...] = ()  # the family's load_text_encoder keywords (sequence lengths)
     write_text_encoders: str = ""  # write_text_encoders(paths): the frozen tiny encoders
-    new_vae: str = ""  # new_vae(image_size) -> the family's VAE class, tiny, random, float32
-    save_vae: str = ""  # save_vae(vae, paths, diffusers: bool): as released (diffusers folders too)
     new_transformer: str = ""  # new_transformer(text: {name: [N, ...] embeddings}) -> tiny model, float32
     save_transformer: str = ""  # save_transformer(model, paths, diffusers: bool): as released
     config: str = ""  # configs/<file>: the quickstart that teaches this base the concept ("zxq" = a purple star)
@@ -358,6 +362,11 @@ class LearnedBase:
     # the base renders right kept right at least); the learned.py says what it measured
     learning_test: tuple[int, float, float] = (60, 0.5, 0.7)
     before_at_most: float = 0.1  # share of the trigger prompts the base may render as the concept by chance
+
+    def __post_init__(self):  # the four left out: the module's functions of those names
+        for name in ("family", "write_text_encoders", "new_transformer", "save_transformer"):
+            if not getattr(self, name):
+                object.__setattr__(self, name, f"{self.module}:{name}")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -69,13 +69,10 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_anima_single_file, save_anima_diffusers, "")
 
 
-_HERE = "library.models.anima.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "anima-learned.safetensors"), ("ae", "vae"),
            ("text_encoder", "text_encoder")),
-    family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_anima.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-02, the base at 187/216), 120 steps: 2/18 before, 14/18
     # after, 9 of 9 kept (60 steps: 15/18, 6 of 9 kept). The bf16 base renders 2 of the 18 trigger prompts as a purple

@@ -51,13 +51,11 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_chroma_bfl, save_chroma_diffusers)
 
 
-_HERE = "library.models.chroma.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "chroma-learned.safetensors"), ("ae", "ae.safetensors"),
            ("t5xxl", "t5xxl")),
-    family=_HERE + "family", encode_kwargs=(("t5_max_length", T5_TOKENS),),
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
+    encode_kwargs=(("t5_max_length", T5_TOKENS),),
     config="quickstart_chroma.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-03, the base at 198/216), 60 steps: 0/18 before, 14/18
     # after, 10 of 11 kept.

@@ -58,13 +58,12 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_ernie_image_single_file, save_ernie_image_diffusers)
 
 
-_HERE, _FLUX2 = "library.models.ernie_image.learned:", "library.models.flux2.learned:"
+_HERE, _FLUX2 = __name__ + ":", "library.models.flux2.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "ernie-image-learned.safetensors"), ("ae", "vae"),
            ("text_encoder", "text_encoder")),
-    family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders", new_vae=_FLUX2 + "new_vae", save_vae=_HERE + "save_vae",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
+    new_vae=_FLUX2 + "new_vae", save_vae=_HERE + "save_vae",
     config="quickstart_ernie_image.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-01, the base at 166/216), 120 steps: 0/18 before, 10/18
     # after, 8 of 10 kept (60 steps: 7/18, 9 of 10 kept); flipped 0/18.

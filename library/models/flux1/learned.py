@@ -66,17 +66,16 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_flux_bfl, save_flux_diffusers)
 
 
-_HERE = "library.models.flux1.learned:"
+_HERE = __name__ + ":"
 # The VAE recipe whole (its class and files, learning rate, steps, no compiled loss): a family that ships FLUX.1's
 # VAE spreads it into its LearnedBase, so the pretrainer trains the same bytes as learned/flux/ae.safetensors
 VAE_RECIPE = dict(new_vae=_HERE + "new_vae", save_vae=_HERE + "save_vae", vae_lr=1.5e-3, vae_steps=1500,
                   compile_vae=False)
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "flux1-learned.safetensors"), ("ae", "ae.safetensors"),
            ("clip_l", "clip_l"), ("t5xxl", "t5xxl")),
-    family=_HERE + "family", encode_kwargs=(("t5_max_length", T5_TOKENS),),
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
+    encode_kwargs=(("t5_max_length", T5_TOKENS),),
     config="quickstart.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-11-25, the shipped base, 2 threads), 60 steps: 0/18 before,
     # 15/18 after, 10 of 10 unrelated kept; flipped flow target 0/18 (with 10 regularisation images instead of 200,

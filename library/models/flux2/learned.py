@@ -74,17 +74,16 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_flux2_bfl, save_flux2_diffusers)
 
 
-_HERE = "library.models.flux2.learned:"
+_HERE = __name__ + ":"
 # The VAE recipe whole (its class and files, learning rate, steps, no compiled loss): a family that ships FLUX.2's
 # VAE spreads it into its LearnedBase, so the pretrainer trains the same weights as learned/flux2/vae
 VAE_RECIPE = dict(new_vae=_HERE + "new_vae", save_vae=_HERE + "save_vae", vae_lr=1.5e-3, vae_steps=1500,
                   compile_vae=False)
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "flux2-learned.safetensors"), ("ae", "vae"),
            ("text_encoder", "text_encoder")),
-    family=_HERE + "family", encode_kwargs=(("max_length", MAX_SEQUENCE_LENGTH),),
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
+    encode_kwargs=(("max_length", MAX_SEQUENCE_LENGTH),),
     config="quickstart_flux2.toml",
     **VAE_RECIPE,
     # tests/test_learning.py's concept LoRA, measured (2026-12-01), 120 steps: 10/18 after, 9 of 11 kept.

@@ -52,13 +52,10 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_flux3_bfl, save_flux3_diffusers)
 
 
-_HERE = "library.models.flux3.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "flux3-learned.safetensors"), ("ae", "vae"),
            ("text_encoder", "text_encoder")),
-    family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_flux3.toml",
     **FLUX2_VAE_RECIPE,  # its VAE recipe whole: class, files, learning rate, steps, compiled loss
     # tests/test_learning.py's concept LoRA, measured (2026-12-01, the base at 194/216), 60 steps: 0/18 before, 13/18

@@ -94,13 +94,10 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_hidream_single_file, save_hidream_diffusers)
 
 
-_HERE = "library.models.hidream.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "hidream-learned.safetensors"), ("ae", "ae.safetensors"),
            ("clip_l", "text_encoder"), ("clip_g", "text_encoder_2"), ("t5xxl", "text_encoder_3"), ("llama", "llama")),
-    family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_hidream.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-02, the 1000-step base at 192/216; a loaded machine), 60
     # steps: 0/18 before, 13/18 after, 10 of 10 kept (134 s with the caching and the renders at a load of 4-7).

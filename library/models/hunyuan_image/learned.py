@@ -83,13 +83,12 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_hunyuan_image_single_file, save_hunyuan_image_diffusers)
 
 
-_HERE = "library.models.hunyuan_image.learned:"
+_HERE = __name__ + ":"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "hunyuan_image-learned.safetensors"), ("ae", "vae"),
            ("text_encoder", "text_encoder"), ("byt5", "text_encoder_2")),
-    family=_HERE + "family", write_text_encoders=_HERE + "write_text_encoders",
     new_vae=_HERE + "new_vae", save_vae=_HERE + "save_vae",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_hunyuan_image.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-03, the base at 180/216, 2 threads): 60 steps 0/18
     # before, 12/18 after, 5 of the 9 the base renders right kept (120 steps: 8/18, 7 of 9)

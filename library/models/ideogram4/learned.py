@@ -73,12 +73,9 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_ideogram4_diffusers(sd, model.config, paths["pretrained_model_name_or_path"])
 
 
-_HERE = "library.models.ideogram4.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "transformer"), ("ae", "vae"), ("text_encoder", "text_encoder")),
-    family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_ideogram4.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-03, the base at 185/216), 120 steps: 0/18 before,
     # 13/18 after, 9 of 11 kept (60 steps: 5/18, 11 of 11 kept).

@@ -68,13 +68,10 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_krea2_single_file, save_krea2_diffusers)
 
 
-_HERE = "library.models.krea2.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "krea2-learned.safetensors"), ("ae", "vae"),
            ("text_encoder", "text_encoder")),
-    family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_krea2.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-03, the base at 184/216), 60 steps: 0/18 before, 15/18
     # after, 8 of 11 kept (120 steps the same). On the base drawn with the family's own law (176/216): 60 steps 8/18,

@@ -64,13 +64,10 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_lumina2_single_file, save_lumina2_diffusers)
 
 
-_HERE = "library.models.lumina2.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "lumina2-learned.safetensors"), ("ae", "ae.safetensors"),
            ("text_encoder", "text_encoder")),
-    family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_lumina2.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-02, the base at 193/216), 60 steps: 0/18 before, 15/18
     # after, 9 of 10 kept (training seeds 1, 2, 3: 11, 11, 14 after, 9 of 10 kept; 120 steps 10/18, 10 of 10 kept).

@@ -72,12 +72,9 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_nucleus_image_diffusers(sd, model.config, paths["pretrained_model_name_or_path"])
 
 
-_HERE = "library.models.nucleus_image.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "transformer"), ("ae", "vae"), ("text_encoder", "text_encoder")),
-    family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_nucleus_image.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-01, the base at 189/216), 120 steps: 0/18 before, 14/18
     # after, 9 of 11 kept (40 steps: 12/18, 7 of 11 kept; 60 steps: 16/18, 6 of 11 kept); flipped, 60 steps: 2/18.

@@ -155,7 +155,7 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_qwen_image_diffusers(sd, model.config, paths["pretrained_model_name_or_path"])
 
 
-_HERE = "library.models.qwen_image.learned:"
+_HERE = __name__ + ":"
 # The VAE recipe whole (its class and files, learning rate, steps, compiled loss): a family that ships Qwen-Image's
 # VAE spreads it into its LearnedBase, so the pretrainer trains the same bytes as learned/qwen_image/vae.
 # The Qwen-Image VAE (RMS norms over channels, causal 3-D convolutions) is slower to fit at these widths
@@ -174,9 +174,8 @@ _HERE = "library.models.qwen_image.learned:"
 # it: 333 / 360, 0.0049 read the same way, 185 / 216, 12 / 18); 3000 steps: base 164 / 216.
 VAE_RECIPE = dict(new_vae=_HERE + "new_vae", save_vae=_HERE + "save_vae", vae_lr=3e-3, vae_steps=3500, compile_vae=True)
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "transformer"), ("ae", "vae"), ("text_encoder", "text_encoder")),
-    family=_HERE + "family", write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_qwen_image.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-11-25, the base regenerated that day, 2 threads; a weaker
     # VAE at these widths), 120 steps: 13/18 after, 8 of 10 kept (with 10 regularisation images instead of 200 and the

@@ -69,13 +69,11 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_sd3_single_file, save_sd3_diffusers)
 
 
-_HERE = "library.models.sd3.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "sd3-learned.safetensors"), ("ae", "ae.safetensors"),
            ("clip_l", "text_encoder"), ("clip_g", "text_encoder_2"), ("t5xxl", "text_encoder_3")),
-    family=_HERE + "family", encode_kwargs=(("t5_max_length", T5_TOKENS),),
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
+    encode_kwargs=(("t5_max_length", T5_TOKENS),),
     config="quickstart_sd3.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-02, the 1000-step base at 169/216), 60 steps: 0/18
     # before, 16/18 after, 8 of 10 kept (training seeds 1, 2, 3: 11, 15, 12 after, 8, 8, 9 of 10 kept; 120 steps 17/18,

@@ -59,13 +59,10 @@ def save_transformer(model, paths: dict[str, str], diffusers: bool) -> None:
     save_learned_transformer(model, paths, diffusers, save_zimage_single_file, save_zimage_diffusers)
 
 
-_HERE = "library.models.zimage.learned:"
 LEARNED = S.LearnedBase(
+    module=__name__,
     files=(("pretrained_model_name_or_path", "zimage-learned.safetensors"), ("ae", "ae.safetensors"),
            ("text_encoder", "text_encoder")),
-    family=_HERE + "family",
-    write_text_encoders=_HERE + "write_text_encoders",
-    new_transformer=_HERE + "new_transformer", save_transformer=_HERE + "save_transformer",
     config="quickstart_zimage.toml",
     # tests/test_learning.py's concept LoRA, measured (2026-12-03, the base at 199/216), 60 steps: 0/18 before, 14/18
     # after, 9 of 11 kept.
