@@ -62,12 +62,30 @@ class SumSquaresRMSNorm(QwenImageRMS_norm):
         return x * torch.rsqrt(squares) * self.scale * self.gamma + self.bias
 
 
-class ImageQwenVAE(AutoencoderKLQwenImage):
-    """The video VAE spoken to in images for pretraining: encode / decode take and give [B, C, H, W]
-    (a time axis of 1 added and dropped, as library/models/qwen_image/vae.py does at use), the one
-    frame run without the frame cache, the convolutions and norms as their single-frame float32
-    equivalents above (2.5x faster a step; tests/test_learned_bases.py checks it against the
-    released class). Saved as a plain AutoencoderKLQwenImage."""
+class OneFrameImages:
+    """A video VAE (a diffusers AutoencoderKL... before it in the bases) spoken to in images for pretraining: encode /
+    decode take and give [B, C, H, W], a time axis of 1 added and dropped (as library/models/qwen_image/vae.py does
+    at use)."""
+
+    def encode(self, x, return_dict=True):
+        out = super().encode(x[:, :, None], return_dict)
+        dist = out.latent_dist if return_dict else out[0]
+        dist.mean, dist.std, dist.logvar, dist.var = (t[:, :, 0] for t in (dist.mean, dist.std, dist.logvar, dist.var))
+        dist.parameters = dist.parameters[:, :, 0]
+        return out
+
+    def decode(self, z, return_dict=True):
+        out = super().decode(z[:, :, None], return_dict)
+        if return_dict:
+            out.sample = out.sample[:, :, 0]
+            return out
+        return (out[0][:, :, 0],)
+
+
+class ImageQwenVAE(OneFrameImages, AutoencoderKLQwenImage):
+    """The video VAE spoken to in images (OneFrameImages), the one frame run without the frame cache, the
+    convolutions and norms as their single-frame float32 equivalents above (2.5x faster a step;
+    tests/test_learned_bases.py checks it against the released class). Saved as a plain AutoencoderKLQwenImage."""
 
     def __init__(self, **config):
         super().__init__(**config)
@@ -87,20 +105,6 @@ class ImageQwenVAE(AutoencoderKLQwenImage):
             return super()._decode(z, return_dict)
         out = torch.clamp(self.decoder(self.post_quant_conv(z)), min=-1.0, max=1.0)
         return DecoderOutput(sample=out) if return_dict else (out,)
-
-    def encode(self, x, return_dict=True):
-        out = super().encode(x[:, :, None], return_dict)
-        dist = out.latent_dist if return_dict else out[0]
-        dist.mean, dist.std, dist.logvar, dist.var = (t[:, :, 0] for t in (dist.mean, dist.std, dist.logvar, dist.var))
-        dist.parameters = dist.parameters[:, :, 0]
-        return out
-
-    def decode(self, z, return_dict=True):
-        out = super().decode(z[:, :, None], return_dict)
-        if return_dict:
-            out.sample = out.sample[:, :, 0]
-            return out
-        return (out[0][:, :, 0],)
 
 
 def new_vae(image_size: int):
