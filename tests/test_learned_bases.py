@@ -68,6 +68,19 @@ def test_quickstart_config_trains_the_shipped_base(model_type):
         assert os.path.exists(path), f"{path}: the learned base is shipped (tools/pretrain_tiny_base.py writes it)"
 
 
+def test_pretrainer_asks_an_rgba_vae_for_opaque_alpha():
+    """The scenes are RGB; an RGBA VAE (Qwen-Image-2.1's) decodes four planes, its alpha asked for +1 (opaque, as
+    its pipeline feeds a picture and a diffusers user's comes back); the shape weights read the RGB planes only."""
+    from tools.pretrain_tiny_base import shape_weighted_mse
+
+    target = torch.full((1, 3, 4, 4), -1.0)  # a black background
+    target[:, 0, :2] = 1.0  # a red shape's pixels
+    alpha = torch.ones(1, 1, 4, 4)
+    assert shape_weighted_mse(torch.cat((target, alpha), 1), target).item() == 0.0
+    # alpha off by 2 everywhere: 4 in one of the four planes, under weights of mean 2.5 divided by their mean
+    assert shape_weighted_mse(torch.cat((target, -alpha), 1), target).item() == pytest.approx(1.0)
+
+
 def test_pretrainer_latent_factors_give_unit_latents_in_the_family_format():
     """train_vae's factors: (z - mean) / std where the format holds a shift; a scale-only format (latent_shift
     False: HunyuanImage-2.1's z * scaling_factor) gets shift 0 and a mean square of 1, not the std's scale applied to
@@ -150,21 +163,21 @@ def test_pretrainer_draws_sigmas_as_the_learned_base_says(monkeypatch):
 
 def test_concept_demo_on_a_family_without_a_learned_base_is_one_line(tiny_set, tmp_path, capsys):
     """encode_prompts read the learned base's encoder settings from arch_spec(family.arch).learned, "" for
-    Z-Image then (Qwen-Image-2.1 now): "error: Empty module name". Now learned_spec's line, naming the families
+    Z-Image then (HiDream-O1 now): "error: Empty module name". Now learned_spec's line, naming the families
     that have one."""
     import json
 
     from tools import concept_demo
     from tools.make_tiny_models import tiny_config
 
-    config = tmp_path / "qwen_image21.toml"
-    config.write_text(tiny_config("qwen_image21", tiny_set, output_dir=str(tmp_path / "out")))
+    config = tmp_path / "hidream_o1.toml"
+    config.write_text(tiny_config("hidream_o1", tiny_set, output_dir=str(tmp_path / "out")))
     concept = tmp_path / "concept.json"
     concept.write_text(json.dumps({"trigger": "zxq", "colour": "purple", "shape": "star", "unrelated_prompts": [],
                                    "trigger_prompts": ["a small zxq on the left, white background"]}))
     assert concept_demo.main(["--config_file", str(config), "--concept", str(concept),
                               "--lora", str(tmp_path / "lora.safetensors")]) == 2
-    assert capsys.readouterr().err.strip() == ("error: model_type 'qwen_image21' has no learned tiny base: expected "
+    assert capsys.readouterr().err.strip() == ("error: model_type 'hidream_o1' has no learned tiny base: expected "
                                                f"one of {', '.join(learned_families())}")
 
 

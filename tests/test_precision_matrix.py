@@ -173,17 +173,17 @@ def test_a_bad_concept_is_one_line_before_training(tiny_set, tmp_path, capsys):
     concept = tmp_path / "concept.json"
     concept.write_text(json.dumps({"trigger": "zxq", "colour": "purple", "shape": "star", "unrelated_prompts": [],
                                    "trigger_prompts": ["a small zxq on the left, white background"]}))
-    unlearned = tmp_path / "qwen_image21.toml"
-    unlearned.write_text(tiny_config("qwen_image21", tiny_set, mixed_precision="no",
+    unlearned = tmp_path / "hidream_o1.toml"
+    unlearned.write_text(tiny_config("hidream_o1", tiny_set, mixed_precision="no",
                                      output_dir=str(tmp_path / "unused")))
     cases = [(write_config(tmp_path, tiny_set, "flux"), ["--concept", str(tmp_path / "missing.json")],
               f"error: {tmp_path / 'missing.json'}: cannot read the concept file"),
              (write_config(tmp_path, tiny_set, "flux", dataset), [], f"error: {beside}: cannot read the concept file"),
              (str(unlearned), ["--concept", str(concept)],
               f"error: {concept}: concept_rate encodes the trigger prompts as a learned tiny base does, but model_type "
-              f"'qwen_image21' has no learned tiny base: expected one of {', '.join(learned_families())}; "
+              f"'hidream_o1' has no learned tiny base: expected one of {', '.join(learned_families())}; "
               "pass --concept none")]
-    assert not spec_of("qwen_image21").learned
+    assert not spec_of("hidream_o1").learned
     for config, extra, message in cases:
         assert precision_matrix.main(["--config_file", config, "--out", str(tmp_path / "m"), "--rows", "bf16",
                                       "--columns", "bf16+lora", "--steps", "1", *extra]) == 2

@@ -97,9 +97,12 @@ def cosine_lr(step: int, steps: int, peak: float, warmup: int = 100) -> float:
 
 
 def shape_weighted_mse(decoded: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """MSE with the saturated (shape) pixels of `target` weighted 1 + SHAPE_WEIGHT (backgrounds are grey)."""
+    """MSE with the saturated (shape) pixels of `target` (RGB) weighted 1 + SHAPE_WEIGHT (backgrounds are grey). An
+    RGBA VAE's decoded alpha plane is asked for +1: the scenes are opaque, as its pipeline feeds a picture."""
     saturated = (target.amax(1, keepdim=True) - target.amin(1, keepdim=True)) > 0.5
     weight = 1.0 + SHAPE_WEIGHT * saturated.float()
+    if decoded.shape[1] == 4 and target.shape[1] == 3:
+        target = torch.cat((target, torch.ones_like(target[:, :1])), dim=1)
     return (weight * (decoded - target) ** 2).mean() / weight.mean()
 
 

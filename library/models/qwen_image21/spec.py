@@ -121,4 +121,5 @@ SPEC = S.ArchSpec(
     sample_steps={"qwen-image-2.1": 40},  # QwenImage21Pipeline
     sample_guidance={"qwen-image-2.1": 1.0},  # QwenImage21Pipeline: "meant to be sampled without guidance"
     modelspec=MODELSPEC,
+    learned="library.models.qwen_image21.learned:LEARNED",  # the learned tiny base (learned.py; learned/qwen_image21/)
 )
