@@ -18,9 +18,8 @@ from diffusers import AutoencoderKLQwenImage
 from diffusers.models.autoencoders.autoencoder_kl_qwenimage import QwenImageCausalConv3d, QwenImageRMS_norm
 from diffusers.models.autoencoders.vae import DecoderOutput
 
-from library.io import save_safetensors
 from library.models import spec as S
-from library.models.tiny_files import TINY, build_qwen_tokenizer, write_json, write_lm
+from library.models.tiny_files import TINY, build_qwen_tokenizer, write_lm
 
 VAE_CONFIG = {"base_dim": 8, "z_dim": 16, "num_res_blocks": 1}
 DIT = dict(num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12))
@@ -129,18 +128,24 @@ def one_frame_init(vae) -> None:
 
 
 def save_vae(vae, paths: dict[str, str], diffusers: bool) -> None:
-    """A diffusers folder, float32. The pretrainer's global normalisation (shift_factor, scaling_factor:
-    latents = (z - shift) * scale) written as Qwen-Image's per-channel latents_mean / latents_std
-    (latents = (z - mean) / std), every channel the same."""
-    config = {k: v for k, v in vae.config.items() if not k.startswith("_") and k not in ("shift_factor", "scaling_factor")}
+    """A diffusers AutoencoderKLQwenImage folder, float32 (save_per_channel_vae)."""
+    save_per_channel_vae(vae, paths["ae"], "AutoencoderKLQwenImage")
+
+
+def save_per_channel_vae(vae, folder: str, class_name: str) -> None:
+    """A diffusers folder of `class_name`, float32 (Qwen-Image's VAE, Qwen-Image-2.1's). The pretrainer's global
+    normalisation (shift_factor, scaling_factor: latents = (z - shift) * scale) written as the per-channel
+    latents_mean / latents_std those formats hold (latents = (z - mean) / std), every channel the same."""
+    from library.io import save_diffusers_folder
+
+    dropped = ("shift_factor", "scaling_factor")
+    config = {k: v for k, v in vae.config.items() if not k.startswith("_") and k not in dropped}
     channels = int(config["z_dim"])
     if "shift_factor" in vae.config:
         config["latents_mean"] = [float(vae.config.shift_factor)] * channels
         config["latents_std"] = [round(1.0 / float(vae.config.scaling_factor), 6)] * channels
-    folder = paths["ae"]
-    save_safetensors({k: v.contiguous() for k, v in vae.state_dict().items()},
-                     os.path.join(folder, "diffusion_pytorch_model.safetensors"), metadata={"format": "pt"})
-    write_json(os.path.join(folder, "config.json"), {"_class_name": "AutoencoderKLQwenImage", **config})
+    save_diffusers_folder({k: v.contiguous() for k, v in vae.state_dict().items()},
+                          {"_class_name": class_name, **config}, folder)
 
 
 def new_transformer(text: dict[str, torch.Tensor]):

@@ -21,7 +21,7 @@ import torch
 from diffusers import AutoencoderKLQwenImage21
 
 from library.models import spec as S
-from library.models.qwen_image.learned import OneFrameImages
+from library.models.qwen_image.learned import OneFrameImages, save_per_channel_vae
 
 VAE_SIZES = dict(base_dim=32, decoder_base_dim=32, dim_mult=[1, 1, 1, 2, 2], num_res_blocks=1)  # widths 32 ... 64
 DIT = dict(num_layers=4, num_attention_heads=4, attention_head_dim=32, axes_dims_rope=(8, 12, 12))
@@ -59,17 +59,9 @@ def new_vae(image_size: int):
 
 
 def save_vae(vae, paths: dict[str, str], diffusers: bool) -> None:
-    """The repo's vae/ folder, float32 (`diffusers` changes nothing): the pretrainer's global normalisation
-    (latents = (z - shift) * scale) as the family's per-channel latents_mean / latents_std, every channel the same."""
-    from library.io import save_diffusers_folder
-
-    dropped = ("shift_factor", "scaling_factor")
-    config = {k: v for k, v in vae.config.items() if not k.startswith("_") and k not in dropped}
-    channels = int(config["z_dim"])
-    config["latents_mean"] = [float(vae.config.shift_factor)] * channels
-    config["latents_std"] = [round(1.0 / float(vae.config.scaling_factor), 6)] * channels
-    save_diffusers_folder({k: v.contiguous() for k, v in vae.state_dict().items()},
-                          {"_class_name": "AutoencoderKLQwenImage21", **config}, paths["ae"])
+    """The repo's vae/ folder, float32 (`diffusers` changes nothing), its latents_mean / latents_std per channel
+    (Qwen-Image's save_per_channel_vae)."""
+    save_per_channel_vae(vae, paths["ae"], "AutoencoderKLQwenImage21")
 
 
 def new_transformer(text: dict[str, torch.Tensor]):
