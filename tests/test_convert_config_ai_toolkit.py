@@ -489,3 +489,26 @@ def test_a_null_sample_seed_writes_no_seed():
     """seed: null is a random seed there; it was written as '--d None', which our prompt reader refuses."""
     t = translate(job(sample={"prompts": ["a cat"], "seed": None, "walk_seed": True}), "run.yaml")
     assert t.files["sample_prompts"][1].splitlines()[1] == "a cat --w 512 --h 512 --s 20 --g 7"
+
+
+@pytest.mark.parametrize("network, arch, alpha", [
+    ({"linear": 32, "linear_alpha": 16}, "flux", 32.0),  # forced to the rank there: scale 1, not 0.5
+    ({"linear": 16, "linear_alpha": None}, "qwen_image", 16.0),  # no alpha: ai-toolkit's 1.0 is unread there too
+    ({"rank": 32}, "sd3", 32.0),  # the rank NetworkConfig reads first
+    ({"type": "lokr", "lokr_full_rank": False, "linear": 16, "linear_alpha": 4}, "flux", 16.0),
+    ({"type": "lokr", "lokr_full_rank": False, "linear": 16, "linear_alpha": 4, "old_lokr_format": True}, "flux", 4.0),
+    ({"type": "lokr", "lokr_full_rank": False, "linear": 16, "linear_alpha": 4, "old_lokr_format": True},
+     "flux2_klein_4b", 16.0),  # [klein]'s model writes the PEFT format whatever old_lokr_format says
+])
+def test_the_network_trains_at_the_alpha_ai_toolkit_gives_it(network, arch, alpha):
+    """ai-toolkit's LoRASpecialNetwork sets alpha = rank for every transformer it trains (its PEFT format), unless a
+    LoKr is asked for in the old format on a model that keeps it: a converted linear_alpha would train at another
+    scale (toolkit/lora_special.py)."""
+    given = job(network=network, model={"arch": arch})
+    section = given["config"]["process"][0]["network"]
+    for key in [k for k, v in section.items() if v is None]:
+        del section[key]
+    t = translate(given, "run.yaml")
+    assert t.config["network_alpha"] == alpha
+    shown = next(line for line in t.lines if line.key.startswith("network.linear_alpha"))
+    assert ("alpha = rank" in shown.note) == (alpha != float(network.get("linear_alpha") or 1.0))

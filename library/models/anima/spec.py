@@ -181,5 +181,5 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch; its get_bucket_divisibility 16 * 2 (the VAE's 8 x the 2 x 2 patch, times 2)
     peer_bucket_steps={"ai-toolkit": 32},
-    peer_models={"ai-toolkit": {"anima": {"model_type": "anima"}}, "sd-scripts": SD_SCRIPTS},
+    peer_models={"ai-toolkit": {"anima": {"model_type": "anima", "lokr_format": "peft"}}, "sd-scripts": SD_SCRIPTS},
 )

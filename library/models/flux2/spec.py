@@ -170,6 +170,9 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch: [dev] and both [klein] sizes are one model_type here ([klein] / [dev] read from the checkpoint)
     peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
-    peer_models={"ai-toolkit": {name: {"model_type": "flux2"} for name in ("flux2", "flux2_klein_4b", "flux2_klein_9b")},
+    # ([klein]'s model writes its LoKr in the PEFT format whatever old_lokr_format says; [dev]'s keeps the old one)
+    peer_models={"ai-toolkit": {"flux2": {"model_type": "flux2"},
+                                **{name: {"model_type": "flux2", "lokr_format": "peft"}
+                                   for name in ("flux2_klein_4b", "flux2_klein_9b")}},
                  "musubi-tuner": MUSUBI},
 )

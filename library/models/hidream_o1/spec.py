@@ -172,7 +172,7 @@ SPEC = S.ArchSpec(
     # and the vision tower's and lm_head, which a text-to-image step never runs (its UI leaves them out by name)
     peer_models={"ai-toolkit": {"hidream_o1": {"model_type": "hidream_o1", "network_args": "embedders_dim=0",
                                                "whole_network_args": "t_embedder_dim={network_dim}",
-                                               "idle_modules": "visual patch_embed lm_head"}},
+                                               "idle_modules": "visual patch_embed lm_head", "lokr_format": "peft"}},
                  "musubi-tuner": MUSUBI},
     peer_options=PEER_OPTIONS,
 )

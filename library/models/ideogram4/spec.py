@@ -137,5 +137,6 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch
     peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
-    peer_models={"ai-toolkit": {"ideogram4": {"model_type": "ideogram4"}}, "musubi-tuner": MUSUBI},
+    peer_models={"ai-toolkit": {"ideogram4": {"model_type": "ideogram4", "lokr_format": "peft"}},
+                 "musubi-tuner": MUSUBI},
 )

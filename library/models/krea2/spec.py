@@ -170,5 +170,5 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch (its edit mode, model_kwargs edit: true, is our krea2_edit: not read from there)
     peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
-    peer_models={"ai-toolkit": {"krea2": {"model_type": "krea2"}}, "musubi-tuner": MUSUBI},
+    peer_models={"ai-toolkit": {"krea2": {"model_type": "krea2", "lokr_format": "peft"}}, "musubi-tuner": MUSUBI},
 )

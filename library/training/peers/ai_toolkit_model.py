@@ -45,8 +45,9 @@ def read_as(text: str) -> Rule:
 # A model entry's keys that are no config keys of ours (library/models/spec.py peer_models): the network_args that
 # make ours train what its transformer_only LoRA (its default) wraps, those for its whole-model LoRA
 # (transformer_only false), and the substrings of its module names whose Linears no training step runs (a LoRA on
-# them stays zero), space-separated
-ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules")
+# them stays zero), space-separated; lokr_format "peft" where ai-toolkit's model writes its LoKr in the PEFT format
+# whatever old_lokr_format says (its use_old_lokr_format = False)
+ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules", "lokr_format")
 
 
 def entry_of(model_type: str) -> dict[str, str]:
@@ -391,8 +392,21 @@ def _alpha(t: Job, key: str, value: Any) -> None:
         t.drop(key, value, "full-rank LoKr (lokr_full_rank): scale 1")
     elif key == "network.alpha" and "linear_alpha" in network:
         t.drop(key, value, "network.linear_alpha sets it")
-    else:
+    elif _old_format_lokr(t, network):
         t.set("network_alpha", float(value), key, value, RENAMED, "network_alpha")
+    else:  # a LoRA trained at linear_alpha / rank here would learn at another scale than there
+        rank = next((network[k] for k in ("rank", "linear") if network.get(k) is not None), 4)  # NetworkConfig's
+        note = (f"= the rank {rank}: ai-toolkit trains these models' networks at alpha = rank (scale 1) whatever "
+                f"linear_alpha says (toolkit/lora_special.py, its PEFT format)") if float(value) != rank else ""
+        t.set("network_alpha", float(rank), key, value, RENAMED, "network_alpha", note=note)
+
+
+def _old_format_lokr(t: Job, network: dict) -> bool:
+    """A LoKr in ai-toolkit's old format, the one network of these models it trains at linear_alpha / rank: asked
+    for (old_lokr_format) on a model that keeps that format (the entry does not say lokr_format "peft")."""
+    entry = _peer_models().get(_arch_name(t.section("model"))) or entry_of(t.model_type)
+    return (str(network.get("type", "lora")).lower() == "lokr" and bool(network.get("old_lokr_format"))
+            and entry.get("lokr_format") != "peft")
 
 
 def _transformer_only(t: Job, key: str, value: Any) -> None:
@@ -440,7 +454,8 @@ NETWORK_RULES: dict[str, Rule] = {f"network.{k}": r for k, r in {
     "lorm": unsupported("ai-toolkit's LoRM: not ours"),
     "layer_offloading": ignored("memory only"),
     "split_multistage_loras": ignored("two-stage video models only"),
-    "old_lokr_format": ignored("ai-toolkit's older LoKr file keys: ours writes LyCORIS' own"),
+    "old_lokr_format": ignored("ai-toolkit's older LoKr file keys: ours writes LyCORIS' own (the alpha line says "
+                               "which alpha it trained at)"),
     "network_kwargs": implied(lambda v: not v, "none given"),  # given as a mapping: its keys below
     "network_kwargs.only_if_contains": custom(_module_names),
     "network_kwargs.ignore_if_contains": custom(_module_names),
