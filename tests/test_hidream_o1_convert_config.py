@@ -1,6 +1,6 @@
 """tools/convert_config.py on the peers' HiDream-O1-Image configs. musubi-tuner's hidream_o1_train_network.py: its
 documented command line becomes a config train_lora.py reads and trains (the release from its --model_type, its x0
-loss as ours' sigma_sq, its noise settings dropped at the release's and refused otherwise, buckets on its 32 px),
+loss as ours' sigma_sq, its noise settings ours' keys of the same names, buckets on its 32 px),
 and every argument of its own parser has a line. ai-toolkit's hidream_o1 job as its UI writes it, and one at its
 defaults: the network ours builds on the tiny model trains the Linears ai-toolkit's LoRA wraps; its noise_scale is
 ours' only for Full (Dev it trains unclipped)."""
@@ -36,8 +36,8 @@ DOCUMENTED = """accelerate launch --num_cpu_threads_per_process 1 --mixed_precis
     --output_dir {out} --output_name hidream_o1_lora"""
 
 # hidream_o1_setup_parser's arguments (hidream_o1_train_network.py), each with the verdict a typical value gets
-THEIR_OWN = {"model_type": ("dev", RENAMED), "task": ("i2i", NOT_CARRIED), "noise_scale_start": (7.5, DROPPED),
-             "noise_scale_end": (7.5, DROPPED), "noise_clip_std": (2.5, DROPPED), "fp8_scaled": (True, KEPT),
+THEIR_OWN = {"model_type": ("dev", RENAMED), "task": ("i2i", NOT_CARRIED), "noise_scale_start": (7.5, KEPT),
+             "noise_scale_end": (7.5, KEPT), "noise_clip_std": (2.5, KEPT), "fp8_scaled": (True, KEPT),
              "skip_t2i_visual_dummy": (True, DROPPED), "dino_loss_weight": (0.05, NOT_CARRIED),
              **{name: (value, DROPPED) for name, value in (
                  ("dino_loss_backend", "vit"), ("dino_loss_model_type", "small"), ("dino_loss_layer", -4),
@@ -71,8 +71,8 @@ def test_the_documented_command_converts_to_files_our_loaders_read(documented, t
     assert (args.learning_rate, args.optimizer_type, args.max_train_epochs) == (4e-5, "adamw8bit", 16)
     ours = load_dataset_config(dataset).datasets[0]
     assert (ours.min_bucket_reso, ours.max_bucket_reso, ours.bucket_reso_steps) == (32, 128, 32)  # its 32 px grid
-    for key in ("task", "noise_scale_start", "noise_scale_end", "noise_clip_std"):
-        assert verdict_of(t, key)[0] == DROPPED, key  # t2i and the release's noise: ours' as it is
+    assert verdict_of(t, "task")[0] == DROPPED  # t2i: ours' as it is
+    assert (args.noise_scale_start, args.noise_scale_end, args.noise_clip_std) == (8.0, 8.0, 0.0)  # ours' keys
     assert verdict_of(t, "model_type") == (RENAMED, "model_version")
     assert not t.not_carried
 
@@ -99,22 +99,19 @@ def test_every_argument_of_its_own_parser_has_a_line(name):
     assert verdict_of(t, name)[0] == verdict, verdict_of(t, name)
 
 
-@pytest.mark.parametrize("release, given, verdict", [
-    ("full", {"noise_scale_start": 8.0, "noise_clip_std": 0}, DROPPED),
-    ("dev", {"noise_scale_start": 7.5, "noise_scale_end": 7.5, "noise_clip_std": 2.5}, DROPPED),
-    ("dev", {"noise_scale_start": 8.0}, NOT_CARRIED), ("full", {"noise_clip_std": 2.5}, NOT_CARRIED),
-    ("full", {"noise_scale_end": 6.0}, NOT_CARRIED)])
-def test_its_noise_settings_are_dropped_at_the_releases_and_refused_otherwise(release, given, verdict):
+@pytest.mark.parametrize("release, given", [
+    ("full", {"noise_scale_start": 8.0, "noise_clip_std": 0}),
+    ("dev", {"noise_scale_start": 8.0}), ("full", {"noise_clip_std": 2.5}), ("full", {"noise_scale_end": 6.0})])
+def test_its_noise_settings_are_ours_of_the_same_names(release, given):
+    """hidream_o1_train_network.py's noise options, each left out the release's (the end: the start's), as ours."""
     t = musubi_tuner.translate({"network_module": "networks.lora_hidream_o1", "model_type": release, **given}, "c.toml")
     assert t.config["model_version"] == {"full": FULL, "dev": DEV}[release]
-    assert {verdict_of(t, key)[0] for key in given} == {verdict}
-    if verdict == NOT_CARRIED:
-        assert f"{t.config['model_version']}'s:" in verdict_of(t, next(iter(given)))[1]
+    assert {key: t.config[key] for key in given} == given and {verdict_of(t, key)[0] for key in given} == {KEPT}
 
 
-def test_the_specs_noise_is_the_familys():
-    for key, part in (("noise_scale_start", 0), ("noise_scale_end", 1), ("noise_clip_std", 2)):
-        assert PEER_OPTIONS["musubi-tuner"][key].ours == {release: noise[part] for release, noise in NOISE.items()}
+def test_the_releases_noise_is_musubi_tuners_default():
+    """hidream_o1_train_network.py: start 7.5 for dev, else 8.0; end the start's; clip 2.5 for dev, else 0."""
+    assert NOISE == {FULL: (8.0, 8.0, 0.0), DEV: (7.5, 7.5, 2.5)}
 
 
 def test_its_defaults_are_written_full_x0_loss_and_the_sigma_draw():

@@ -4,6 +4,8 @@ the loss is musubi-tuner's (MSE of the predicted x0 on x_t = (1 - sigma) x0 + si
 formula on the same model; Dev's flash sampling step is the scheduler's; the LoRA converts to ComfyUI's / ai-toolkit's
 names and reads back; the release comes from model_version or the file name."""
 
+import json
+
 import pytest
 import torch
 from safetensors import safe_open
@@ -38,7 +40,7 @@ def run_args(tiny, out, *more) -> list[str]:
 @pytest.fixture(scope="module")
 def trained(tiny, tmp_path_factory):
     out = tmp_path_factory.mktemp("hidream_o1_run")
-    assert train_lora.main(run_args(tiny, out)) == 0
+    assert train_lora.main(run_args(tiny, out, "--noise_clip_std", "0")) == 0  # Full's own: the header records it
     return out
 
 
@@ -54,15 +56,19 @@ def test_hidream_o1_lora_trains_saves_and_samples_in_musubis_names(trained):
     with safe_open(str(trained / "o1.safetensors"), "pt") as f:
         meta = f.metadata()
     assert (meta["ss_base_model_version"], meta["modelspec.architecture"]) == (FULL, "HiDream-O1-Image/lora")
+    assert json.loads(meta["ss_trained_keys"]) == {"noise_clip_std": 0.0}
     assert sample_png(trained, "o1", "final").stat().st_size > 0
 
 
-@pytest.mark.parametrize("version", [FULL, DEV])
-def test_the_loss_is_musubis_x0_mse_on_its_noise(tiny, version):
+@pytest.mark.parametrize("version, keys", [
+    (FULL, {}), (DEV, {}), (FULL, {"noise_scale_start": 2.0, "noise_scale_end": 6.0, "noise_clip_std": 1.5}),
+    (DEV, {"noise_scale_start": 3.0})])
+def test_the_loss_is_musubis_x0_mse_on_its_noise(tiny, version, keys):
     """sigma_sq weighting of our velocity loss = musubi-tuner's MSE(x0_pred, x0) with x_t = (1 - s) x0 + s k clip(n)
-    (hidream_o1_train_network.py: k the release's scale, clip at noise_clip_std x the noise's std), on the same
-    model, noise and sigmas; its x0_pred taken from the model directly."""
-    family = HiDreamO1Family(tiny["hidream_o1"], model_version=version)
+    (hidream_o1_train_network.py: k = start + (end - start)(1 - s), the release's unless its noise_scale_start /
+    noise_scale_end / noise_clip_std (ours' keys) say otherwise, the end the start's; clip at noise_clip_std x the
+    noise's std), on the same model, noise and sigmas; its x0_pred taken from the model directly."""
+    family = HiDreamO1Family(tiny["hidream_o1"], model_version=version, **keys)
     model = family.load_transformer(torch.float32)
     encoded = family.load_text_encoder()(["a red circle", "a blue square on a table"])
     longest = max(len(t["input_ids"]) for t in encoded)  # right-padded with zeros, as the dataset collates
@@ -72,10 +78,12 @@ def test_the_loss_is_musubis_x0_mse_on_its_noise(tiny, version):
     x0 = torch.rand(2, 3, 64, 96, generator=g) * 2 - 1
     noise, sigmas = torch.randn(x0.shape, generator=g), torch.tensor([0.3, 0.8])
     ours = family.loss_at(model, x0, text, noise, sigmas, None, "sigma_sq")
-    scale, _, clip = {FULL: (8.0, 8.0, 0.0), DEV: (7.5, 7.5, 2.5)}[version]
+    start, _, clip = {FULL: (8.0, 8.0, 0.0), DEV: (7.5, 7.5, 2.5)}[version]
+    start, clip = keys.get("noise_scale_start", start), keys.get("noise_clip_std", clip)
+    end = keys.get("noise_scale_end", start)
     n = noise.clamp(-clip * noise.std(), clip * noise.std()) if clip else noise
     s = sigmas.reshape(-1, 1, 1, 1)
-    x_t = (1 - s) * x0 + s * scale * n
+    x_t = (1 - s) * x0 + s * (start + (end - start) * (1 - s)) * n
     x0_pred = model(family.pack_target(x_t), text["input_ids"], text["length"], sigmas, 2, 3)
     theirs = (x0_pred - family.pack_target(x0)).pow(2).mean()
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
@@ -117,6 +125,26 @@ def test_the_release_comes_from_model_version_or_the_name(tiny):
     torch.testing.assert_close(family.model_noise(noise, torch.tensor([0.1, 0.9])), 8 * noise)
     with pytest.raises(ValueError, match="hidream-o1-full or hidream-o1-dev"):
         HiDreamO1Family(tiny["hidream_o1"], model_version="hidream-o1")
+
+
+def test_the_noise_keys_set_the_samples_noise_too_and_a_bad_one_is_named(tiny):
+    """The model learns the noise it is trained on: samples start from noise_scale_start x randn, and Dev's flash
+    steps re-noise at its scale and clip. A scale of 0 or less, a negative clip: one ValueError naming the key."""
+    family = HiDreamO1Family(tiny["hidream_o1"], model_version=DEV, noise_scale_start=2.0, noise_clip_std=0)
+    assert family.noise == (2.0, 2.0, 0.0)
+    drawn = family.initial_noise(1, 32, 32, torch.Generator().manual_seed(0))
+    torch.testing.assert_close(drawn, 2.0 * torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)))
+    text = {"input_ids": torch.zeros(1, 5, dtype=torch.int64), "length": torch.tensor([5])}
+    out = family.sample_latents(lambda img, *args: img / 2, text, 64, 32, 28, seed=3, guidance=0.0)
+    gen = torch.Generator("cpu").manual_seed(3)
+    x = 2.0 * torch.randn(1, 3, 32, 64, generator=gen)
+    sigmas = [t / 1000 for t in DEV_TIMESTEPS] + [0.0]
+    for following in sigmas[1:]:  # the flash steps of test_dev_samples_with_the_flash_scheduler_on_its_timesteps
+        x = following * 2.0 * torch.randn(x.shape, generator=gen) + (1 - following) * (x / 2)
+    torch.testing.assert_close(out, x)
+    for key, value in (("noise_scale_start", 0.0), ("noise_scale_end", -1.0), ("noise_clip_std", -0.5)):
+        with pytest.raises(ValueError, match=f"{key} = {value}: expected"):
+            HiDreamO1Family(tiny["hidream_o1"], **{key: value})
 
 
 def test_a_kohya_lora_converts_to_comfyuis_names_and_reads_back(trained, tmp_path):
@@ -207,3 +235,19 @@ def test_a_tokenizer_whose_tms_id_is_not_the_transformers_is_refused_before_cach
     assert f"the tokenizer's <|tms_token|> is id {tms}, the transformer's" in err
     assert f"tms_token_id is {tms - 1}" in err
     assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
+
+
+def test_a_lora_trained_at_another_noise_renders_at_it():
+    """The noise keys are ConfigKey.renders keys: the LoRA's header records them (ss_trained_keys) and tools/generate.py
+    sets them where left unset."""
+    import argparse
+
+    from library.lora_spec import LoRASpec
+    from tools.generate import honour_lora_options
+
+    header = {"ss_trained_keys": json.dumps({"noise_scale_start": 1.0, "noise_clip_std": 0.0})}
+    assert HiDreamO1Family.lora_trained_options(header) == {"noise_scale_start": (1.0, "ss_trained_keys"),
+                                                           "noise_clip_std": (0.0, "ss_trained_keys")}
+    args = argparse.Namespace(model_type="hidream_o1", noise_scale_start=None, noise_scale_end=None, noise_clip_std=None)
+    honour_lora_options(args, [LoRASpec("a.safetensors", 1.0)], [header])
+    assert (args.noise_scale_start, args.noise_scale_end, args.noise_clip_std) == (1.0, None, 0.0)

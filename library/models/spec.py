@@ -458,6 +458,7 @@ class MusubiModels:
     logsnr_draws: tuple[str, ...] = ()  # its logSNR-normal draws named after this model (ours has none)
     lora_args: tuple[PeerLoRAArg, ...] = ()
     ignored_args: dict[str, str] = field(default_factory=dict)  # its script's own arguments ours reads nothing of -> why
+    same_args: tuple[str, ...] = ()  # its script's own arguments that are this folder's config_keys of the same meaning
     sample_cfg: PeerSampleCfg | None = None  # its samples' --l where ours reads it otherwise (None: as ours)
 
 

@@ -4,9 +4,10 @@ cached) and 32 x 32 pixel patches (the file's patch_size); no VAE (the pixel VAE
 
 Training follows musubi-tuner's hidream_o1_train_network.py (the release's recommended settings, its docs): the
 noisy input x_t = (1 - sigma) x0 + sigma s clip(n) with the release's noise scale s (Full 8.0, Dev 7.5) and clip
-(Full none, Dev 2.5 std: model_noise), sigma drawn uniformly (default_timestep_sampling), the model predicting x0:
-predict returns the velocity (x_t - x0_pred) / sigma, so `weighting_scheme = "sigma_sq"` (configs/hidream_o1.toml)
-is musubi-tuner's MSE on x0 and "none" ai-toolkit's velocity MSE.
+(Full none, Dev 2.5 std: model_noise; the config's noise_scale_start / noise_scale_end / noise_clip_std, musubi-tuner's
+options, set them for training and samples alike), sigma drawn uniformly (default_timestep_sampling), the model
+predicting x0: predict returns the velocity (x_t - x0_pred) / sigma, so `weighting_scheme = "sigma_sq"`
+(configs/hidream_o1.toml) is musubi-tuner's MSE on x0 and "none" ai-toolkit's velocity MSE.
 
 Sampling as the releases' pipelines: Full 50 steps of CFG 5.0 against " ", shift 3, from 8 x randn (Euler on the
 velocity; the pipeline's UniPC solver is not reproduced); Dev 28 steps on its fixed timesteps without guidance, the
@@ -29,6 +30,7 @@ from library.models.hidream_o1.spec import DEV, FULL  # the releases (model_vers
 
 # each release's training / sampling noise: (scale at sigma 1, scale at sigma 0, clip in noise stds or 0: none)
 NOISE = {FULL: (8.0, 8.0, 0.0), DEV: (7.5, 7.5, 2.5)}
+NOISE_KEYS = ("noise_scale_start", "noise_scale_end", "noise_clip_std")  # the config's, each None: the release's
 # Dev's pipeline timesteps (musubi-tuner's hidream_o1/pipeline.py DEFAULT_TIMESTEPS, the official inference.py's)
 DEV_TIMESTEPS = (999, 987, 974, 960, 945, 929, 913, 895, 877, 857, 836, 814, 790, 764, 737, 707, 675, 640, 602, 560,
                  515, 464, 409, 347, 278, 199, 110, 8)
@@ -65,11 +67,19 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
     cfg_above = 1.0
     releases = (FULL, DEV)
     release_in_name = staticmethod(release_in_name)
+    noise_given = (None, None, None)  # the config's NOISE_KEYS (None: the release's); a planner's preset sets none
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None,
-                 tokenizer: str | None = None):
+                 tokenizer: str | None = None, noise_scale_start: float | None = None,
+                 noise_scale_end: float | None = None, noise_clip_std: float | None = None):
         super().__init__(model_path, vae_path, tokenizer=tokenizer)
         self.set_release(model_version)
+        self.noise_given = (noise_scale_start, noise_scale_end, noise_clip_std)
+        for key, value in zip(NOISE_KEYS, self.noise_given):
+            clip = key == "noise_clip_std"
+            if value is not None and (value < 0 or (value == 0 and not clip)):
+                raise ValueError(f"{key} = {value}: expected " + ("0 (no clip) or more noise stds" if clip
+                                                                  else "a scale above 0"))
 
     @classmethod
     def required_paths(cls) -> tuple[str, ...]:
@@ -78,7 +88,7 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
     @classmethod
     def from_args(cls, args) -> "HiDreamO1Family":
         return cls(args.pretrained_model_name_or_path, None, getattr(args, "model_version", None),
-                   getattr(args, "tokenizer", None))
+                   getattr(args, "tokenizer", None), *(getattr(args, key, None) for key in NOISE_KEYS))
 
     # -- the release (NamedReleases: model_version, else the path's name, else Full) ----------------
     def default_timestep_sampling(self, model) -> str:
@@ -90,6 +100,16 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
         import dataclasses
 
         return dataclasses.replace(fm.sampling_of(self.arch), shift=1.0) if self.version == DEV else None
+
+    @cached_property
+    def noise(self) -> tuple[float, float, float]:
+        """(scale at sigma 1, scale at sigma 0, clip in noise stds or 0) of the model's noise, in training and
+        samples: the config's NOISE_KEYS, each left out the release's (NOISE; the end: the start's, as musubi-tuner)."""
+        start, end, clip = self.noise_given
+        released = NOISE[self.version]
+        start = released[0] if start is None else float(start)
+        end = (released[1] if self.noise_given[0] is None else start) if end is None else float(end)
+        return start, end, released[2] if clip is None else float(clip)
 
     @cached_property
     def transformer_config(self):
@@ -181,7 +201,7 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
 
     def model_noise(self, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
         """The release's scaled (and for Dev clipped) noise (shaped_noise), as the model was trained on."""
-        return shaped_noise(noise, sigmas, *NOISE[self.version])
+        return shaped_noise(noise, sigmas, *self.noise)
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance):
         """x_t [B, h*w, 3 p^2]: p px patches of the noisy pixels (3072 values at the released 32). The model predicts
@@ -193,8 +213,8 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
 
     # -- sampling ------------------------------------------------------------------------------
     def initial_noise(self, batch: int, lh: int, lw: int, generator: torch.Generator) -> torch.Tensor:
-        """The release's noise scale times randn (Full 8, Dev 7.5), the pipelines' starting point."""
-        start, _, _ = NOISE[self.version]
+        """The noise scale at sigma 1 times randn (the release's: Full 8, Dev 7.5), the pipelines' starting point."""
+        start, _, _ = self.noise
         return start * torch.randn(batch, self.latent_channels, lh, lw, generator=generator, dtype=torch.float32)
 
     @torch.no_grad()
@@ -210,7 +230,7 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
         gen = torch.Generator("cpu").manual_seed(seed)
         x = self.initial_noise(batch, height, width, gen).to(device)
         sigmas = [t / 1000 for t in DEV_TIMESTEPS] + [0.0]
-        start, end, clip = NOISE[DEV]
+        start, end, clip = self.noise
         for k, (sigma, following) in enumerate(zip(sigmas[:-1], sigmas[1:])):
             s = torch.full((batch,), sigma, device=device)
             v = self.guided_velocity(model, self.pack_target(x), s, text, negative_text, h, w, guidance)

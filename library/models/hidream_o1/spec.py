@@ -90,6 +90,15 @@ CONFIG_KEYS = (
                                   "repo folder, or a tokenizer/ folder beside ComfyUI's single file)"),
     S.ConfigKey("model_version", str, "hidream_o1: hidream-o1-full or hidream-o1-dev (default: the file or folder "
                                       "name's dev, else full)"),
+    # musubi-tuner's options of the same names; the model learns the noise it is trained on, so a LoRA trained at
+    # another scale renders right at that scale only (renders: its header records them)
+    S.ConfigKey("noise_scale_start", float, "hidream_o1: the noise's scale at sigma 1, in training and samples (x_t = "
+                                            "(1 - sigma) x0 + sigma s n; default: the release's, Full 8.0, Dev 7.5)",
+                renders=True),
+    S.ConfigKey("noise_scale_end", float, "hidream_o1: the noise's scale at sigma 0 (linear between; default: "
+                                          "noise_scale_start's where it is set, else the release's)", renders=True),
+    S.ConfigKey("noise_clip_std", float, "hidream_o1: the noise clamped to +- this many of its stds, 0 none (default: "
+                                         "the release's, Full 0, Dev 2.5)", renders=True),
 )
 
 
@@ -113,6 +122,7 @@ MUSUBI = S.MusubiModels(
     default_version="full",
     weighting={"none": "sigma_sq"},
     weighting_note="its loss is the MSE of the predicted x0: ours' velocity loss x sigma^2 (sigma_sq)",
+    same_args=("noise_scale_start", "noise_scale_end", "noise_clip_std"),  # each unset: the release's, as ours
     other_draws="its resolution shifts read this model's pixel-patch cache (the width in 32 px patches and a patch's "
                 "3072 values) as the latents' height and width: a shift no image size gives, which ours has not",
     ignored_args={"skip_t2i_visual_dummy": "a dummy vision-tower pass for FSDP's gradients: ours runs no vision tower "
@@ -122,16 +132,15 @@ MUSUBI = S.MusubiModels(
                                    "dino_loss_no_norm", "dino_loss_every_n_steps"),
                                   "read with dino_loss_weight only (its line says what became of it)")},
 )
-NOISE = "ours draws x_t from the release's noise (model_version: Full 8.0 x randn; Dev 7.5 x randn clipped at 2.5 std)"
+NOISE = ("ours draws x_t from the release's noise unless noise_scale_start / noise_clip_std say otherwise (model_version: "
+         "Full 8.0 x randn; Dev 7.5 x randn clipped at 2.5 std); its training noise: noise_scale_start = it, "
+         "noise_clip_std = 0")
 PEER_OPTIONS = {
     "musubi-tuner": {
         "task": S.PeerFixed("ours trains text-to-image: its i2i (reference images through the vision tower, their "
                             "modules in the LoRA) is not ours", ours="t2i"),
         "dino_loss_weight": S.PeerFixed("SenseCraft's DINOv3 perceptual loss on the predicted pixels: ours has none",
                                         ours=0.0),
-        "noise_scale_start": S.PeerFixed(NOISE, ours={FULL: 8.0, DEV: 7.5}),
-        "noise_scale_end": S.PeerFixed(NOISE, ours={FULL: 8.0, DEV: 7.5}),
-        "noise_clip_std": S.PeerFixed(NOISE, ours={FULL: 0.0, DEV: 2.5}),
     },
     # ai-toolkit's HidreamO1Model: model_kwargs.noise_scale (8.0 unset) scales the noise of either release, never
     # clipped; noise_scale_inference its samples'; is_comfy_weight how a full fine-tune is saved
@@ -139,7 +148,7 @@ PEER_OPTIONS = {
         "model.model_kwargs.noise_scale": S.PeerFixed(f"ai-toolkit scales the noise by it, unclipped; {NOISE}",
                                                       ours={FULL: 8.0, DEV: None}, peer_default=8.0),
         "model.model_kwargs.noise_scale_inference": S.PeerFixed("its samples' starting noise: ours' samples start "
-                                                                "from the release's"),
+                                                                "from the training noise's (noise_scale_start)"),
         "model.model_kwargs.is_comfy_weight": S.PeerFixed("how its full fine-tune saves the model: ours trains a "
                                                           "LoRA"),
     },

@@ -96,6 +96,11 @@ def option_names() -> tuple[str, ...]:
     return tuple(dict.fromkeys(name for s in arch_specs().values() for name in s.peer_options.get(PEER, {})))
 
 
+def same_args() -> tuple[str, ...]:
+    """Its scripts' own arguments that are a family's config keys of the same name and meaning."""
+    return tuple(dict.fromkeys(name for m in every_model() for name in m.same_args))
+
+
 def ignored_args() -> dict[str, str]:
     """Its scripts' own arguments ours reads nothing of -> why."""
     return {name: why for m in every_model() for name, why in m.ignored_args.items()}

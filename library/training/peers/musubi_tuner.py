@@ -557,6 +557,7 @@ RULES: dict[str, Rule] = {
                      "sampler_preset", "initial_sigma"), ignored(SAMPLES)),
     "log_loss_stats": ignored("diagnostics in the log"),
     **{name: ignored(why) for name, why in models.ignored_args().items()},  # the scripts' own, from the specs
+    **dict.fromkeys(models.same_args(), same()),
     **dict.fromkeys(models.option_names(), joint(_option)),
     **dict.fromkeys(("validate_caption_structure", "warn_on_caption_issues"),
                     ignored("a check of sample prompts' JSON structure")),
