@@ -248,6 +248,7 @@ def test_a_lora_trained_at_another_noise_renders_at_it():
     header = {"ss_trained_keys": json.dumps({"noise_scale_start": 1.0, "noise_clip_std": 0.0})}
     assert HiDreamO1Family.lora_trained_options(header) == {"noise_scale_start": (1.0, "ss_trained_keys"),
                                                            "noise_clip_std": (0.0, "ss_trained_keys")}
-    args = argparse.Namespace(model_type="hidream_o1", noise_scale_start=None, noise_scale_end=None, noise_clip_std=None)
+    args = argparse.Namespace(model_type="hidream_o1", **dict.fromkeys(("noise_scale_start", "noise_scale_end",
+                                                                        "noise_clip_std")))
     honour_lora_options(args, [LoRASpec("a.safetensors", 1.0)], [header])
     assert (args.noise_scale_start, args.noise_scale_end, args.noise_clip_std) == (1.0, None, 0.0)

@@ -132,9 +132,9 @@ MUSUBI = S.MusubiModels(
                                    "dino_loss_no_norm", "dino_loss_every_n_steps"),
                                   "read with dino_loss_weight only (its line says what became of it)")},
 )
-NOISE = ("ours draws x_t from the release's noise unless noise_scale_start / noise_clip_std say otherwise (model_version: "
-         "Full 8.0 x randn; Dev 7.5 x randn clipped at 2.5 std); its training noise: noise_scale_start = it, "
-         "noise_clip_std = 0")
+NOISE = ("ours draws x_t from the release's noise unless noise_scale_start / noise_clip_std say otherwise "
+         "(model_version: Full 8.0 x randn; Dev 7.5 x randn clipped at 2.5 std); its training noise: "
+         "noise_scale_start = it, noise_clip_std = 0")
 PEER_OPTIONS = {
     "musubi-tuner": {
         "task": S.PeerFixed("ours trains text-to-image: its i2i (reference images through the vision tower, their "
