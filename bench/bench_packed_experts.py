@@ -5,7 +5,7 @@ bf16, fp8_scaled, nf4, nf4_dq, int8 (library/precision/fp8_packed.py PackedWeigh
 the released later blocks: 4096 image tokens, batch 1, capacity factor 2 -> 128 tokens per expert.
 
     python bench/bench_packed_experts.py [--formats bf16,fp8_scaled,nf4,int8] [--experts 64] [--tokens 4096]
-        [--capacity-factor 2] [--rank 16] [--reps 3] [--compute bf16|fp32] [--threads 2]
+        [--capacity-factor 2] [--rank 16] [--reps 3] [--compute bf16|fp32] [--threads 2] [--int8_dequant]
 
 Per format: the time to quantize the experts from the bf16 weights (and the peak RSS that takes above its start),
 the stored bytes against the memory planner's count (the module built on `meta` and quantize_packed there: what
@@ -136,6 +136,38 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
+def int8_dequant_against_bitsandbytes_layout(reference: SwiGLUExperts, dtype: torch.dtype, reps: int) -> None:
+    """--int8_dequant: one chunk of the int8 gate_up (the trainer's expert_chunks) dequantized by ours
+    (bnb_weights.dequantize_packed: W[e]'s own layout) and by bitsandbytes' int8_vectorwise_dequant through Int8Linear's
+    transposed layout (the reference: ours before), alternated; equal bit for bit, or the run stops."""
+    from library.precision import bnb_weights
+
+    module, _, _ = stored_in(reference, "int8")
+    shape, chunk = module.packed_shape("gate_up_proj"), module.expert_chunks(dtype)[0]
+    stored = [getattr(module, "gate_up_proj" + suffix) for suffix in bnb_weights.packed_shapes(*shape, "int8")]
+
+    def bitsandbytes_layout():
+        out = torch.empty((chunk.stop - chunk.start, shape[1], shape[2]), dtype=dtype)
+        for i, e in enumerate(range(chunk.start, chunk.stop)):
+            out[i] = bnb_weights.dequantize_int8(shape[2:0:-1], dtype, stored[0][e].T, stored[1][e]).T
+        return out
+
+    def ours():
+        return bnb_weights.dequantize_packed("int8", shape, dtype, chunk, *stored)
+
+    if not torch.equal(ours(), bitsandbytes_layout()):
+        raise SystemExit("int8 dequantization: ours differs from bitsandbytes' own")
+    times = {ours: [], bitsandbytes_layout: []}
+    for _ in range(reps):
+        for f in times:
+            start = time.perf_counter()
+            f()
+            times[f].append(time.perf_counter() - start)
+    mine, theirs = statistics.median(times[ours]), statistics.median(times[bitsandbytes_layout])
+    print(f"int8 gate_up chunk {chunk.start}:{chunk.stop} [{shape[1]}, {shape[2]}] -> {dtype}, median of {reps}: ours "
+          f"{mine * 1e3:.0f} ms, through Int8Linear's layout {theirs * 1e3:.0f} ms (x{mine / theirs:.2f}); bit-equal")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--formats", default="bf16,fp8_scaled,nf4,int8", help=f"comma list of {FORMATS}")
@@ -147,6 +179,8 @@ def main():
     p.add_argument("--compute", choices=DTYPES, default="bf16")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--int8_dequant", action="store_true", help="only time the int8 dequantization of one chunk, ours "
+                                                                "against bitsandbytes' through Int8Linear's layout")
     args = p.parse_args()
     formats = [f.strip() for f in args.formats.split(",") if f.strip()]
     unknown = [f for f in formats if f not in FORMATS]
@@ -166,6 +200,8 @@ def main():
           f"VmHWM reset {reset_peak()}")
 
     reference = random_experts(args.experts, dim, inner, args.seed)
+    if args.int8_dequant:
+        return int8_dequant_against_bitsandbytes_layout(reference, dtype, max(args.reps, 5))
     weights = sum(reference.packed_shape(n).numel() for n in reference.packed_weights)
     g = torch.Generator().manual_seed(args.seed + 1)
     x = torch.randn(args.experts, capacity, dim, generator=g).to(dtype)  # LayerNormed, modulated tokens: ~N(0, 1)
