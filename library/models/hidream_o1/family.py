@@ -105,11 +105,12 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
     def noise(self) -> tuple[float, float, float]:
         """(scale at sigma 1, scale at sigma 0, clip in noise stds or 0) of the model's noise, in training and
         samples: the config's NOISE_KEYS, each left out the release's (NOISE; the end: the start's, as musubi-tuner)."""
-        start, end, clip = self.noise_given
+        given_start, end, clip = self.noise_given
         released = NOISE[self.version]
-        start = released[0] if start is None else float(start)
-        end = (released[1] if self.noise_given[0] is None else start) if end is None else float(end)
-        return start, end, released[2] if clip is None else float(clip)
+        start = released[0] if given_start is None else float(given_start)
+        if end is None:
+            end = released[1] if given_start is None else start
+        return start, float(end), released[2] if clip is None else float(clip)
 
     @cached_property
     def transformer_config(self):
@@ -200,7 +201,8 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
         return unpack_latents(tokens, shape[-2], shape[-1], self.patch)
 
     def model_noise(self, noise: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """The release's scaled (and for Dev clipped) noise (shaped_noise), as the model was trained on."""
+        """The scaled (for Dev clipped) noise the model was trained on (shaped_noise at `noise`: the release's unless
+        the config's noise keys say otherwise)."""
         return shaped_noise(noise, sigmas, *self.noise)
 
     def predict(self, model, x_t, sigmas, text, h, w, guidance):
