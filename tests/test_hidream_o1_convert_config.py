@@ -2,8 +2,8 @@
 documented command line becomes a config train_lora.py reads and trains (the release from its --model_type, its x0
 loss as ours' sigma_sq, its noise settings ours' keys of the same names, buckets on its 32 px),
 and every argument of its own parser has a line. ai-toolkit's hidream_o1 job as its UI writes it, and one at its
-defaults: the network ours builds on the tiny model trains the Linears ai-toolkit's LoRA wraps; its noise_scale is
-ours' only for Full (Dev it trains unclipped)."""
+defaults: the network ours builds on the tiny model trains the Linears ai-toolkit's LoRA wraps; its noise_scale
+trains as ours' noise keys (unclipped, Dev's too)."""
 
 from types import SimpleNamespace
 
@@ -11,11 +11,12 @@ import pytest
 import torch.nn as nn
 
 from library.data.dataset_config import load_dataset_config
-from library.models.hidream_o1.family import NOISE
-from library.models.hidream_o1.spec import DEV, FULL, PEER_OPTIONS
+from library.models.hidream_o1.family import NOISE, NOISE_KEYS, HiDreamO1Family
+from library.models.hidream_o1.spec import DEV, FULL
 from library.training.config import load_config, lora_network_args
 from library.training.peers import ai_toolkit, musubi_tuner
 from library.training.peers.musubi_dataset import bucket_sides, peer_buckets
+from library.training.peers.ai_toolkit_model import release_of
 from library.training.peers.rules import DROPPED, KEPT, NOT_CARRIED, RENAMED, argv_to_dict
 from networks.lora import LoRANetwork
 from tests.test_convert_config_musubi import musubi_dataset, verdict_of
@@ -219,19 +220,35 @@ def test_other_module_names_left_out_are_still_not_carried():
                       "network.network_kwargs.ignore_if_contains")[0] == NOT_CARRIED
 
 
-def test_its_noise_scale_is_ours_for_full_and_not_for_dev():
-    """ai-toolkit scales either release's noise by model_kwargs.noise_scale (8.0 unset), never clipped; ours draws
-    Dev's at 7.5 clipped at 2.5 std. The release is the one the model's name says (ai-toolkit names none)."""
-    dev = {"name_or_path": "/models/hidream_o1_image_dev_bf16.safetensors"}
-    t = ai_toolkit.translate(ui_job(model=dev), "o1.yaml")
-    assert verdict_of(t, "model.model_kwargs.noise_scale")[0] == NOT_CARRIED
-    unset = ai_toolkit.translate(ui_job(model={**dev, "model_kwargs": {}}), "o1.yaml")
-    assert verdict_of(unset, "model.model_kwargs.noise_scale (ai-toolkit's default)")[0] == NOT_CARRIED
-    full = ai_toolkit.translate(ui_job(model={"model_kwargs": {}}), "o1.yaml")
-    assert not [line for line in full.lines if "noise_scale" in line.key]  # its default is Full's: no line
-    other = ai_toolkit.translate(ui_job(model={"model_kwargs": {"noise_scale": 6.0}}), "o1.yaml")
-    assert verdict_of(other, "model.model_kwargs.noise_scale") == (
-        NOT_CARRIED, f"{PEER_OPTIONS['ai-toolkit']['model.model_kwargs.noise_scale'].why}; {FULL}'s: 8.0")
+DEV_FILE = {"name_or_path": "/models/hidream_o1_image_dev_bf16.safetensors"}
+
+
+@pytest.mark.parametrize("model, key, verdict, noise", [
+    (DEV_FILE, "model.model_kwargs.noise_scale", RENAMED, (8.0, 8.0, 0.0)),  # the UI job's 8.0 on Dev: unclipped
+    ({**DEV_FILE, "model_kwargs": {}}, "model.model_kwargs.noise_scale (ai-toolkit's default)", RENAMED,
+     (8.0, 8.0, 0.0)),
+    ({**DEV_FILE, "model_kwargs": {"noise_scale": 7.5}}, "model.model_kwargs.noise_scale", RENAMED, (7.5, 7.5, 0.0)),
+    ({"model_kwargs": {"noise_scale": 6}}, "model.model_kwargs.noise_scale", RENAMED, (6.0, 6.0, 0.0)),
+    ({"model_kwargs": {}}, None, None, NOISE[FULL]),  # its default is Full's: no line, no key
+    ({}, "model.model_kwargs.noise_scale", DROPPED, NOISE[FULL]),  # the UI job's 8.0 on Full
+])
+def test_the_job_trains_at_ai_toolkits_noise(model, key, verdict, noise):
+    """ai-toolkit scales either release's noise by model_kwargs.noise_scale (8.0 unset), never clipped
+    (HidreamO1FlowmatchScheduler.add_noise), where Dev's release clips at 2.5 std from 7.5: the converted config's
+    keys give the family ai-toolkit's noise. The release is the one the model's name says (ai-toolkit names none)."""
+    t = ai_toolkit.translate(ui_job(model=model), "o1.yaml")
+    lines = [(line.key, line.verdict) for line in t.lines if line.key.startswith("model.model_kwargs.noise_scale ")
+             or line.key == "model.model_kwargs.noise_scale"]
+    assert lines == ([(key, verdict)] if key else [])
+    keys = {k: t.config[k] for k in NOISE_KEYS if k in t.config}
+    assert ("noise_scale_start" in keys) == (verdict == RENAMED)
+    family = HiDreamO1Family("o1.safetensors", model_version=t.config.get("model_version") or release_of(t), **keys)
+    assert family.noise == noise
+
+
+def test_a_noise_scale_that_is_no_number_is_not_carried():
+    t = ai_toolkit.translate(ui_job(model={"model_kwargs": {"noise_scale": "high"}}), "o1.yaml")
+    assert verdict_of(t, "model.model_kwargs.noise_scale")[0] == NOT_CARRIED and "noise_scale_start" not in t.config
 
 
 def test_a_single_file_reads_its_tokenizer_from_extras_name_or_path():

@@ -396,6 +396,21 @@ class PeerFixed:
 
 
 @dataclass(frozen=True)
+class PeerAsKeys:
+    """A peer's own option that ours trains as config keys: its value sets `key`, `with_keys` beside it (the rest of
+    how the peer reads it). Where that is the release's own (`released`: our model_version -> {key: value}), nothing
+    is written and the line says so; peer_default: the peer's value where the option is left out."""
+    why: str
+    key: str
+    with_keys: dict = field(default_factory=dict)
+    released: dict = field(default_factory=dict)
+    peer_default: object = None
+
+    def keys(self, value: float) -> dict:
+        return {self.key: float(value), **self.with_keys}
+
+
+@dataclass(frozen=True)
 class PeerSampleCfg:
     """How a peer's samples read a prompt line's --l on this model where ours reads it otherwise: the peer runs
     standard CFG (uncond + l (cond - uncond)) only above l = 1, and only with a --n where needs_negative; its l is
@@ -556,8 +571,8 @@ class ArchSpec:
     # BucketSelector's step for the model, 16 where a spec gives none)
     peer_bucket_steps: dict[str, int] = field(default_factory=dict)
     # peer -> {its own option for these models (musubi-tuner's script argument; ai-toolkit's
-    # "model.model_kwargs.<name>"): the value ours reads it at (PeerFixed)}
-    peer_options: dict[str, dict[str, PeerFixed]] = field(default_factory=dict)
+    # "model.model_kwargs.<name>"): the value ours reads it at (PeerFixed), or the keys ours trains it as (PeerAsKeys)}
+    peer_options: dict[str, dict[str, PeerFixed | PeerAsKeys]] = field(default_factory=dict)
     # its text encoder's padding is masked in attention (its pipeline's rule: a peer's mask switch is read by it)
     masks_text_padding: bool = False
 

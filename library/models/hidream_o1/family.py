@@ -26,11 +26,8 @@ import torch
 
 from library.models import flow_matching as fm
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, NamedReleases
-from library.models.hidream_o1.spec import DEV, FULL  # the releases (model_version), named in the spec
-
-# each release's training / sampling noise: (scale at sigma 1, scale at sigma 0, clip in noise stds or 0: none)
-NOISE = {FULL: (8.0, 8.0, 0.0), DEV: (7.5, 7.5, 2.5)}
-NOISE_KEYS = ("noise_scale_start", "noise_scale_end", "noise_clip_std")  # the config's, each None: the release's
+# the releases (model_version) and their noise, named in the spec (its converters read them)
+from library.models.hidream_o1.spec import DEV, FULL, NOISE, NOISE_KEYS
 # Dev's pipeline timesteps (musubi-tuner's hidream_o1/pipeline.py DEFAULT_TIMESTEPS, the official inference.py's)
 DEV_TIMESTEPS = (999, 987, 974, 960, 945, 929, 913, 895, 877, 857, 836, 814, 790, 764, 737, 707, 675, 640, 602, 560,
                  515, 464, 409, 347, 278, 199, 110, 8)

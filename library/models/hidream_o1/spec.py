@@ -108,6 +108,9 @@ MODELSPEC = {"hidream-o1": S.ModelSpecNames("HiDream-O1-Image", "https://github.
 
 # -- the peers' names and options (tools/convert_config.py, library/training/peers/)
 FULL, DEV = "hidream-o1-full", "hidream-o1-dev"  # family.py's releases (model_version)
+# each release's training / sampling noise: (scale at sigma 1, scale at sigma 0, clip in noise stds or 0: none)
+NOISE = {FULL: (8.0, 8.0, 0.0), DEV: (7.5, 7.5, 2.5)}
+NOISE_KEYS = ("noise_scale_start", "noise_scale_end", "noise_clip_std")  # the config's, each None: the release's
 # musubi-tuner's hidream_o1_train_network.py: --model_type full / dev (default full) is the release; its loss is the
 # MSE of the predicted x0 and it takes weighting_scheme none only; its resolution shifts (flux_shift ...) read the
 # pixel-patch cache [B, H/32, W/32, 3072] as latents whose height and width are its last two sides; its pixel buckets
@@ -132,9 +135,6 @@ MUSUBI = S.MusubiModels(
                                    "dino_loss_no_norm", "dino_loss_every_n_steps"),
                                   "read with dino_loss_weight only (its line says what became of it)")},
 )
-NOISE = ("ours draws x_t from the release's noise unless noise_scale_start / noise_clip_std say otherwise "
-         "(model_version: Full 8.0 x randn; Dev 7.5 x randn clipped at 2.5 std); its training noise: "
-         "noise_scale_start = it, noise_clip_std = 0")
 PEER_OPTIONS = {
     "musubi-tuner": {
         "task": S.PeerFixed("ours trains text-to-image: its i2i (reference images through the vision tower, their "
@@ -143,10 +143,14 @@ PEER_OPTIONS = {
                                         ours=0.0),
     },
     # ai-toolkit's HidreamO1Model: model_kwargs.noise_scale (8.0 unset) scales the noise of either release, never
-    # clipped; noise_scale_inference its samples'; is_comfy_weight how a full fine-tune is saved
+    # clipped (its HidreamO1FlowmatchScheduler.add_noise; Dev's too, whose release clips); noise_scale_inference its
+    # samples'; is_comfy_weight how a full fine-tune is saved
     "ai-toolkit": {
-        "model.model_kwargs.noise_scale": S.PeerFixed(f"ai-toolkit scales the noise by it, unclipped; {NOISE}",
-                                                      ours={FULL: 8.0, DEV: None}, peer_default=8.0),
+        "model.model_kwargs.noise_scale": S.PeerAsKeys(
+            "ai-toolkit scales the noise of either release by it, unclipped", key="noise_scale_start",
+            with_keys={"noise_clip_std": 0.0}, peer_default=8.0,
+            released={release: {"noise_scale_start": start, "noise_clip_std": clip}
+                      for release, (start, _, clip) in NOISE.items()}),
         "model.model_kwargs.noise_scale_inference": S.PeerFixed("its samples' starting noise: ours' samples start "
                                                                 "from the training noise's (noise_scale_start)"),
         "model.model_kwargs.is_comfy_weight": S.PeerFixed("how its full fine-tune saves the model: ours trains a "

@@ -9,7 +9,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
-from library.training.peers.rules import (KEPT, NOT_CARRIED, RENAMED, Line, Rule, Translation, custom,
+from library.training.peers.rules import (DROPPED, KEPT, RENAMED, Line, Rule, Translation, custom,
                                           fixed_option, ignored, implied, is_off, renamed, unsupported)
 
 PEER = "ai-toolkit"
@@ -205,7 +205,8 @@ def model_option(t: Job, key: str, value: Any) -> None:
 
 
 def unset_model_options(t: Job) -> None:
-    """The options left out whose ai-toolkit default (PeerFixed.peer_default) is not ours: their line says so."""
+    """The options left out whose ai-toolkit default (peer_default) is not ours: their line says so (not carried, or
+    the keys ours trains it as)."""
     given = t.section("model").get("model_kwargs")
     given = given if isinstance(given, dict) else {}
     for key, option in model_options(t.model_type).items():
@@ -214,7 +215,7 @@ def unset_model_options(t: Job) -> None:
             continue
         lines = len(t.lines)
         model_option(t, f"{key} (ai-toolkit's default)", option.peer_default)
-        if t.lines[-1].verdict != NOT_CARRIED:  # its default is ours: no line
+        if t.lines[-1].verdict == DROPPED:  # its default is ours: no line
             del t.lines[lines:]
 
 

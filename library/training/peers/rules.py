@@ -163,7 +163,13 @@ def apply_rules(t: Translation, flat: dict[str, Any], rules: dict[str, Rule]) ->
 
 def fixed_option(t: Translation, key: str, value: Any, option, release: str | None) -> None:
     """A peer's own option that ours reads at one value (a spec's PeerFixed; per release: `release`, our
-    model_version): dropped at it (or where ours reads none of it), else not carried; its why on both."""
+    model_version): dropped at it (or where ours reads none of it), else not carried; its why on both. One that
+    ours trains as config keys (a PeerAsKeys): keys_option."""
+    from library.models.spec import PeerAsKeys
+
+    if isinstance(option, PeerAsKeys):
+        keys_option(t, key, value, option, release)
+        return
     ours = option.ours.get(release) if isinstance(option.ours, dict) else option.ours
     if option.ours is None or (ours is not None and _same_value(value, ours)):
         t.drop(key, value, option.why)
@@ -171,6 +177,23 @@ def fixed_option(t: Translation, key: str, value: Any, option, release: str | No
         t.refuse(key, value, f"{option.why}; {release}'s: {ours!r}")
     else:
         t.refuse(key, value, option.why)
+
+
+def keys_option(t: Translation, key: str, value: Any, option, release: str | None) -> None:
+    """A peer's option ours trains as config keys (a spec's PeerAsKeys): dropped where they are the release's (what
+    ours trains at without them), else set; a value that is no number is not carried."""
+    try:
+        keys = option.keys(value)
+    except (TypeError, ValueError):
+        t.refuse(key, value, f"{option.why}; expected a number")
+        return
+    released = option.released.get(release, {})
+    if all(_same_value(v, released.get(k)) for k, v in keys.items()):
+        t.drop(key, value, f"{option.why}; {release}'s own: " + ", ".join(f"{k} = {v}" for k, v in keys.items()))
+        return
+    first, *rest = keys  # one line for all: our first key and each value
+    t.set(first, keys[first], key, value, RENAMED, ", ".join(f"{k} = {v}" for k, v in keys.items()) + f"; {option.why}")
+    t.config.update({k: keys[k] for k in rest})
 
 
 def _same_value(value: Any, ours: Any) -> bool:
