@@ -291,14 +291,35 @@ def first_free_index(folder: str) -> int:
     return 1 + max((int(m.group(1)) for n in names if (m := re.fullmatch(r"(\d+)_.*\.png", n))), default=-1)
 
 
-def generate(args) -> list[str]:
+def apply_loras(model, arch: str, loras: list, device) -> None:
+    """Each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it); a DoRA's norm is of the
+    base with the LoRAs before it (networks/lora_module.py forward_weight), as ComfyUI and a base_loras run take it.
+    A LoRA's `.diff` / `.diff_b` tensors (ComfyUI's extraction) are added to the weights and biases they name, as
+    ComfyUI patches them (a LyCORIS network applies its own). A file of them alone (full_diff, LyCORIS' full type) is
+    added the same way, from the file's pages: LyCORIS' full modules held the delta and a copy of each weight."""
     import warnings
 
-    from library.data.images import save_png, to_pil
-    from library.models.block_swap import enable_block_swap
     from networks.factory import network_from_file
     from networks.lora import LoRANetwork
-    from networks.lora_reader import WholeDeltasLeftOut, check_lora_arch, merge_whole_deltas, whole_deltas_only
+    from networks.lora_reader import WholeDeltasLeftOut, merge_whole_deltas, whole_deltas_only
+
+    for spec in loras:
+        if whole_deltas_only(spec.path):
+            merge_whole_deltas(model, arch, spec.path, spec.ratio)
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", WholeDeltasLeftOut)
+            network = network_from_file(model, arch, spec.path, multiplier=spec.ratio)  # LoRA, DoRA or LyCORIS
+        network.apply()
+        network.to(device)
+        if isinstance(network, LoRANetwork):
+            merge_whole_deltas(model, arch, spec.path, spec.ratio)
+
+
+def generate(args) -> list[str]:
+    from library.data.images import save_png, to_pil
+    from library.models.block_swap import enable_block_swap
+    from networks.lora_reader import check_lora_arch
 
     loras = [parse_lora_spec(s) for s in args.lora]
     device = check_args(args)
@@ -332,22 +353,7 @@ def generate(args) -> list[str]:
     model = family.load_transformer(PRECISION_DTYPES[args.dtype], base_precision).requires_grad_(False).eval()
     # A plain e5m2 file loaded (widened exactly, so bf16 was asked): the images name it as its LoRAs do.
     base_name = family.widened_layout(base_precision) or base_precision
-    # each LoRA patched on top of the previous, unmerged (on the CPU base: DoRA reads it); a DoRA's norm is of the base
-    # with the LoRAs before it (networks/lora_module.py forward_weight), as ComfyUI and a base_loras run take it
-    # A LoRA's `.diff` / `.diff_b` tensors (ComfyUI's extraction) are added to the weights and biases they name, as
-    # ComfyUI patches them (a LyCORIS network applies its own). A file of them alone (full_diff, LyCORIS' full type)
-    # is added the same way, from the file's pages: LyCORIS' full modules held the delta and a copy of each weight.
-    for spec in loras:
-        if whole_deltas_only(spec.path):
-            merge_whole_deltas(model, family.arch, spec.path, spec.ratio)
-            continue
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", WholeDeltasLeftOut)
-            network = network_from_file(model, family.arch, spec.path, multiplier=spec.ratio)  # LoRA, DoRA or LyCORIS
-        network.apply()
-        network.to(device)
-        if isinstance(network, LoRANetwork):
-            merge_whole_deltas(model, family.arch, spec.path, spec.ratio)
+    apply_loras(model, family.arch, loras, device)
     enable_block_swap(model, args.blocks_to_swap, device)  # before the move: swapped weights stay on the CPU
     model.to(device)
     vae = family.load_vae(torch.float32)

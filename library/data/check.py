@@ -347,24 +347,11 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     read: the folders the dataset config reads (image_folders.folders_read), not 'not trained' below image_dir;
     batched: (a list, the family's control_bucket): each image with references is appended with its bucket and
     its references' (split_by_references)."""
-    layers, layered = {}, {} if layered is None else layered
-    try:
-        with warnings.catch_warnings(record=True) as said:  # images in subfolders: this report's warnings
-            warnings.simplefilter("always")
-            paths, layers = subset_images(subset, read)  # multiple_target: the layer files are not images of their own
-    except ValueError as e:  # no folder, no images, or images of one name (then check them anyway)
-        report.add("error", "folder", str(e))
-        if not os.path.isdir(subset.image_dir):
-            return [], []
-        names = sorted(os.listdir(subset.image_dir))
-        for collision in stem_collisions(subset.image_dir, names):  # training stops at the first; the check lists all
-            if collision != str(e):
-                report.add("error", "folder", collision)
-        paths = [os.path.join(subset.image_dir, f) for f in names if is_image_name(f)]
-        if subset.multiple_target:  # the layer files are layers here too, as subset_images takes them
-            paths, layers = split_layers(paths)
-    for w in said:  # said before a collision stopped the scan too
-        report.add("warning", "folder", str(w.message))
+    layered = {} if layered is None else layered
+    scanned = subset_paths(report, subset, read)
+    if scanned is None:
+        return [], []
+    paths, layers = scanned
     report.images = len(paths)
     try:
         controls = control_files(subset.control_directory) if subset.control_directory else None
@@ -422,6 +409,31 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         report.held_out = held_out_count(report.trained, ds)
         report.trained -= report.held_out
     return readable, used
+
+
+def subset_paths(report: SubsetReport, subset: SubsetSpec, read=()) -> tuple[list[str], dict] | None:
+    """The subset's images and layer files as training scans them (subset_images), its warnings and errors in
+    `report`; where the scan fails (no images, or images of one name) the folder's images all the same, to check
+    them anyway; None where there is no folder."""
+    layers = {}
+    try:
+        with warnings.catch_warnings(record=True) as said:  # images in subfolders: this report's warnings
+            warnings.simplefilter("always")
+            paths, layers = subset_images(subset, read)  # multiple_target: the layer files are not images of their own
+    except ValueError as e:  # no folder, no images, or images of one name (then check them anyway)
+        report.add("error", "folder", str(e))
+        if not os.path.isdir(subset.image_dir):
+            return None
+        names = sorted(os.listdir(subset.image_dir))
+        for collision in stem_collisions(subset.image_dir, names):  # training stops at the first; the check lists all
+            if collision != str(e):
+                report.add("error", "folder", collision)
+        paths = [os.path.join(subset.image_dir, f) for f in names if is_image_name(f)]
+        if subset.multiple_target:  # the layer files are layers here too, as subset_images takes them
+            paths, layers = split_layers(paths)
+    for w in said:  # said before a collision stopped the scan too
+        report.add("warning", "folder", str(w.message))
+    return paths, layers
 
 
 def check_pixels(report: SubsetReport, path: str, alpha_dropped: bool = True) -> tuple[int, int] | None:
