@@ -272,11 +272,14 @@ def verdict(t, key: str):
     ("train", "content_or_style", "content", RENAMED, {"timestep_bias": "high_noise"}),
     ("train", "loss_type", "mse", RENAMED, {"loss_type": "l2"}),
     ("train", "optimizer", "automagic", NOT_CARRIED, {}),
-    ("train", "optimizer", "adafactor", RENAMED, {"optimizer_type": "Adafactor"}),
+    ("train", "optimizer", "adafactor", RENAMED, {"optimizer_type": "Adafactor", "max_grad_norm": 0.0}),
+    ("train", "optimizer", "adamw8bit", RENAMED, {"optimizer_type": "AdamW8bit", "max_grad_norm": None}),
     ("train", "lr_scheduler", "linear", NOT_CARRIED, {}),
     ("train", "lr_scheduler", "cosine", RENAMED, {"lr_scheduler": "cosine"}),
-    ("train", "gradient_accumulation", 4, RENAMED, {"gradient_accumulation_steps": 4, "max_train_steps": 1000}),
-    ("train", "gradient_accumulation_steps", 4, "kept", {"gradient_accumulation_steps": 4, "max_train_steps": 250}),
+    ("train", "gradient_accumulation", 4, RENAMED, {"gradient_accumulation_steps": 4, "max_train_steps": 1000,
+                                                    "max_grad_norm": 0.25}),
+    ("train", "gradient_accumulation_steps", 4, RENAMED, {"gradient_accumulation_steps": None, "max_train_steps": 250,
+                                                          "max_grad_norm": None}),
     ("train", "unload_text_encoder", True, NOT_CARRIED, {}),
     ("train", "diff_output_preservation", True, "kept", {"diff_output_preservation": True, "trigger_word": "zxq"}),
     ("train", "reg_weight", 0.5, RENAMED, {"prior_loss_weight": 0.5}),
@@ -295,6 +298,23 @@ def test_each_key_gets_its_verdict_and_our_value(section, key, value, expected, 
     t = translate(job(trigger_word="zxq", **{section: {key: value}}), "run.yaml")
     assert verdict(t, f"{section}.{key}")[0] == expected
     assert {k: t.config.get(k) for k in ours} == ours
+
+
+def test_the_gradient_clip_and_accumulation_are_ai_toolkits():
+    """SDTrainer.hook_train_loop: no clip for `adafactor`; gradient_accumulation's micro-batches summed, then clipped
+    (ours averages them: the clip / N is the same step); the older gradient_accumulation_steps zeroes the gradients
+    as each micro-batch begins and counts its steps, saves, samples and warmup in micro-batches."""
+    t = translate(job(train={"gradient_accumulation": 2, "max_grad_norm": 0.5}), "run.yaml")
+    assert (t.config["gradient_accumulation_steps"], t.config["max_grad_norm"]) == (2, 0.25)
+    t = translate(job(train={"gradient_accumulation": 2, "optimizer": "adafactor", "max_grad_norm": 0.5}), "run.yaml")
+    assert t.config["max_grad_norm"] == 0.0 and verdict(t, "train.optimizer")[0] == RENAMED
+    assert translate(job(train={"optimizer": "Adafactor"}), "run.yaml").config.get("max_grad_norm") is None
+    older = translate(job(train={"gradient_accumulation_steps": 4, "steps": 2000, "lr_scheduler": "constant_with_warmup",
+                                 "lr_scheduler_params": {"num_warmup_steps": 200}},
+                          save={"save_every": 400}), "run.yaml")
+    assert "gradient_accumulation_steps" not in older.config
+    assert {k: older.config[k] for k in ("max_train_steps", "lr_warmup_steps", "save_every_n_steps")} == {
+        "max_train_steps": 500, "lr_warmup_steps": 50, "save_every_n_steps": 100}
 
 
 def test_keys_left_out_are_read_at_ai_toolkits_defaults_and_a_hub_id_is_a_folder_to_download():

@@ -25,7 +25,7 @@ from typing import Any
 from library.training.peers.ai_toolkit_data import DATASET_RULES, SAMPLE_RULES, sample_prompts, to_dataset_toml
 from library.training.peers.ai_toolkit_model import (ENTRY_ARGS, MODEL_RULES, NETWORK_RULES, PEER, SAVE_RULES, Job,
                                                     entry_of, model_keys, read_elsewhere, unset_model_options)
-from library.training.peers.ai_toolkit_train import ADAPTIVE, TRAIN_RULES
+from library.training.peers.ai_toolkit_train import ADAPTIVE, TRAIN_RULES, clipping
 from library.training.peers.rules import (NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, custom, ignored,
                                           implied, renamed, unsupported)
 
@@ -205,8 +205,8 @@ def _modulation(t: Job) -> None:
 
 
 def _finish(t: Job) -> None:
-    """What several keys give together: network_args, optimizer_args, the adaptive optimizers' lr, and the
-    step counts of the older gradient_accumulation_steps."""
+    """What several keys give together: network_args, optimizer_args, the adaptive optimizers' lr, the step
+    counts of the older gradient_accumulation_steps, and the gradient clip."""
     if t.network_args:
         t.config["network_args"] = t.network_args
     if t.optimizer_args and "optimizer_type" in t.config:
@@ -215,10 +215,11 @@ def _finish(t: Job) -> None:
         t.lines.append(Line("train.lr", t.config["learning_rate"], RENAMED, "learning_rate = 1.0 (ai-toolkit runs "
                             f"{t.config['optimizer_type']} at 1.0 below 0.1)"))
         t.config["learning_rate"] = 1.0
-    if t.micro_steps > 1:
-        for key in ("max_train_steps", "save_every_n_steps", "sample_every_n_steps"):
-            if t.config.get(key):
+    if t.micro_steps > 1:  # the older gradient_accumulation_steps: counts of micro-batches
+        for key in ("max_train_steps", "save_every_n_steps", "sample_every_n_steps", "lr_warmup_steps"):
+            if isinstance(t.config.get(key), int) and t.config[key]:
                 t.config[key] = max(1, t.config[key] // t.micro_steps)
+    clipping(t)
 
 
 def _literal(value: Any) -> str:

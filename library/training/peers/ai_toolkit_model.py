@@ -27,6 +27,7 @@ class Job(Translation):
     network_args: list = field(default_factory=list)
     optimizer_args: dict = field(default_factory=dict)
     micro_steps: int = 1  # gradient_accumulation_steps (its older key): ai-toolkit's steps are micro-batches
+    summed_micro_batches: int = 1  # gradient_accumulation: their gradients summed
 
     def section(self, name: str) -> dict:
         value = self.process.get(name)

@@ -67,20 +67,42 @@ def _scheduler_params(t: Job, key: str, value: Any) -> None:
 
 
 def _accumulation(t: Job, key: str, value: Any) -> None:
-    """gradient_accumulation (micro-batches per step) and its older gradient_accumulation_steps (whose steps,
-    saves and samples count micro-batches: ours are divided by it)."""
+    """gradient_accumulation: micro-batches per step, their gradients summed (SDTrainer.hook_train_loop runs their
+    backwards without dividing), where ours averages them: the same step for Adam's kind but for the clip, so ours
+    clips at max_grad_norm / it (_finish). The older gradient_accumulation_steps: its steps, saves, samples and lr
+    schedule count micro-batches, and hook_train_loop zeroes the gradients as each begins, so an optimizer step
+    trains on the last micro-batch alone: ours trains one per step, its counts divided by it (_finish)."""
     if value == -1:
         t.refuse(key, value, "a whole epoch per optimizer step: ours takes a number of micro-batches")
     elif not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{t.source}: {key.split(' (')[0]} must be a whole number >= 1, got {value!r}")
     elif value == 1:
         t.drop(key, value, "one micro-batch per step (ours too)")
+    elif key.startswith("train.gradient_accumulation_steps"):
+        t.micro_steps = value
+        t.lines.append(Line(key, value, RENAMED, f"one micro-batch per step, train.steps, save_every, sample_every and "
+                            f"the warmup / {value}", "ai-toolkit counts micro-batches with this key and zeroes the "
+                            "gradients as each begins: each optimizer step trained on its last micro-batch alone"))
     else:
-        older = key.startswith("train.gradient_accumulation_steps")
-        t.set("gradient_accumulation_steps", value, key, value, KEPT if older else RENAMED,
-              "gradient_accumulation_steps" + (" (train.steps, save_every, sample_every / it: ai-toolkit counts "
-                                               "micro-batches with this key)" if older else ""))
-        t.micro_steps = value if older else 1
+        t.summed_micro_batches = value
+        t.set("gradient_accumulation_steps", value, key, value, RENAMED, "gradient_accumulation_steps")
+
+
+def clipping(t: Job) -> None:
+    """ai-toolkit's gradient clip as ours runs it (after every key is read): none for `adafactor` (hook_train_loop
+    skips the clip for that name, as written); with gradient_accumulation N, the sum of N micro-batches' gradients
+    clipped at max_grad_norm, which is their mean (ours' gradient) clipped at max_grad_norm / N."""
+    given = t.section("train").get("optimizer", "adamw")
+    norm = t.config.get("max_grad_norm", 1.0)  # ai-toolkit's default is ours
+    if given == "adafactor":
+        t.lines.append(Line("train.optimizer", given, RENAMED, "max_grad_norm = 0 (off: ai-toolkit clips no "
+                            "adafactor gradients)"))
+        t.config["max_grad_norm"] = 0.0
+    elif t.summed_micro_batches > 1 and norm:
+        n = t.summed_micro_batches
+        t.lines.append(Line("train.gradient_accumulation", n, RENAMED, f"max_grad_norm = {norm} / {n} (ai-toolkit "
+                            f"clips the sum of the {n} micro-batches' gradients, ours their mean)"))
+        t.config["max_grad_norm"] = norm / n
 
 
 def _ema(t: Job, key: str, value: Any) -> None:
