@@ -309,7 +309,8 @@ def test_the_gradient_clip_and_accumulation_are_ai_toolkits():
     t = translate(job(train={"gradient_accumulation": 2, "optimizer": "adafactor", "max_grad_norm": 0.5}), "run.yaml")
     assert t.config["max_grad_norm"] == 0.0 and verdict(t, "train.optimizer")[0] == RENAMED
     assert translate(job(train={"optimizer": "Adafactor"}), "run.yaml").config.get("max_grad_norm") is None
-    older = translate(job(train={"gradient_accumulation_steps": 4, "steps": 2000, "lr_scheduler": "constant_with_warmup",
+    older = translate(job(train={"gradient_accumulation_steps": 4, "steps": 2000,
+                                 "lr_scheduler": "constant_with_warmup",
                                  "lr_scheduler_params": {"num_warmup_steps": 200}},
                           save={"save_every": 400}), "run.yaml")
     assert "gradient_accumulation_steps" not in older.config
