@@ -440,6 +440,20 @@ def test_the_trigger_word_becomes_a_caption_prefix_only_where_the_captions_lack_
     assert verdict(t, "sample.prompts[0] --m")[0] == NOT_CARRIED  # the LoRA's strength in samples
 
 
+def test_the_lines_say_how_ai_toolkit_drops_a_caption_and_weighs_a_mask():
+    """ai-toolkit puts the trigger word back into a dropped caption (BaseSDTrainProcess) and scales the batch's masks
+    to mean 1 (SDTrainer); ours trains the empty caption and each mask as it is: the lines say so."""
+    datasets = [{"folder_path": "/data/a", "caption_dropout_rate": 0.05, "mask_path": "/data/masks"},
+                {"folder_path": "/data/reg", "caption_dropout_rate": 0.05, "is_reg": True}]
+    t = translate(job(trigger_word="zxq", datasets=datasets), "run.yaml")
+    notes = {line.key: line.note for line in t.lines}
+    assert "as 'zxq'" in notes["datasets[0].caption_dropout_rate"] and not notes["datasets[1].caption_dropout_rate"]
+    assert "mean 1" in notes["datasets[0].mask_path"]
+    without = translate(job(datasets=datasets[:1]), "run.yaml")  # no trigger word: the same dropped caption
+    assert verdict(without, "datasets[0].caption_dropout_rate") == (RENAMED, "caption_dropout_rate")
+    assert next(line.note for line in without.lines if line.key == "datasets[0].caption_dropout_rate") == ""
+
+
 def test_every_peer_model_a_family_lists_is_a_model_type_with_keys_of_our_schema():
     listed = {name: keys for spec in arch_specs().values() for name, keys in spec.peer_models.get("ai-toolkit", {}).items()}
     assert {"flux", "flux_kontext", "qwen_image", "qwen_image_edit_plus", "zimage", "chroma"} <= set(listed)

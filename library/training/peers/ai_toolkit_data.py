@@ -20,6 +20,7 @@ set them and not at our models' own defaults; [trigger] (and [name]) become the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 from typing import Any
@@ -51,6 +52,11 @@ def _one_folder(value: Any) -> str:
     return value
 
 
+# SDTrainer: mask_multiplier / mask_multiplier.mean(), over the batch
+MASK_MEAN = ("ai-toolkit scales the batch's masks to mean 1 (a small mask's pixels weigh more); ours weighs each "
+             "pixel by its mask as it is, as sd-scripts (a half-masked image: half its loss)")
+
+
 def _handled(t, key, value) -> None:  # read where the dataset is built (to_dataset_toml)
     pass
 
@@ -73,8 +79,8 @@ DATASET_RULES: dict[str, Rule] = {f"datasets[].{k}": r for k, r in {
     "num_repeats": renamed("num_repeats"),
     "flip_x": renamed("flip_aug"),
     "is_reg": renamed("is_reg"),
-    "alpha_mask": renamed("alpha_mask"),
-    "mask_path": renamed("mask_dir"),
+    "alpha_mask": renamed("alpha_mask", why=MASK_MEAN),
+    "mask_path": renamed("mask_dir", why=MASK_MEAN),
     "control_path": renamed("control_directory", _one_folder),
     "default_caption": renamed("class_tokens"),
     "cache_latents": ignored("ours always caches latents before training"),
@@ -155,6 +161,11 @@ def to_dataset_toml(t, datasets: Any, train: dict, trigger: str | None) -> dict:
         elif "trigger_word" in entry:
             t.lines.append(Line(f"{where}.trigger_word", entry["trigger_word"], DROPPED,
                                 "regularization captions get no trigger word (as ai-toolkit's)"))
+        if own_trigger and not subset.get("is_reg") and subset.get("caption_dropout_rate"):
+            dropout = next(i for i, line in enumerate(t.lines) if line.key == f"{where}.caption_dropout_rate")
+            t.lines[dropout] = dataclasses.replace(t.lines[dropout], note=(
+                f"ai-toolkit trains a dropped caption as {own_trigger!r} (it puts the trigger word back); ours as "
+                f"the empty caption, as sd-scripts"))
         cache_to_disk = cache_to_disk or _cache_line(t, entry, where)
         batch = _batch_size(t, entry, train, where)
         for size in _sizes(t, entry, where):
@@ -204,7 +215,7 @@ def _subset(t, entry: dict, where: str) -> tuple[dict, tuple]:
                                 f"first): ours takes one (references: one folder, name_0.png, name_1.png ...)"))
             continue
         subset[rule.ours] = converted
-        t.lines.append(Line(shown, value, RENAMED, rule.ours))
+        t.lines.append(Line(shown, value, RENAMED, rule.ours, rule.why))
     if subset.get("shuffle_caption") and subset.get("keep_tokens"):
         t.lines.append(Line(f"{where}.keep_tokens", subset.pop("keep_tokens"), NOT_CARRIED,
                             "ai-toolkit shuffles every tag (keep_tokens guards only token dropout); ours keeps the "
