@@ -652,6 +652,21 @@ def test_lr_warmup_steps_is_read_as_the_peers_read_it(value, steps, verdict, our
         assert t.config.get("lr_warmup_steps") == ours
 
 
+@pytest.mark.parametrize("word, musubi, sd", [("1.0", 1, None), ("100.0", 100, None), ("0.5", 0.5, 0.5),
+                                             ("1.5", 900, None), ("100", 100, 100)])
+def test_a_command_lines_warmup_goes_through_the_peers_argparse_type(word, musubi, sd):
+    """On a command line the word goes through the peer's type: musubi-tuner's _int_or_float makes a whole decimal of
+    1 or more an int (steps: "1.0" is 1 step), sd-scripts' int_or_float refuses it (int("1.0")). Both were read as a
+    TOML float is, a fraction of the run: "100.0" 100 x its 600 steps, a warmup the run never ends."""
+    from library.training.peers import musubi_tuner
+    from library.training.peers.rules import argv_to_dict
+
+    given = argv_to_dict(["--lr_warmup_steps", word, "--max_train_steps", "600"])
+    musubi_run = musubi_tuner.translate({"network_module": "networks.lora_zimage", **given}, "command line")
+    sd_run = sd_scripts.translate({"network_train_unet_only": True, **given}, "command line")
+    assert (musubi_run.config.get("lr_warmup_steps"), sd_run.config.get("lr_warmup_steps")) == (musubi, sd)
+
+
 def test_the_peer_reads_a_familys_sd_scripts_names_from_its_spec_only(monkeypatch):
     """sd_scripts.py names no model: the specs' peer_models["sd-scripts"] give its --model_type values and default,
     and the family spec whether T5's padding is masked. A spec whose name is renamed is read by the new name, and

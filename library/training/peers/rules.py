@@ -294,6 +294,12 @@ def warmup_steps(t: Translation, key: str, value: Any, given: dict[str, Any]) ->
     text = value.strip() if isinstance(value, str) else None
     if isinstance(value, bool) or not isinstance(value, (int, float)) and not (text and text.endswith("%")):
         raise ValueError("expected a step count, a fraction of the steps or a percentage")
+    if t.source == "command line" and isinstance(value, float) and value >= 1:  # its word through the peer's type
+        if t.peer == "sd-scripts":  # int_or_float: int(value) of the word, which "1.0" is not
+            t.refuse(key, value, "sd-scripts' command line refuses a decimal of 1 or more (int_or_float); write steps")
+            return
+        if value.is_integer():  # musubi-tuner's _int_or_float: a whole decimal of 1 or more is steps
+            value = int(value)
     fraction = float(text[:-1]) / 100 if text else value if isinstance(value, float) else None
     if fraction is None or fraction < 1:
         t.set(key, value if fraction is None else fraction, key, value, RENAMED if text else KEPT,
