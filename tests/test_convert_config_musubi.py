@@ -86,6 +86,23 @@ def test_the_bucket_line_says_how_ours_differs_from_their_grid():
         "image may train at a nearer aspect ratio than there")
 
 
+@pytest.mark.parametrize("no_upscale", [False, True])
+def test_the_bucket_line_says_where_no_upscale_sizes_large_images_otherwise(no_upscale):
+    """BucketSelector with no_upscale gives an image over the area its grid's bucket of the nearest aspect ratio
+    (3958 x 2077 at 960 x 544: 976 x 528); ours sizes it on its own (976 x 512). The line said "every bucket of its
+    grid" as without no_upscale."""
+    from library.data.image_folders import bucket_without_upscale
+
+    dataset = {"general": {"resolution": [960, 544], "enable_bucket": True, "bucket_no_upscale": no_upscale},
+               "datasets": [{"image_directory": "i"}]}
+    t = musubi_tuner.translate({"network_module": "networks.lora_zimage"}, "c.toml", dataset=dataset,
+                               dataset_source="d.toml")
+    note = next(line.note for line in t.lines if line.key == "datasets[0] buckets")
+    assert ("sized on its own" in note) == no_upscale and ("every bucket" in note) == (not no_upscale)
+    assert bucket_without_upscale((3958, 2077), 960 * 544, 16) == (976, 512)  # what the note says differs
+    assert bucket_without_upscale((900, 500), 960 * 544, 16) == (896, 496)  # within the area: as there
+
+
 def test_a_converted_config_trains_two_steps(documented, tmp_path):
     import train_lora
 

@@ -172,9 +172,13 @@ def _buckets(t: Translation, where: str, pick: dict, ds: dict, step: int) -> Non
     if pick["enable_bucket"]:
         low, high = bucket_sides(resolution, step)
         ds.update(min_bucket_reso=low, max_bucket_reso=high, bucket_reso_steps=step)
+        note = grid_note(t.peer, resolution, low, high, step)
+        if pick["bucket_no_upscale"]:  # its BucketSelector.get_bucket_resolution: the grid for images over the area
+            note = (f"with bucket_no_upscale an image over the area is sized on its own to it here (sd-scripts' rule), "
+                    f"where {t.peer} gives it its grid's bucket of the nearest aspect ratio; one within the area "
+                    f"keeps its size on the {step} px grid in both")
         t.lines.append(Line(f"{where} buckets", f"{low}..{high} px, step {step}", RENAMED,
-                            "min_bucket_reso, max_bucket_reso, bucket_reso_steps",
-                            grid_note(t.peer, resolution, low, high, step)))
+                            "min_bucket_reso, max_bucket_reso, bucket_reso_steps", note))
 
 
 def peer_buckets(resolution: Any, step: int = BUCKET_STEP) -> set[tuple[int, int]]:
