@@ -15,7 +15,7 @@ from library.data.dataset_config import load_dataset_config
 from library.training.config import load_config
 from library.training.peers import musubi_models, musubi_tuner
 from library.training.peers.musubi_dataset import bucket_sides
-from library.training.peers.rules import DROPPED, NOT_CARRIED, RENAMED, argv_to_dict
+from library.training.peers.rules import DROPPED, KEPT, NOT_CARRIED, RENAMED, argv_to_dict
 from tools import convert_config
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,6 +84,24 @@ def test_the_bucket_line_says_how_ours_differs_from_their_grid():
     assert grid_note("musubi-tuner", [960, 544], 352, 1472) == (
         "every bucket of musubi-tuner's grid (47) and 48 more (ours has a height for every width on the grid): an "
         "image may train at a nearer aspect ratio than there")
+
+
+@pytest.mark.parametrize("module, given, ours, verdict", [
+    ("networks.lora_qwen_image", None, "bf16", RENAMED),  # accelerate's "no": a float32 LoRA over its bf16 DiT
+    ("networks.lora_qwen_image", "no", "bf16", RENAMED),
+    ("networks.lora_qwen_image", "bf16", "bf16", KEPT),
+    ("networks.lora_zimage", None, "no", KEPT),  # its Z-Image DiT is float32 unless bf16 / fp16 is given
+    ("networks.lora_zimage", "no", "no", KEPT),
+    ("networks.lora_zimage", "fp16", "fp16", KEPT),
+])
+def test_mixed_precision_keeps_the_dit_in_the_dtype_its_script_loads(module, given, ours, verdict):
+    """musubi-tuner's mixed_precision is its LoRA's dtype and autocast; its script loads the DiT in bf16 whatever it
+    says (Z-Image's in float32 unless bf16 / fp16), and unset it is accelerate's ("no" by default). Ours' "no"
+    computes the whole base in float32: it was kept as "no" (the base at twice its memory), and unset ours' bf16
+    went without a line."""
+    t = musubi_tuner.translate({"network_module": module, **({"mixed_precision": given} if given else {})}, "c.toml")
+    assert t.config["mixed_precision"] == ours
+    assert verdict_of(t, "mixed_precision" if given else "mixed_precision (unset)")[0] == verdict
 
 
 @pytest.mark.parametrize("no_upscale", [False, True])

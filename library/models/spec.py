@@ -475,6 +475,9 @@ class MusubiModels:
     ignored_args: dict[str, str] = field(default_factory=dict)  # its script's own arguments ours reads nothing of -> why
     same_args: tuple[str, ...] = ()  # its script's own arguments that are this folder's config_keys of the same meaning
     sample_cfg: PeerSampleCfg | None = None  # its samples' --l where ours reads it otherwise (None: as ours)
+    # its script loads the DiT in float32 unless mixed_precision says bf16 / fp16 (as given: unset is not accelerate's);
+    # False: in bf16 whatever it says (fp16 for "fp16" on some), its "no" then a float32 LoRA over the bf16 DiT
+    float32_dit_without_mixed_precision: bool = False
 
 
 @dataclass(frozen=True)

@@ -169,6 +169,8 @@ SPEC = S.ArchSpec(
     peer_models={"ai-toolkit": {"zimage": {"model_type": "zimage"}},
                  # zimage_train_network.py's do_inference: CFG pos + l (pos - neg) above l = 1 (4.0 unset), where ours
                  # (and diffusers' ZImagePipeline) runs it above 0 (the release's Turbo: 0 unset)
+                 # its handle_model_specific_args: the DiT float32 unless --mixed_precision bf16 / fp16
                  "musubi-tuner": S.MusubiModels("zimage_train_network.py", "networks.lora_zimage", "zimage",
-                                                sample_cfg=S.PeerSampleCfg(default=4.0))},
+                                                sample_cfg=S.PeerSampleCfg(default=4.0),
+                                                float32_dit_without_mixed_precision=True)},
 )

@@ -272,6 +272,27 @@ def release_of(run: Run) -> str | None:
     return m.versions[m.default_version].get("model_version") if m.default_version else None
 
 
+def precision(t: Translation, key: str, value: Any, model_type: str) -> None:
+    """mixed_precision: its LoRA's dtype and autocast; its script keeps the DiT in bf16 whatever this says (but
+    float32_dit_without_mixed_precision's), so its "no" is a float32 LoRA over the bf16 DiT: ours' bf16 (ours' "no"
+    computes the whole base in float32, twice its memory). Unset (key "... (unset)"): accelerate's, "no" unless
+    `accelerate launch --mixed_precision` says otherwise."""
+    unset = key.endswith(" (unset)")
+    if value in ("bf16", "fp16"):
+        t.set("mixed_precision", value, key, value, KEPT)
+    elif value != "no":
+        raise ValueError("expected no, fp16 or bf16")
+    elif models.models_of(model_type).float32_dit_without_mixed_precision:
+        t.set("mixed_precision", "no", key, value, KEPT, note="its DiT in float32 as ours'" + (
+            " (unset, its script reads it before accelerate: an `accelerate launch --mixed_precision bf16` runs that "
+            "float32 DiT under bf16 autocast)" if unset else ""))
+    else:
+        t.set("mixed_precision", "bf16", key, value, RENAMED, "mixed_precision = \"bf16\"", note=(
+            "its DiT stays in bf16 there, only its LoRA runs in float32; ours' \"no\" would compute the whole base "
+            "in float32 (twice its memory)" + (" (unset: accelerate's, \"no\" unless `accelerate launch "
+                                              "--mixed_precision` says bf16: then as here)" if unset else "")))
+
+
 def _option(t: Translation, key: str, value: Any, run: Run) -> None:
     """A model's own option ours reads at one value (its spec's peer_options): dropped at it, else not carried."""
     option = models.options(run.model_type).get(key)
@@ -462,8 +483,8 @@ RULES: dict[str, Rule] = {
     **dict.fromkeys(("dynamo_backend", "dynamo_mode", "dynamo_fullgraph", "dynamo_dynamic"), ignored(DYNAMO)),
     # training
     **dict.fromkeys(("max_train_steps", "max_train_epochs", "max_data_loader_n_workers", "persistent_data_loader_workers",
-                     "seed", "gradient_checkpointing", "gradient_accumulation_steps", "mixed_precision",
-                     "save_precision"), same()),
+                     "seed", "gradient_checkpointing", "gradient_accumulation_steps", "save_precision"), same()),
+    "mixed_precision": joint(lambda t, key, value, run: precision(t, key, value, run.model_type)),
     "gradient_checkpointing_cpu_offload": ignored("memory only (activations in CPU memory): tools/plan_memory.py "
                                                   "says what fits ours"),
     # logging, DDP
@@ -579,6 +600,8 @@ def settle_defaults(t: Translation, run: Run) -> None:
     if "weighting_scheme" not in flat and m.weighting.get("none", "none") != "none":
         t.set("weighting_scheme", m.weighting["none"], "weighting_scheme (unset)", "none", RENAMED,
               f"weighting_scheme = {m.weighting['none']!r}", f"musubi-tuner's default; {m.weighting_note}")
+    if "mixed_precision" not in flat:  # accelerate's (its launch flag, else "no"), read as its "no" would be
+        precision(t, "mixed_precision (unset)", "no", run.model_type)
     if "network_alpha" not in flat:
         default("network_alpha", 1.0, "network_alpha", "; ours is 16 (scale alpha / rank)")
     if "network_dim" not in flat:
