@@ -454,6 +454,22 @@ def test_the_lines_say_how_ai_toolkit_drops_a_caption_and_weighs_a_mask():
     assert next(line.note for line in without.lines if line.key == "datasets[0].caption_dropout_rate") == ""
 
 
+@pytest.mark.parametrize("where", ["train", "dataset"])
+def test_cached_text_embeddings_shuffle_once_and_drop_no_tokens(where):
+    """ai-toolkit's cache_text_embeddings (train's is every dataset's) skips token_dropout_rate and bakes the one
+    shuffle it drew into the cached embedding: one fixed order per image, the caption as written here, no tag
+    dropout (it was 8 variants with tag dropout: a new order every step)."""
+    tags = {"folder_path": "/data/a", "shuffle_tokens": True, "token_dropout_rate": 0.1}
+    cached = {"cache_text_embeddings": True}
+    t = translate(job(train=cached if where == "train" else {}, datasets=[{**tags, **({} if where == "train" else
+                                                                                      cached)}]), "run.yaml")
+    subset = t.dataset["datasets"][0]["subsets"][0]
+    assert not {"shuffle_caption", "caption_tag_dropout_rate"} & set(subset)
+    assert {verdict(t, f"datasets[0].{key}")[0] for key in ("token_dropout_rate", "shuffle_tokens")} == {DROPPED}
+    every_step = translate(job(datasets=[tags]), "run.yaml").dataset["datasets"][0]["subsets"][0]
+    assert every_step["shuffle_caption"] and every_step["caption_tag_dropout_rate"] == 0.1
+
+
 def test_every_peer_model_a_family_lists_is_a_model_type_with_keys_of_our_schema():
     listed = {name: keys for spec in arch_specs().values() for name, keys in spec.peer_models.get("ai-toolkit", {}).items()}
     assert {"flux", "flux_kontext", "qwen_image", "qwen_image_edit_plus", "zimage", "chroma"} <= set(listed)

@@ -166,6 +166,8 @@ def to_dataset_toml(t, datasets: Any, train: dict, trigger: str | None) -> dict:
             t.lines[dropout] = dataclasses.replace(t.lines[dropout], note=(
                 f"ai-toolkit trains a dropped caption as {own_trigger!r} (it puts the trigger word back); ours as "
                 f"the empty caption, as sd-scripts"))
+        if train.get("cache_text_embeddings") or entry.get("cache_text_embeddings"):
+            _captions_encoded_once(t, subset, where)
         cache_to_disk = cache_to_disk or _cache_line(t, entry, where)
         batch = _batch_size(t, entry, train, where)
         for size in _sizes(t, entry, where):
@@ -281,6 +283,24 @@ def _cache_line(t, entry: dict, where: str) -> bool:
     t.lines.append(Line(f"{where}.cache_latents_to_disk", value, RENAMED if value else DROPPED,
                         "cache_latents_to_disk" if value else "off (ours caches latents in memory then)"))
     return bool(value)
+
+
+def _captions_encoded_once(t, subset: dict, where: str) -> None:
+    """cache_text_embeddings (train's is every dataset's): ai-toolkit encodes each caption once, drops no tokens
+    then (dataloader_mixins skips token_dropout_rate) and shuffles its tags once, the order baked into the cached
+    embedding: one fixed order per image, as ours' caption as written is (ours' shuffle would draw a new one of
+    its variants every step)."""
+    def amend(key: str, **changes) -> None:
+        at = next((i for i, line in enumerate(t.lines) if line.key == f"{where}.{key}"), None)
+        if at is not None:
+            t.lines[at] = dataclasses.replace(t.lines[at], **changes)
+
+    if subset.pop("caption_tag_dropout_rate", 0):
+        amend("token_dropout_rate", verdict=DROPPED, text="ai-toolkit drops no tokens when it caches the text "
+                                                          "embeddings (cache_text_embeddings)", note="")
+    if subset.pop("shuffle_caption", False):
+        amend("shuffle_tokens", verdict=DROPPED, text="ai-toolkit shuffles each caption once when it caches the text "
+              "embeddings (cache_text_embeddings): one fixed order per image, as ours' caption as written", note="")
 
 
 def add_trigger(t, subset: dict, folder: str, trigger: str, key: str) -> None:
