@@ -542,6 +542,16 @@ def test_a_null_sample_seed_writes_no_seed():
     assert t.files["sample_prompts"][1].splitlines()[1] == "a cat --w 512 --h 512 --s 20 --g 7"
 
 
+@pytest.mark.parametrize("walk, seeds", [(False, ["0", "5", "5", "7"]), (True, ["0", "5", "2", "7"])])
+def test_a_samples_seed_stays_for_the_samples_after_it(walk, seeds):
+    """ai-toolkit's current_seed: a sample's seed stays for the later samples, unless walk_seed sets start + i for
+    each (BaseSDTrainProcess.sample). The later samples were written at the section's seed."""
+    samples = [{"prompt": "a"}, {"prompt": "b", "seed": 5}, {"prompt": "c"}, {"prompt": "d", "seed": 7}]
+    t = translate(job(sample={"samples": samples, "seed": 0, "walk_seed": walk}), "run.yaml")
+    lines = t.files["sample_prompts"][1].splitlines()[1:]
+    assert [line.split("--d ")[1].split()[0] for line in lines] == seeds
+
+
 @pytest.mark.parametrize("network, arch, alpha", [
     ({"linear": 32, "linear_alpha": 16}, "flux", 32.0),  # forced to the rank there: scale 1, not 0.5
     ({"linear": 16, "linear_alpha": None}, "qwen_image", 16.0),  # no alpha: ai-toolkit's 1.0 is unread there too

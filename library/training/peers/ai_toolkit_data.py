@@ -398,7 +398,12 @@ def sample_prompts(t, sample: dict, train: dict, trigger: str | None) -> str | N
         else:
             t.lines.append(Line(f"sample.{key}", value, RENAMED, "each line of sample_prompts"))
     section = "samples" if "samples" in sample else "prompts"
-    lines = [_prompt_line(t, f"sample.{section}[{i}]", i, entry, settings, trigger) for i, entry in enumerate(entries)]
+    lines, seed = [], settings["seed"]
+    for i, entry in enumerate(entries):  # its current_seed: walk_seed's start + i, else the last one a sample set
+        if settings["walk_seed"] and settings["seed"] is not None:
+            seed = settings["seed"] + i
+        seed = seed if entry.get("seed") is None else entry["seed"]
+        lines.append(_prompt_line(t, f"sample.{section}[{i}]", seed, entry, settings, trigger))
     every = sample.get("sample_every", SAMPLE_EVERY)
     shown = "sample.sample_every" + ("" if "sample_every" in sample else " (ai-toolkit's default)")
     t.set("sample_every_n_steps", every, shown, every, RENAMED, "sample_every_n_steps")
@@ -425,17 +430,16 @@ def _entries(t, sample: dict) -> list[dict]:
     return [{"prompt": p} for p in prompts]
 
 
-def _prompt_line(t, where: str, i: int, entry: dict, settings: dict, trigger: str | None) -> str:
-    """One of our prompt lines: the entry's text and inline flags over its keys over the section's."""
+def _prompt_line(t, where: str, seed: int | None, entry: dict, settings: dict, trigger: str | None) -> str:
+    """One of our prompt lines: the entry's text and inline flags over its keys over the section's; `seed` its
+    (sample_prompts' caller: ai-toolkit's current_seed)."""
     text, flags = _inline_flags(t, entry["prompt"], where)
     t.lines.append(Line(where, entry["prompt"], RENAMED, "a line of sample_prompts"))
-    ours = {"w": settings["width"], "h": settings["height"], "s": settings["sample_steps"],
-            "d": None if settings["seed"] is None else settings["seed"] + (i if settings["walk_seed"] else 0),
-            "g": settings["guidance_scale"],
-            "n": settings["neg"] or ""}
+    ours = {"w": settings["width"], "h": settings["height"], "s": settings["sample_steps"], "d": seed,
+            "g": settings["guidance_scale"], "n": settings["neg"] or ""}
     controls = []
     for key, value in entry.items():
-        if key == "prompt" or value is None:
+        if key in ("prompt", "seed") or value is None:
             continue
         if key in ENTRY_KEYS:
             if ENTRY_KEYS[key] == "ci":
