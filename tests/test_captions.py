@@ -97,6 +97,26 @@ def test_caption_dropout_substitutes_the_cached_empty_text_at_the_rate(tmp_path)
     assert dropped != [ds[(e, 1)]["caption"] == "" for e in range(500)]
 
 
+@pytest.mark.parametrize("to_disk", [False, True])
+def test_a_dropped_caption_becomes_the_subsets_caption_dropout_text(tmp_path, to_disk):
+    """caption_dropout_text (ai-toolkit's dropped caption is its trigger word): encoded into each entry as its
+    "@dropped" text, the entry's file its own (another text: another file), the run's empty caption unread."""
+    ds = dataset(tmp_path, caption="sks, a cat", caption_dropout_rate=0.5, caption_dropout_text="sks", num_repeats=40)
+    enc = TextIdEncoder()
+    assert caches.cache_text(ds.items, enc, "flux", to_disk=to_disk) == 1 and enc.calls == ["sks, a cat", "sks"]
+    samples = [ds[(e, 0)] for e in range(40)]  # no cache_empty_caption: the dropped text is the entry's own
+    assert {s["caption"] for s in samples} == {"sks, a cat", "sks"}
+    assert all(enc.decode(s["text"]) == s["caption"] for s in samples)
+    if to_disk:
+        other = dataset(tmp_path, caption="sks, a cat", caption_dropout_rate=0.5, caption_dropout_text="zxq")
+        assert caches.cache_text(other.items, enc, "flux", to_disk=True) == 1  # another text: its own entry
+        assert other.items[0].text_cache != ds.items[0].text_cache
+        plain = dataset(tmp_path, caption="sks, a cat", caption_dropout_rate=0.5)
+        assert caches.cache_text(plain.items, enc, "flux", to_disk=True) == 1 and enc.calls[-1] == "sks, a cat"
+    with pytest.raises(ValueError, match="'caption_dropout_text' is what a dropped caption becomes"):
+        dataset(tmp_path, caption_dropout_text="sks")
+
+
 def test_caption_dropout_every_n_epochs_drops_whole_epochs_counted_from_one(tmp_path):
     ds = dataset(tmp_path, caption="a cat", caption_dropout_every_n_epochs=3, num_repeats=5)
     caches.cache_text(ds.items, TextIdEncoder(), "flux", to_disk=False)
@@ -148,7 +168,8 @@ def test_training_with_caption_dropout_and_shuffle_runs_on_both_families(tiny_se
     image_dir = shutil.copytree(source, tmp_path / "img", ignore=shutil.ignore_patterns("*.safetensors"))  # caches go beside
     ds = tmp_path / "ds.toml"
     ds.write_text(f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{image_dir}"\n'
-                  f'shuffle_caption = true\ncaption_variants = 3\ncaption_dropout_rate = 0.5\n')
+                  f'shuffle_caption = true\ncaption_variants = 3\ncaption_dropout_rate = 0.5\n'
+                  f'caption_dropout_text = "sks"\n')
     out = tmp_path / "run"
     make_args = flux_args if family == "flux" else qwen_args
     code = train_lora.main(make_args(tiny_set, out, "--dataset_config", str(ds), "--max_train_steps", "3",
@@ -160,7 +181,8 @@ def test_training_with_caption_dropout_and_shuffle_runs_on_both_families(tiny_se
     assert len(cached) == len([f for f in os.listdir(source) if f.endswith(".png")])
     with safe_open(os.path.join(image_dir, cached[0]), "pt") as f:
         names = set(f.keys())
-    assert {n.split("@")[-1] for n in names if "@" in n} == {"0", "1", "2"}  # 3 variants beside the caption
+    # 3 variants beside the caption, and the dropped caption's text (caption_dropout_text)
+    assert {n.split("@")[-1] for n in names if "@" in n} == {"0", "1", "2", "dropped"}
     assert any("@" not in n for n in names)
 
 

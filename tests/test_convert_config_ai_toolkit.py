@@ -440,18 +440,20 @@ def test_the_trigger_word_becomes_a_caption_prefix_only_where_the_captions_lack_
     assert verdict(t, "sample.prompts[0] --m")[0] == NOT_CARRIED  # the LoRA's strength in samples
 
 
-def test_the_lines_say_how_ai_toolkit_drops_a_caption_and_weighs_a_mask():
-    """ai-toolkit puts the trigger word back into a dropped caption (BaseSDTrainProcess) and scales the batch's masks
-    to mean 1 (SDTrainer); ours trains the empty caption and each mask as it is: the lines say so."""
+def test_a_dropped_caption_is_the_trigger_word_and_the_mask_line_says_how_it_weighs():
+    """ai-toolkit puts the trigger word back into a dropped caption (BaseSDTrainProcess), not into a regularization
+    one: caption_dropout_text (ours trained the empty caption). It scales the batch's masks to mean 1 (SDTrainer);
+    ours weighs each pixel by its mask as it is: the line says so."""
     datasets = [{"folder_path": "/data/a", "caption_dropout_rate": 0.05, "mask_path": "/data/masks"},
                 {"folder_path": "/data/reg", "caption_dropout_rate": 0.05, "is_reg": True}]
     t = translate(job(trigger_word="zxq", datasets=datasets), "run.yaml")
-    notes = {line.key: line.note for line in t.lines}
-    assert "as 'zxq'" in notes["datasets[0].caption_dropout_rate"] and not notes["datasets[1].caption_dropout_rate"]
-    assert "mean 1" in notes["datasets[0].mask_path"]
-    without = translate(job(datasets=datasets[:1]), "run.yaml")  # no trigger word: the same dropped caption
+    subsets = t.dataset["datasets"][0]["subsets"]
+    assert [s.get("caption_dropout_text") for s in subsets] == ["zxq", None]
+    assert "caption_dropout_text = 'zxq'" in verdict(t, "datasets[0].caption_dropout_rate")[1]
+    assert "mean 1" in next(line.note for line in t.lines if line.key == "datasets[0].mask_path")
+    without = translate(job(datasets=datasets[:1]), "run.yaml")  # no trigger word: the empty caption there too
     assert verdict(without, "datasets[0].caption_dropout_rate") == (RENAMED, "caption_dropout_rate")
-    assert next(line.note for line in without.lines if line.key == "datasets[0].caption_dropout_rate") == ""
+    assert "caption_dropout_text" not in without.dataset["datasets"][0]["subsets"][0]
 
 
 @pytest.mark.parametrize("where", ["train", "dataset"])

@@ -117,7 +117,9 @@ def text_entry(item: ImageItem, with_references: bool) -> str:
     references = (_beside(item, item.control_paths), drops_captions(item.subset)) if with_references else None
     kept = stored_preservation(item, with_references)
     preserved = () if kept is None else ("preserve", kept)  # its own entry
-    return _entry_tag(caption_settings(item.subset), len(item.caption_variants), references, *preserved)
+    dropped = item.subset.caption_dropout_text if drops_captions(item.subset) else ""
+    dropped = ("dropped", dropped) if dropped else ()  # (the tags of entries without it as before)
+    return _entry_tag(caption_settings(item.subset), len(item.caption_variants), references, *preserved, *dropped)
 
 
 def stored_preservation(item: ImageItem, with_references: bool) -> str | None:
@@ -324,7 +326,9 @@ def cache_text(items: list[ImageItem], encode_fn: Callable[..., list[dict[str, t
     reference views) (an edit family's text_sees_controls); the entry is then per (caption, references), its hash
     covers the reference files, and with caption dropout it also holds the empty caption encoded
     with the same references (`<name>@dropped`: what dropout substitutes, as the pipeline would
-    encode "" with the images). The references are seen unflipped (flip_aug mirrors only latents)."""
+    encode "" with the images). A subset's caption_dropout_text is what dropout substitutes: encoded into each of its
+    entries as `<name>@dropped`, with or without references. The references are seen unflipped (flip_aug mirrors
+    only latents)."""
     todo = _stale_entries(items, "text_cache", to_disk,
                           lambda item: cache_path(item, f"{model_key}_{text_entry(item, with_references)}_te"),
                           lambda item: text_hash(item, model_key, with_references), share)
@@ -383,9 +387,9 @@ def plan_in_memory_caches(blueprint: DatasetBlueprint, latent_per_pixel: float, 
     """Upper bounds of the caches cache_latents / cache_text keep in memory for `blueprint`'s images (the held-out
     sets' too), from the folders' file lists alone: each image's latents at its dataset's largest bucket (a
     bucket's area is at most that), once more per reference (the most any image has; a layered image's composite)
-    and per layer file, twice with flip_aug; its caption and its caption_variants (with shuffle_caption or
-    caption_tag_dropout_rate), each `text_bytes` (the planned caption length's). latent_per_pixel: cached bytes per
-    pixel of an image."""
+    and per layer file, twice with flip_aug; its caption, its caption_variants (with shuffle_caption or
+    caption_tag_dropout_rate) and its caption_dropout_text, each `text_bytes` (the planned caption length's).
+    latent_per_pixel: cached bytes per pixel of an image."""
     references = reference_count(blueprint)
     images = texts = variants = latents = 0
     for ds in [*blueprint.datasets, *blueprint.validation_datasets]:
@@ -396,7 +400,8 @@ def plan_in_memory_caches(blueprint: DatasetBlueprint, latent_per_pixel: float, 
             frames = sum(1 + len(layers.get(p, ())) + own for p in paths)
             latents += frames * (2 if subset.flip_aug else 1) * width * height * latent_per_pixel
             augmented = subset.caption_variants if subset.shuffle_caption or subset.caption_tag_dropout_rate > 0 else 0
-            images, texts = images + len(paths), texts + len(paths) * (1 + augmented)
+            dropped = 1 if subset.caption_dropout_text and drops_captions(subset) else 0  # its own "@dropped"
+            images, texts = images + len(paths), texts + len(paths) * (1 + augmented + dropped)
             variants += len(paths) * augmented
     return InMemoryCaches(images, texts, variants, int(latents), texts * text_bytes)
 
@@ -418,8 +423,8 @@ def _texts(item: ImageItem, with_references: bool) -> list[tuple[str, str]]:
     """(name suffix, text) of everything an item's text cache holds."""
     texts = [("", fixed_caption(item.caption, item.subset))]
     texts += [(f"@{k}", variant) for k, variant in enumerate(item.caption_variants)]
-    if with_references and drops_captions(item.subset):
-        texts.append(("@dropped", ""))
+    if drops_captions(item.subset) and (with_references or item.subset.caption_dropout_text):
+        texts.append(("@dropped", item.subset.caption_dropout_text))  # else: the run's one empty caption
     if (kept := stored_preservation(item, with_references)) is not None:  # else: none, or the empty caption's
         texts.append(("@preserve", kept))
     return texts

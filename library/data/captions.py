@@ -5,7 +5,8 @@ Captions are encoded once, before training, so the text encoders can leave the G
 24 GB card). A caption that changes every step therefore cannot be encoded on the fly. Instead:
 
 - Caption dropout (`caption_dropout_rate`, `caption_dropout_every_n_epochs`) substitutes the
-  embedding of the empty caption, encoded once with the others (as ai-toolkit does).
+  embedding of the empty caption, encoded once with the others, or of the subset's
+  `caption_dropout_text`, encoded with each caption (ai-toolkit's dropped caption is its trigger word).
 - Tag augmentation (`shuffle_caption`, `caption_tag_dropout_rate`, with `keep_tokens` /
   `keep_tokens_separator` fixing the leading / trailing tags) is drawn from `caption_variants`
   = K augmented captions per image, made and encoded at caching time; each step picks one.

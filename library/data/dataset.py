@@ -109,11 +109,12 @@ class ImageDataset(torch.utils.data.Dataset):
 
     def _caption(self, item: ImageItem, epoch: int, rng: random.Random) -> tuple[str, int | str | None]:
         """(caption, which cached text goes with it: None the caption's own, k its k-th variant,
-        "dropped" the empty caption's). Validation always uses the caption as written."""
+        "dropped" the dropped caption's: the subset's caption_dropout_text, or the run's empty caption).
+        Validation always uses the caption as written."""
         if self.validation:
             return fixed_caption(item.caption, item.subset), None
         if drops_captions(item.subset) and is_dropped(item.subset, epoch, rng):
-            return "", "dropped"
+            return item.subset.caption_dropout_text, "dropped"
         if item.caption_variants:
             k = rng.randrange(len(item.caption_variants))
             return item.caption_variants[k], k

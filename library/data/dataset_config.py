@@ -33,7 +33,7 @@ SUBSET_KEYS = (
     "keep_tokens", "keep_tokens_separator", "caption_separator", "caption_dropout_rate",
     "caption_dropout_every_n_epochs", "caption_tag_dropout_rate", "caption_variants", "flip_aug",
     "alpha_mask", "mask_dir", "is_reg", "control_directory", "skip_bad_size_images",
-    "multiple_target", "caption_prefix", "caption_suffix",
+    "multiple_target", "caption_prefix", "caption_suffix", "caption_dropout_text",
 )
 # Keys a [[datasets]] table may hold (they may also sit in [general]).
 DATASET_KEYS = (
@@ -49,7 +49,7 @@ KEY_TYPES = {
     "keep_tokens_separator": str, "caption_separator": str, "caption_dropout_every_n_epochs": int,
     "caption_tag_dropout_rate": float, "caption_variants": int, "alpha_mask": bool, "mask_dir": str, "is_reg": bool,
     "control_directory": str, "skip_bad_size_images": bool, "multiple_target": bool, "caption_prefix": str,
-    "caption_suffix": str,
+    "caption_suffix": str, "caption_dropout_text": str,
 }
 # sd-scripts' defaults, except caption_extension: sd-scripts defaults to ".caption" but nearly
 # every dataset in use ships ".txt" files, so ".txt" is the default here.
@@ -63,7 +63,7 @@ DEFAULTS = {
     "keep_tokens_separator": "", "caption_separator": ",", "caption_dropout_every_n_epochs": 0,
     "caption_tag_dropout_rate": 0.0, "caption_variants": 8, "alpha_mask": False, "mask_dir": None, "is_reg": False,
     "control_directory": None, "skip_bad_size_images": False, "multiple_target": False, "caption_prefix": None,
-    "caption_suffix": None,
+    "caption_suffix": None, "caption_dropout_text": "",
 }
 _TYPE_WORDS = {int: "an integer", float: "a number", bool: "a boolean (true or false)", str: "a string",
                "resolution": "an integer or [width, height]"}
@@ -98,6 +98,8 @@ class SubsetSpec:
     # sd-scripts': text joined before / after every caption of the subset with a space (image_folders.read_caption)
     caption_prefix: str | None = None
     caption_suffix: str | None = None
+    # the caption a dropped one becomes ("": the empty caption, as sd-scripts; ai-toolkit's: its trigger word)
+    caption_dropout_text: str = ""
 
 
 @dataclass
@@ -215,6 +217,9 @@ def _parse_subset(source: str, general: dict, dataset: dict, subset: dict, secti
         raise ValueError(f"{where} key 'is_reg' is for training subsets; validation datasets hold no regularization images")
     if not spec.caption_separator:
         raise ValueError(f"{where} key 'caption_separator' must not be empty")
+    if spec.caption_dropout_text and not (spec.caption_dropout_rate > 0 or spec.caption_dropout_every_n_epochs > 0):
+        raise ValueError(f"{where} key 'caption_dropout_text' is what a dropped caption becomes: it needs "
+                         f"caption_dropout_rate or caption_dropout_every_n_epochs")
     if (spec.shuffle_caption or spec.caption_tag_dropout_rate > 0) and spec.caption_variants < 2:
         raise ValueError(f"{where} key 'caption_variants' must be >= 2 with shuffle_caption or caption_tag_dropout_rate "
                          f"(text is cached: each step picks one of that many augmented captions), got {spec.caption_variants}")

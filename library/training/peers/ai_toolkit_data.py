@@ -162,10 +162,11 @@ def to_dataset_toml(t, datasets: Any, train: dict, trigger: str | None) -> dict:
             t.lines.append(Line(f"{where}.trigger_word", entry["trigger_word"], DROPPED,
                                 "regularization captions get no trigger word (as ai-toolkit's)"))
         if own_trigger and not subset.get("is_reg") and subset.get("caption_dropout_rate"):
+            subset["caption_dropout_text"] = own_trigger  # it puts the trigger word into the dropped caption too
             dropout = next(i for i, line in enumerate(t.lines) if line.key == f"{where}.caption_dropout_rate")
-            t.lines[dropout] = dataclasses.replace(t.lines[dropout], note=(
-                f"ai-toolkit trains a dropped caption as {own_trigger!r} (it puts the trigger word back); ours as "
-                f"the empty caption, as sd-scripts"))
+            t.lines[dropout] = dataclasses.replace(t.lines[dropout], text=(
+                f"caption_dropout_rate, caption_dropout_text = {own_trigger!r} (ai-toolkit trains a dropped caption "
+                f"as its trigger word)"))
         if train.get("cache_text_embeddings") or entry.get("cache_text_embeddings"):
             _captions_encoded_once(t, subset, where)
         cache_to_disk = cache_to_disk or _cache_line(t, entry, where)
