@@ -151,37 +151,11 @@ def job_form(ui: WebUI):
     return pick, load, name, fields, errors, text, converted
 
 
-def jobs_tab(ui: WebUI):
-    pick, load, name, fields, errors, text, converted = job_form(ui)
-    order = list(FORM_KEYS)
+def loading_events(ui: WebUI, pick, load, text, fields: dict, order: list, errors: dict, converted, states: tuple):
+    """Load, a pick in the config list and leaving the editor: what fills the editor and the fields. states: the
+    (loaded, loaded_text, conversion, loaded_file) gr.States of jobs_tab."""
+    loaded, loaded_text, conversion, loaded_file = states
     form_inputs = [fields[k] for k in order]
-    error_outputs = [errors[k] for k in order] + [errors["toml"]]
-    # The fields as the last Load filled them: one left so gives way to the TOML (an edit there wins).
-    loaded = gr.State({})
-    # The editor's text as the last Load put it there: another text is an edit a new pick must not drop.
-    loaded_text = gr.State("")
-    # The last Load's conversion note ("": the config was ours), shown by an event of its own after Load: a State
-    # output, the note leaves /load_config's and /pick_config's outputs as API scripts unpack them.
-    conversion = gr.State("")
-    # The real path of the file the editor's text was loaded from (or saved to) last: Save refuses to write over
-    # it once it holds another text than loaded_text (another tab saved it meanwhile: its edit would be lost).
-    loaded_file = gr.State("")
-    with gr.Row():
-        check_button = gr.Button("Validate")
-        create_button = gr.Button("Create (draft)")
-        queue_new = gr.Button("Create and queue", variant="primary", elem_id="create-and-queue")
-    save_row(ui, order, [text, *form_inputs, loaded, loaded_text, loaded_file],
-             [text, *form_inputs, loaded, loaded_text, loaded_file, errors["toml"]])
-    answer = gr.JSON(label="result", elem_id="job-result")
-
-    table, job_id = queue_section(ui)
-
-    def show_errors(result: dict) -> list:
-        key = result.get("key") if not result.get("ok") else None
-        where = key if key in errors else FIELD_OF.get(key, "toml")
-        message = result.get("error", "") if not result.get("ok") else ""
-        return [error_note(message if k == where else "") for k in order + ["toml"]]
-
     keep = [gr.update()] * (1 + len(order))  # the editor and the fields, as they are
 
     def on_load(path):
@@ -226,6 +200,41 @@ def jobs_tab(ui: WebUI):
 
     text.blur(on_toml_edit, [text, *form_inputs, loaded], [*form_inputs, loaded], api_name="fields_from_toml",
               show_progress="hidden")
+
+
+def jobs_tab(ui: WebUI):
+    pick, load, name, fields, errors, text, converted = job_form(ui)
+    order = list(FORM_KEYS)
+    form_inputs = [fields[k] for k in order]
+    error_outputs = [errors[k] for k in order] + [errors["toml"]]
+    # The fields as the last Load filled them: one left so gives way to the TOML (an edit there wins).
+    loaded = gr.State({})
+    # The editor's text as the last Load put it there: another text is an edit a new pick must not drop.
+    loaded_text = gr.State("")
+    # The last Load's conversion note ("": the config was ours), shown by an event of its own after Load: a State
+    # output, the note leaves /load_config's and /pick_config's outputs as API scripts unpack them.
+    conversion = gr.State("")
+    # The real path of the file the editor's text was loaded from (or saved to) last: Save refuses to write over
+    # it once it holds another text than loaded_text (another tab saved it meanwhile: its edit would be lost).
+    loaded_file = gr.State("")
+    with gr.Row():
+        check_button = gr.Button("Validate")
+        create_button = gr.Button("Create (draft)")
+        queue_new = gr.Button("Create and queue", variant="primary", elem_id="create-and-queue")
+    save_row(ui, order, [text, *form_inputs, loaded, loaded_text, loaded_file],
+             [text, *form_inputs, loaded, loaded_text, loaded_file, errors["toml"]])
+    answer = gr.JSON(label="result", elem_id="job-result")
+
+    table, job_id = queue_section(ui)
+
+    def show_errors(result: dict) -> list:
+        key = result.get("key") if not result.get("ok") else None
+        where = key if key in errors else FIELD_OF.get(key, "toml")
+        message = result.get("error", "") if not result.get("ok") else ""
+        return [error_note(message if k == where else "") for k in order + ["toml"]]
+
+    loading_events(ui, pick, load, text, fields, order, errors, converted,
+                   (loaded, loaded_text, conversion, loaded_file))
 
     def on_check(text_value, *values):
         result = ui.check(text_value, edited(order, values))
