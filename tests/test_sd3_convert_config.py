@@ -218,6 +218,23 @@ def test_its_x0_loss_is_sigma_squared_times_ours_and_sigma_sqrt_cancels_it():
     assert torch.isnan((((pred[:1] * (-zero) + x0[:1]) - x0[:1]) ** 2 * zero ** -2.0).mean())
 
 
+def test_its_huber_is_not_ours_and_it_perturbs_no_input():
+    """Its huber is huber_c's of its x0 error, sigma x the velocity error (the loss above); ours' is sigma^2 x
+    huber of the velocity error under sigma_sq: 0.22 of its at sigma 0.1 for an error of 1, c 0.1, so loss_type
+    huber is not carried (it was kept). Its get_noisy_model_input_and_timesteps perturbs no input: ip_noise_gamma
+    is dropped (it was kept: ours would have perturbed it)."""
+    def huber(r, c):
+        return 2 * c * (math.sqrt(r * r + c * c) - c)
+
+    assert abs(0.1 ** 2 * huber(1.0, 0.1) / huber(0.1 * 1.0, 0.1) - 0.22) < 0.01
+    base = {"network_module": "networks.lora_sd3", "network_train_unet_only": True}
+    t = sd_scripts.translate({**base, "loss_type": "huber", "huber_schedule": "constant", "huber_c": 0.1,
+                              "ip_noise_gamma": 0.1}, "x.toml")
+    assert [verdict(t, k)[0] for k in ("loss_type", "huber_c", "ip_noise_gamma")] == [NOT_CARRIED, DROPPED, DROPPED]
+    assert not {"loss_type", "huber_c", "ip_noise_gamma"} & set(t.config)
+    assert sd_scripts.translate({**base, "loss_type": "l2"}, "x.toml").config["loss_type"] == "l2"
+
+
 def test_the_encoder_masks_change_what_their_refusals_say(tiny_set):
     """Its apply_lg_attn_mask passes the padding mask to CLIP (causal): the caption's rows (up to its end token) and
     the pooled vector are the same (max diff 0.0), the padding rows differ; apply_t5_attn_mask to T5 (both ways): the

@@ -500,6 +500,9 @@ class SdScriptsModels:
     token_lengths: dict[str, int] = field(default_factory=dict)  # its tokenizer-length arguments -> the count ours runs
     ignored_args: dict[str, str] = field(default_factory=dict)  # its own arguments ours reads nothing of -> why
     refused_args: dict[str, str] = field(default_factory=dict)  # its own arguments not carried unless empty -> why
+    # "": its loss compares velocities, as ours; else why its huber is not ours' (a loss on the predicted clean
+    # latent: huber of sigma x the velocity error, where ours' x0 weighting is sigma^2 x huber of the error)
+    huber_not_ours: str = ""
     lora_module_args: tuple[str, ...] = ()  # the network_args its LoRA module reads (empty: sd_scripts.LORA_ARGS)
     # its LoRA module's switches (network_args "name=true") -> ours' item, "{network_dim}" standing for the rank
     lora_switches: dict[str, str] = field(default_factory=dict)

@@ -183,7 +183,13 @@ SD_SCRIPTS = S.SdScriptsModels(
     draw_args=("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "training_shift", "min_timestep",
                "max_timestep"),
     draw="library.models.sd3.sd_scripts_draw:sd3_draw",
-    ignored_args={**dict.fromkeys(("save_clip", "save_t5xxl", "t5xxl_device", "t5xxl_dtype"), _NOT_WORKING)},
+    ignored_args={**dict.fromkeys(("save_clip", "save_t5xxl", "t5xxl_device", "t5xxl_dtype"), _NOT_WORKING),
+                  # its get_noisy_model_input_and_timesteps has no input perturbation (FLUX's and Lumina's have)
+                  **dict.fromkeys(("ip_noise_gamma", "ip_noise_gamma_random_strength"),
+                                  "sd3_train_network perturbs no input: its script reads nothing of it")},
+    # sd3_train_network: model_pred x (-sigma) + x_t against the latents (its x0 loss, ours' sigma_sq weighting)
+    huber_not_ours="its loss is on the predicted clean latent: its huber is huber_c's of sigma x the velocity "
+                   "error, ours' x0 weighting sigma^2 x huber of the error (the same only for errors far below c)",
     refused_args={
         # measured on the tiny CLIP and T5 (tests/test_sd3_convert_config.py): CLIP's rows up to the caption's end
         # and its pooled vector are the same with the mask (its attention is causal), T5's every row differs

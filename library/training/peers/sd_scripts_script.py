@@ -35,7 +35,19 @@ def rules_of(script: str, first_rules: dict[str, Rule]) -> dict[str, Rule]:
                   "blocks_to_swap": custom(_blocks_to_swap), "network_train_unet_only": custom(_unet_only),
                   "text_encoder_lr": custom(_text_encoder_lr)})
     rules.update({key: custom(_own_draw) for key in entry.draw_args})
+    if entry.huber_not_ours:
+        rules["loss_type"] = custom(_loss_not_huber)
+        rules.update(dict.fromkeys(("huber_c", "huber_scale", "huber_schedule"),
+                                   ignored("read only by loss_type huber / smooth_l1, not carried on this model")))
     return rules
+
+
+def _loss_not_huber(t: Translation, key: str, value: Any) -> None:
+    """loss_type on a model whose loss is not ours' velocity loss (the spec's huber_not_ours): l2 only."""
+    if value == "l2":
+        t.set(key, value, key, value)
+    else:
+        t.refuse(key, value, entry_of(t).huber_not_ours if value in ("huber", "smooth_l1") else "ours: l2, huber")
 
 
 def entry_of(t: Translation) -> SdScriptsModels:
