@@ -652,6 +652,18 @@ def test_lr_warmup_steps_is_read_as_the_peers_read_it(value, steps, verdict, our
         assert t.config.get("lr_warmup_steps") == ours
 
 
+def test_a_lora_to_start_from_says_sd_scripts_trains_it_at_the_configs_alpha():
+    """train_network.py builds the network at network_alpha / network_dim, then loads the file ("FIXME consider alpha
+    of weights"): its alpha unread, unless dim_from_weights builds the network from it. Ours reads the file's."""
+    base = {"network_train_unet_only": True, "network_weights": "start.safetensors", "network_alpha": 8}
+    line = next(line for line in sd_scripts.translate(base, "x.toml").lines if line.key == "network_weights")
+    assert line.verdict == "kept" and "network_alpha / network_dim (8 / 4)" in line.note
+    built = sd_scripts.translate({**base, "dim_from_weights": True}, "x.toml")
+    assert next(line.note for line in built.lines if line.key == "network_weights") == ""
+    assert [line.verdict for line in sd_scripts.translate({**base, "network_weights": ""}, "x.toml").lines
+            if line.key == "network_weights"] == ["dropped"]
+
+
 @pytest.mark.parametrize("word, musubi, sd", [("1.0", 1, None), ("100.0", 100, None), ("0.5", 0.5, 0.5),
                                              ("1.5", 900, None), ("100", 100, 100)])
 def test_a_command_lines_warmup_goes_through_the_peers_argparse_type(word, musubi, sd):

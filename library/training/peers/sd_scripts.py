@@ -405,6 +405,20 @@ HEADER_TEXT = "text for the LoRA's header: ours writes none (the training is the
 UPLOAD = "a Hugging Face upload: ours uploads nothing (upload the LoRA yourself)"
 DEEPSPEED = "DeepSpeed: ours runs DDP or FSDP through accelerate launch (configs/accelerate/)"
 
+
+def _network_weights(t: Translation, key: str, value: Any) -> None:
+    """The LoRA file training starts from. sd-scripts builds the network at network_alpha / network_dim and then
+    loads the file (train_network.py, its "FIXME consider alpha of weights"): the file's alpha is loaded, unread,
+    unless dim_from_weights builds the network from the file. Ours trains at the file's alpha: the note says so."""
+    if is_off(value):
+        t.drop(key, value, "empty: the LoRA starts new")
+        return
+    t.set(key, value, key, value, KEPT, note="" if is_true(their(t, "dim_from_weights")) else (
+        f"sd-scripts trains it at network_alpha / network_dim ({their(t, 'network_alpha')} / "
+        f"{their(t, 'network_dim')}) whatever alpha the file holds; ours at the file's alpha (set dim_from_weights, "
+        f"or a network_alpha equal to the file's, for the same scale in both)"))
+
+
 RULES: dict[str, Rule] = {
     # the model and its files
     "model_type": custom(_model_type),
@@ -457,7 +471,7 @@ RULES: dict[str, Rule] = {
     "network_dim": same(),
     "network_alpha": same(),
     "network_args": custom(_network_args),
-    "network_weights": unless_off("empty: the LoRA starts new"),
+    "network_weights": custom(_network_weights),
     "network_dropout": same(),
     "dim_from_weights": same(),
     "scale_weight_norms": unless_off("0: off (sd-scripts scales nothing)"),
