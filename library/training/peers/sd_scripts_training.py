@@ -235,7 +235,8 @@ def _huber_key(t: Translation, key: str, value: Any) -> None:
 
 def _ip_noise_gamma_random_strength(t: Translation, key: str, value: Any) -> None:
     if is_true(value) and not is_off(their(t, "ip_noise_gamma")):
-        t.set(key, True, key, value)
+        t.set(key, True, key, value, note="a strength per sample (sd-scripts draws one per batch: the same at "
+                                          "batch 1)")
     else:
         t.drop(key, value, "off" if not is_true(value) else "no ip_noise_gamma")
 
