@@ -105,13 +105,32 @@ def test_dev_samples_with_the_flash_scheduler_on_its_timesteps(tiny, monkeypatch
     text = {"input_ids": torch.zeros(1, 5, dtype=torch.int64), "length": torch.tensor([5])}
     out = family.sample_latents(model, text, 64, 32, 28, seed=3, guidance=0.0)
     assert seen == pytest.approx([t / 1000 for t in DEV_TIMESTEPS])
-    gen = torch.Generator("cpu").manual_seed(3)
+    gen = torch.Generator("cpu").manual_seed(3 + 1)  # the pipelines' seed + 1
     x = 7.5 * torch.randn(1, 3, 32, 64, generator=gen)
     sigmas = [t / 1000 for t in DEV_TIMESTEPS] + [0.0]
     for following in sigmas[1:]:
         fresh = torch.randn(x.shape, generator=gen)
         x = following * shaped_noise(fresh, torch.zeros(1), 7.5, 7.5, 2.5) + (1 - following) * (x / 2)
     torch.testing.assert_close(out, x)
+
+
+@pytest.mark.parametrize("version", [FULL, DEV])
+def test_samples_start_from_the_pipelines_noise_of_seed_plus_one(tiny, version):
+    """The official pipeline (musubi-tuner's hidream_o1/pipeline.py, ai-toolkit's copy) draws the starting noise as
+    noise_scale x randn((1, 3, H, W), generator=Generator("cpu").manual_seed(seed + 1)) in 32 px patches: the same
+    seed gives its image (ours drew from seed: its seed - 1's)."""
+    family = HiDreamO1Family(tiny["hidream_o1"], model_version=version)
+    first = []
+
+    def model(img, *args):
+        first.append(img.clone()) if not first else None
+        return img
+
+    text = {"input_ids": torch.zeros(1, 5, dtype=torch.int64), "length": torch.tensor([5])}
+    family.sample_latents(model, text, 64, 32, 28, seed=3, guidance=0.0)
+    scale = {FULL: 8.0, DEV: 7.5}[version]
+    theirs = scale * torch.randn((1, 3, 32, 64), generator=torch.Generator("cpu").manual_seed(3 + 1))
+    torch.testing.assert_close(first[0], family.pack_target(theirs))
 
 
 def test_the_release_comes_from_model_version_or_the_name(tiny):
@@ -136,7 +155,7 @@ def test_the_noise_keys_set_the_samples_noise_too_and_a_bad_one_is_named(tiny):
     torch.testing.assert_close(drawn, 2.0 * torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)))
     text = {"input_ids": torch.zeros(1, 5, dtype=torch.int64), "length": torch.tensor([5])}
     out = family.sample_latents(lambda img, *args: img / 2, text, 64, 32, 28, seed=3, guidance=0.0)
-    gen = torch.Generator("cpu").manual_seed(3)
+    gen = torch.Generator("cpu").manual_seed(3 + 1)
     x = 2.0 * torch.randn(1, 3, 32, 64, generator=gen)
     sigmas = [t / 1000 for t in DEV_TIMESTEPS] + [0.0]
     for following in sigmas[1:]:  # the flash steps of test_dev_samples_with_the_flash_scheduler_on_its_timesteps

@@ -152,6 +152,7 @@ class DiffusionFamily:
     sample_steps: int = 20  # default --s of sample prompts: each family's own, from its spec's sample_steps
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
     cfg_above = 1.0  # a true-CFG family runs the negative prompt only where guidance > this (its pipeline's test)
+    sample_seed_offset = 0  # samples draw their noise from seed + this (a pipeline that seeds its generator so)
     vae: str  # "module:Class" of its VAE wrapper (library/models/vae.py's kind: Class(path, dtype), built on meta too)
     # Its VAE loads from a file, the config key `ae`. False: the wrapper reads none (vae.py's PixelVAE: a
     # pixel-space model's); `ae` is then neither required nor taken (unread_files) and no file keys its latent cache
@@ -563,7 +564,7 @@ class DiffusionFamily:
         h, w = lh // self.patch, lw // self.patch
         batch = next(iter(text.values())).shape[0]
         device = next(iter(text.values())).device
-        gen = torch.Generator("cpu").manual_seed(seed)
+        gen = torch.Generator("cpu").manual_seed(seed + self.sample_seed_offset)
         noise = self.initial_noise(batch, lh, lw, gen).to(device)
         sigmas = fm.inference_sigmas(steps, h * w, self.arch, dynamic_shift=self.dynamic_shift(model),
                                      sampling=self.inference_sampling(), shift=flow_shift)

@@ -62,6 +62,8 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
     text_path_keys = ("tokenizer",)  # optional: the model folder's, or a tokenizer/ folder beside the file
     true_cfg = True  # Full runs the " " negative prompt; Dev defaults to guidance 0 (none run)
     cfg_above = 1.0
+    # the official pipeline (musubi-tuner's and ai-toolkit's copies): torch.Generator("cpu").manual_seed(seed + 1)
+    sample_seed_offset = 1
     releases = (FULL, DEV)
     release_in_name = staticmethod(release_in_name)
     noise_given = (None, None, None)  # the config's NOISE_KEYS (None: the release's); a planner's preset sets none
@@ -226,7 +228,7 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
                                           control, flow_shift)
         h, w = height // self.patch, width // self.patch
         batch, device = text["input_ids"].shape[0], text["input_ids"].device
-        gen = torch.Generator("cpu").manual_seed(seed)
+        gen = torch.Generator("cpu").manual_seed(seed + self.sample_seed_offset)
         x = self.initial_noise(batch, height, width, gen).to(device)
         sigmas = [t / 1000 for t in DEV_TIMESTEPS] + [0.0]
         start, end, clip = self.noise
