@@ -11,6 +11,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import train_lora
+from library.models.family import DiffusionFamily
 from library.models.hidream.family import HiDreamFamily, release_in_name
 from library.models.latents import pack_latents, unpack_latents
 from networks.lora import LoRANetwork
@@ -171,6 +172,41 @@ def test_sampling_equals_diffusers_hidream_pipeline(tiny_set):
         diffs[name] = (ours - theirs).abs().max().item()
     print("HiDreamImagePipeline vs ours, max abs diff:", diffs)
     assert diffs["release"] <= 1e-5 and diffs["shift 1"] > 1e-2, diffs
+
+
+@torch.no_grad()
+@pytest.mark.parametrize("version, steps, shift", [("hidream-i1-dev", 6, 6.0), ("hidream-i1-fast", 4, 3.0)])
+def test_dev_and_fast_sample_as_the_pipeline_with_their_flash_scheduler(tiny_set, monkeypatch, version, steps, shift):
+    """Dev and Fast sample with the flash scheduler (the official inference.py's, diffusers' FlowMatchLCMScheduler):
+    x0 re-noised to the next sigma each step. HiDreamImagePipeline with it, its fresh noise drawn from the starting
+    noise's generator (the pipeline passes none to step: the global one), no guidance: our latents. Euler (what ours
+    ran) differs."""
+    from diffusers import FlowMatchLCMScheduler, HiDreamImagePipeline
+    from diffusers.schedulers import scheduling_flow_match_lcm
+
+    from library.models.flux1.vae import FluxVAE
+
+    family = family_of(tiny_set, version=version)
+    model = family.load_transformer(torch.float32)
+    _, text = inputs(2)
+    size = (48, 48)
+    ours = family.sample_latents(model, text, size[1], size[0], steps, seed=7, guidance=0.0)
+    generator = torch.Generator().manual_seed(7)  # the starting noise's, then each step's fresh noise
+    monkeypatch.setattr(scheduling_flow_match_lcm, "randn_tensor",
+                        lambda shape, **_: torch.randn(shape, generator=generator))
+    pipe = HiDreamImagePipeline(scheduler=FlowMatchLCMScheduler(shift=shift),
+                                vae=FluxVAE(tiny_set["flux_vae_single"]).vae, text_encoder=None, tokenizer=None,
+                                text_encoder_2=None, tokenizer_2=None,
+                                text_encoder_3=None, tokenizer_3=None, text_encoder_4=None, tokenizer_4=None,
+                                transformer=diffusers_twin(model))
+    pipe.default_sample_size = size[0] // 8
+    (theirs,) = pipe(prompt_embeds_t5=text["t5"], prompt_embeds_llama3=text["llama"].transpose(0, 1),
+                     pooled_prompt_embeds=text["pooled"], guidance_scale=0.0, height=size[0], width=size[1],
+                     num_inference_steps=steps, generator=generator, output_type="latent", return_dict=False)
+    assert (ours - theirs).abs().max().item() <= 1e-5
+    monkeypatch.setattr(HiDreamFamily, "integrate", DiffusionFamily.integrate)  # Euler, as before
+    plain = family.sample_latents(model, text, size[1], size[0], steps, seed=7, guidance=0.0)
+    assert (plain - theirs).abs().max().item() > 1e-2
 
 
 @torch.no_grad()

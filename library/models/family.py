@@ -572,7 +572,15 @@ class DiffusionFamily:
         def velocity(x, s):
             return self.guided_velocity(model, x, s, text, negative_text, h, w, guidance, **control_kwargs(control))
 
-        return self.unpack_target(fm.euler_sample(velocity, self.pack_target(noise), sigmas), noise.shape)
+        def fresh_noise():  # a re-noising scheduler's draw: the starting noise's generator, in its shape
+            return self.pack_target(torch.randn(noise.shape, generator=gen, dtype=torch.float32).to(device))
+
+        return self.unpack_target(self.integrate(velocity, self.pack_target(noise), sigmas, fresh_noise), noise.shape)
+
+    def integrate(self, velocity, noise: torch.Tensor, sigmas: torch.Tensor, fresh_noise) -> torch.Tensor:
+        """The pipeline's scheduler over the sigmas, on packed latents: Euler (FlowMatchEulerDiscreteScheduler); a
+        release that samples otherwise overrides it (fresh_noise(): packed noise, for a scheduler that re-noises)."""
+        return fm.euler_sample(velocity, noise, sigmas)
 
     def sample_model_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the weights sample_latents loads onto the device beside the trained transformer (a

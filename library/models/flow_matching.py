@@ -248,6 +248,21 @@ def norm_rescaled_cfg(cond: torch.Tensor, uncond: torch.Tensor, guidance: float)
 
 
 @torch.no_grad()
+def flash_sample(model_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
+                 sigmas: torch.Tensor, fresh_noise: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """The flash (LCM) scheduler of step-distilled releases: each step the clean latent the velocity gives,
+    x0 = x - sigma v, re-noised to the next sigma with fresh noise, x = (1 - s_next) x0 + s_next n (diffusers'
+    FlowMatchLCMScheduler.step, ComfyUI's lcm sampler). fresh_noise() -> n ~ N(0, 1) in x's shape (the pipelines
+    draw it from the global generator: the method is theirs; the bits where it is given their generator). float32
+    between steps."""
+    x = noise.float()
+    sigmas = sigmas.float().to(x.device)
+    for s, s_next in zip(sigmas[:-1], sigmas[1:]):
+        x0 = x - s * model_fn(x, s.expand(x.shape[0])).float()
+        x = (1 - s_next) * x0 + s_next * fresh_noise().float().to(x.device)
+    return x
+
+
 def euler_sample(model_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], noise: torch.Tensor,
                  sigmas: torch.Tensor) -> torch.Tensor:
     """Integrate from x = noise at sigmas[0] to sigmas[-1] (0: the clean latent).

@@ -9,8 +9,9 @@ image to 4096 tokens, model.py).
 
 Full, Dev and Fast share the transformer; they differ in weights and in how the pipeline samples them (the model
 cards): Full 50 steps at CFG 5.0 against the empty negative prompt, its scheduler's shift 3.0; Dev 28 steps without
-guidance, shift 6.0; Fast 16 steps without guidance, shift 3.0. The release comes from `model_version`, else from the
-model path's name (ComfyUI's hidream_i1_dev_fp8.safetensors, the HiDream-I1-Fast folder), else Full.
+guidance, shift 6.0; Fast 16 steps without guidance, shift 3.0; Dev and Fast with the flash scheduler (integrate).
+The release comes from `model_version`, else from the model path's name (ComfyUI's hidream_i1_dev_fp8.safetensors,
+the HiDream-I1-Fast folder), else Full.
 """
 
 from __future__ import annotations
@@ -65,6 +66,16 @@ class HiDreamFamily(NamedReleases, DiffusionFamily):
         sampling = sampling_of(self.arch)
         shift = VERSION_SHIFT[self.version]
         return None if shift == sampling.shift else dataclasses.replace(sampling, shift=shift)
+
+    def integrate(self, velocity, noise, sigmas, fresh_noise):
+        """Dev and Fast sample with the flash scheduler (the official inference.py's FlashFlowMatchEulerDiscrete-
+        Scheduler, diffusers' FlowMatchLCMScheduler, ComfyUI's lcm sampler): x0 from the velocity, re-noised to the
+        next sigma each step. Full: Euler (its release's UniPC multistep solver is not ours: the spec says so)."""
+        from library.models import flow_matching as fm
+
+        if self.version == FULL:
+            return super().integrate(velocity, noise, sigmas, fresh_noise)
+        return fm.flash_sample(velocity, noise, sigmas, fresh_noise)
 
     # -- files ---------------------------------------------------------------------------------
     def model_files(self) -> list[ModelFile]:
