@@ -55,6 +55,18 @@ def test_ids_are_the_chat_template_then_boi_and_tms(ids):
     assert ids.tms_id == ids.boi_id + 4  # the released order: boi, bor, eor, bot, tms
 
 
+def test_a_samples_empty_negative_is_the_pipelines_space_and_an_empty_caption_stays_empty(ids):
+    """The pipelines' unconditional prompt is " " (musubi-tuner's and ai-toolkit's); a sample without --n reaches the
+    encoder as NegativePrompt(""), which was encoded as the empty prompt. Caption dropout's "" stays "" there."""
+    from library.data.prompts import NegativePrompt
+
+    space, empty = ids.encode([te.NEGATIVE_PROMPT, ""])
+    negative, = ids.encode([NegativePrompt("")])
+    assert negative["input_ids"].tolist() == space["input_ids"].tolist() == peers_ids(ids.tokenizer, " ")
+    assert len(empty["input_ids"]) == len(space["input_ids"]) - 1
+    assert ids.encode([NegativePrompt("blurry")])[0]["input_ids"].tolist() == peers_ids(ids.tokenizer, "blurry")
+
+
 def test_rows_and_lengths(ids):
     out = ids.encode(CAPTIONS)
     lengths = [len(ids.token_ids([c])[0]) for c in CAPTIONS]

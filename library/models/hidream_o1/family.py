@@ -155,7 +155,8 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
     def text_encoding_constants(self) -> dict:
         from library.models.hidream_o1 import text_encoder as te
 
-        return {"template": "chat + boi + tms", "negative": te.NEGATIVE_PROMPT}
+        # "negative": an empty --n encodes it (until 2026-12-03 the constant was named but "" encoded: re-encoded)
+        return {"template": "chat + boi + tms", "empty negative": te.NEGATIVE_PROMPT}
 
     def text_cache_key(self, options: dict, precision: str) -> str:
         """The ids depend on the tokenizer and the template (text_encoding_constants), not on a precision."""
