@@ -179,6 +179,33 @@ def test_ai_toolkit_lora_reads_as_diffusers_converter_reads_it(tmp_path):
     assert all(torch.allclose(a[m], b[m], rtol=1e-5, atol=1e-5) for m in a)
 
 
+def test_comfy_layout_is_the_original_fused_names_diffusers_reads_as_the_trained_deltas(trained, tmp_path):
+    """ComfyUI's Ideogram 4 has the original names (fused attention.qkv, attention.o), which its key map takes
+    alone, as ai-toolkit's and musubi-tuner's LoRAs name them: --to comfy writes those (it was refused). diffusers'
+    converter of that layout (_convert_non_diffusers_ideogram4_lora_to_diffusers) splits them back into each
+    module's trained delta (alpha / rank folded)."""
+    from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_ideogram4_lora_to_diffusers
+
+    from tools import convert_lora
+
+    src, dst = str(trained / "ideogram4.safetensors"), str(tmp_path / "comfy.safetensors")
+    assert convert_lora.main([src, dst, "--to", "comfy"]) == 0
+    comfy = load_file(dst)
+    modules = {k.rsplit(".lora_", 1)[0] for k in comfy}
+    assert {"diffusion_model.layers.0.attention.qkv", "diffusion_model.layers.1.attention.o",
+            "diffusion_model.layers.0.feed_forward.w2"} <= modules and len(modules) == 2 * 5
+    assert not any("to_q" in m or "to_out" in m for m in modules)
+    ours = load_file(src)
+    theirs = _convert_non_diffusers_ideogram4_lora_to_diffusers(dict(comfy))
+    for module in ("attention.to_q", "attention.to_v", "attention.to_out.0", "feed_forward.w1"):
+        kohya = "lora_unet_layers_1_" + module.replace(".", "_")
+        scale = ours[f"{kohya}.alpha"].item() / ours[f"{kohya}.lora_down.weight"].shape[0]
+        want = scale * ours[f"{kohya}.lora_up.weight"].float() @ ours[f"{kohya}.lora_down.weight"].float()
+        got = (theirs[f"transformer.layers.1.{module}.lora_B.weight"].float()
+               @ theirs[f"transformer.layers.1.{module}.lora_A.weight"].float())
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
+
+
 def test_planner_reads_the_stored_layout_from_the_files(tiny_set, tmp_path, capsys):
     from tools import plan_memory
 

@@ -21,7 +21,8 @@ as attention projections.
   model whose ComfyUI twin fuses q / k / v, ComfyUI patches them into the fused rows). A LoRA in
   ComfyUI's own names of such a model (kohya or dotted) reads as ours, a fused module split by rows
   (the spec's LORA_FILES.comfy_map); for a model ComfyUI renames (its key map taking its own names only), --to
-  comfy writes those (LORA_FILES.comfy_names).
+  comfy writes those (LORA_FILES.comfy_names), and where it fuses modules ours has apart, the fused ones
+  (LORA_FILES.comfy_fuse: a fused attention qkv).
 
 Alpha: a kohya file stores it per module (`.alpha`); a diffusers/PEFT file written by diffusers
 stores its adapter config in the safetensors header (`lora_adapter_metadata`, lora_alpha /
@@ -305,6 +306,10 @@ def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alp
     if to == "comfy" and files.comfy_names:  # ComfyUI's model renames ours: its key map takes its own names only
         rename = load_symbol(files.comfy_names)
         weights = {rename(p): w for p, w in weights.items()}
+    if to == "comfy" and files.comfy_fuse:  # ComfyUI's model fuses modules ours has apart (an attention qkv)
+        fused = load_symbol(files.comfy_fuse)(weights, counts)
+        if not all(p in fused for p in weights):  # already in its names (ai-toolkit's file): as they are
+            weights = diffusers_to_bfl(weights, fused)
     header = {k: v for k, v in metadata.items() if k not in DROPPED_METADATA}
     header["lora_converted_from"] = fmt
     if {"ss_network_dim", "ss_network_alpha"} & set(header):  # parts joined (rank summed) or --alpha: as written

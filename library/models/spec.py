@@ -106,6 +106,10 @@ class LoRAFiles:
     # "module:function" (our module path) -> ComfyUI's, where its model renames ours and its LoRA key map takes only
     # its own names (--to comfy writes those); None: ComfyUI takes ours (or the BFL names) as they are
     comfy_names: str | None = None
+    # "module:function" (weights, block counts) -> {ComfyUI's module path: [(our module path, row0, row1)]} where
+    # ComfyUI's model fuses modules ours has apart (an attention qkv) and its key map takes only its own names:
+    # --to comfy stacks ours into them (networks.lora_module_map.diffusers_to_bfl); None: no fusing
+    comfy_fuse: str | None = None
     diffusers_lokr: str | None = None  # the name diffusers' LoKr loader knows the model by, when it loads LoKr for it
     # "module:function" (module paths) -> why a LoRA naming them cannot be written in the diffusers layout (a module
     # the pipeline holds in another component than the transformer), or None: convert_lora refuses --to diffusers so

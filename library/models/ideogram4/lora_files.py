@@ -1,7 +1,9 @@
 """Ideogram 4 LoRA files: the module paths tools/convert_lora.py resolves kohya names against (through
 the spec's LORA_FILES). The model has diffusers' names, so the kohya and diffusers layouts name the
-same modules and converting changes the prefix only. (ai-toolkit's `diffusion_model.` files fuse
-q, k, v in `attention.qkv`: diffusers' Ideogram4LoraLoaderMixin splits them on load.)"""
+same modules and converting to diffusers changes the prefix only. ComfyUI's model has the original names (the
+Comfy-Org single file's fused `attention.qkv`, `attention.o`), which its LoRA key map takes and ai-toolkit's and
+musubi-tuner's LoRAs use: --to comfy writes those (comfy_fused_map); diffusers' Ideogram4LoraLoaderMixin splits
+them on load, and comfy_module_map reads them as ours."""
 
 from __future__ import annotations
 
@@ -40,4 +42,22 @@ def comfy_module_map(weights: dict, counts: dict[str, int]) -> dict[str, list[tu
             out[path] = [(block + part, i * third, (i + 1) * third) for i, part in enumerate(QKV_PARTS)]
         elif path.endswith(OUT):
             out[path] = [(path[: -len(OUT)] + ".attention.to_out.0", 0, rows)]
+    return out
+
+
+def comfy_fused_map(weights: dict, counts: dict[str, int]) -> dict[str, list[tuple[str, int, int]]]:
+    """{original module path: [(our module path, row0, row1)]} to write `weights` in the original names (--to comfy,
+    networks.lora_module_map.diffusers_to_bfl): each block's to_q / to_k / to_v stacked by rows into attention.qkv
+    (the inverse of comfy_module_map), to_out.0 as attention.o, every other module as it is."""
+    out = {}
+    for path, w in weights.items():
+        rows = w.up.shape[0]
+        part = next((p for p in QKV_PARTS if path.endswith(p)), None)
+        if part is not None:
+            block = path[: -len(part)]
+            out[block + QKV] = [(block + p, i * rows, (i + 1) * rows) for i, p in enumerate(QKV_PARTS)]
+        elif path.endswith(".attention.to_out.0"):
+            out[path[: -len(".attention.to_out.0")] + OUT] = [(path, 0, rows)]
+        else:
+            out[path] = [(path, 0, rows)]
     return out

@@ -42,6 +42,9 @@ LORA_FILES = S.LoRAFiles(
     block_pattern=r"(layers)[._](\d+)[._]",
     module_paths="library.models.ideogram4.lora_files:module_paths",
     comfy_map="library.models.ideogram4.lora_files:comfy_module_map",  # ai-toolkit's fused qkv / o read as ours
+    # ComfyUI's model has the original fused names, which its key map takes alone: --to comfy writes them
+    layouts=("kohya", "diffusers", "comfy"),
+    comfy_fuse="library.models.ideogram4.lora_files:comfy_fused_map",
     info_markers=(("diffusers", r"llm_cond_proj|adaln_proj|t_embedding_mlp_|layers_\d+_adaln_modulation$"),
                   ("original", r"layers_\d+_attention_o$")),
     info_blocks=(("block", r"(?:^|_)layers_(\d+)_"),),
