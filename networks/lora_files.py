@@ -588,7 +588,8 @@ def read_lora(path: str, module_paths=None):
 
 def kohya_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32, prefix="lora_unet") -> dict[str, torch.Tensor]:
     """Canonical -> kohya tensors. down/up cast to `dtype`; alpha is always a float32 scalar so
-    that the scale alpha/r is stored exactly whatever the weight dtype."""
+    that the scale alpha/r is stored exactly whatever the weight dtype, and a DoRA magnitude float32 too: it
+    scales each output row (bf16's 2^-8 steps are 0.4% of the row, the size of a learned magnitude change)."""
     out = {}
     for path, w in weights.items():
         name = kohya_name(path, prefix)
@@ -596,7 +597,7 @@ def kohya_state_dict(weights: dict[str, LoRAWeights], dtype=torch.float32, prefi
         out[f"{name}.lora_up.weight"] = w.up.detach().to(dtype)
         out[f"{name}.alpha"] = torch.tensor(float(w.alpha), dtype=torch.float32)
         if w.magnitude is not None:  # [out, 1]: ComfyUI reads a 2-D dora_scale per output row (LyCORIS' layout)
-            out[f"{name}.dora_scale"] = w.magnitude.detach().reshape(-1, 1).to(dtype)
+            out[f"{name}.dora_scale"] = w.magnitude.detach().reshape(-1, 1).to(torch.float32)
     return out
 
 
@@ -621,7 +622,7 @@ def peft_state_dict(weights: dict[str, LoRAWeights], prefix="transformer", dtype
                              f"{str(dtype).removeprefix('torch.')} folded into lora_B; the kohya layout keeps the alpha apart")
         out[f"{head}{path}.lora_B.weight"] = up
         if w.magnitude is not None:  # PEFT's DoRA magnitude [out]; its norm uses the same folded B
-            out[f"{head}{path}.lora_magnitude_vector"] = w.magnitude.detach().reshape(-1).to(dtype)
+            out[f"{head}{path}.lora_magnitude_vector"] = w.magnitude.detach().reshape(-1).to(torch.float32)  # (kohya's)
     return out
 
 

@@ -132,6 +132,26 @@ def test_dora_kohya_and_peft_files_load_back_with_the_same_output(tmp_path):
         plain.load_weights(path)
 
 
+def test_a_bf16_file_keeps_the_learned_magnitude_in_float32(tmp_path):
+    """The magnitude scales each output row: in bf16 (the file's save dtype, as it was) a learned change of 0.1%
+    rounds away (bf16's step is 0.4% of the value); kept float32 in the kohya and the PEFT layouts, exact."""
+    model = flux.Flux(flux.FluxConfig(hidden_size=16, num_heads=1, depth=1, depth_single=1, axes_dim=(4, 6, 6),
+                                      context_in_dim=8, vec_in_dim=8, guidance_embed=False))
+    net = LoRANetwork(model, "flux", 4, alpha=2.0, network_args={"dora": True})
+    with torch.no_grad():
+        for m in net.lora_modules():
+            m.dora_scale.mul_(1.001)
+    weights = net.lora_weights()
+    kohya = lf.kohya_state_dict(weights, torch.bfloat16)
+    peft = lf.peft_state_dict(weights, dtype=torch.bfloat16)
+    for path, w in weights.items():
+        name = lf.kohya_name(path, "lora_unet")
+        assert kohya[f"{name}.lora_up.weight"].dtype == torch.bfloat16
+        assert torch.equal(kohya[f"{name}.dora_scale"].reshape(-1), w.magnitude.float())
+        assert torch.equal(peft[f"transformer.{path}.lora_magnitude_vector"], w.magnitude.float())
+    assert not torch.equal(w.magnitude.to(torch.bfloat16).float(), w.magnitude.float())  # what bf16 kept
+
+
 def random_dora(model, family, **args) -> LoRANetwork:
     """A DoRA with large random updates and magnitudes, so any mistake shows in the output."""
     torch.manual_seed(3)
