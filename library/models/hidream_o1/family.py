@@ -231,14 +231,17 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
         batch, device = text["input_ids"].shape[0], text["input_ids"].device
         gen = torch.Generator("cpu").manual_seed(seed + self.sample_seed_offset)
         x = self.initial_noise(batch, height, width, gen).to(device)
-        sigmas = [t / 1000 for t in DEV_TIMESTEPS] + [0.0]
+        sigmas = torch.tensor([t / 1000 for t in DEV_TIMESTEPS] + [0.0])
         start, end, clip = self.noise
-        for k, (sigma, following) in enumerate(zip(sigmas[:-1], sigmas[1:])):
-            s = torch.full((batch,), sigma, device=device)
-            v = self.guided_velocity(model, self.pack_target(x), s, text, negative_text, h, w, guidance)
-            x0 = self.unpack_target(self.pack_target(x).float() - sigma * v, x.shape)
-            fresh = torch.randn(x.shape, generator=gen, dtype=torch.float32).to(device)
-            scale = start + (end - start) * k / max(len(sigmas) - 2, 1)
-            x = following * shaped_noise(fresh, torch.zeros(batch), scale, scale, clip).to(device) \
-                + (1.0 - following) * x0
-        return x
+        # each step's noise scale, start to end over the steps (the flash scheduler's noise_scale_schedule)
+        scales = iter([start + (end - start) * k / max(len(sigmas) - 2, 1) for k in range(len(sigmas) - 1)])
+
+        def velocity(x_t, s):
+            return self.guided_velocity(model, x_t, s, text, negative_text, h, w, guidance)
+
+        def fresh_noise():  # clipped, at this step's scale, drawn in the pixels' shape
+            scale = next(scales)
+            fresh = torch.randn(x.shape, generator=gen, dtype=torch.float32)
+            return self.pack_target(shaped_noise(fresh, torch.zeros(batch), scale, scale, clip)).to(device)
+
+        return self.unpack_target(fm.flash_sample(velocity, self.pack_target(x), sigmas, fresh_noise), x.shape)
