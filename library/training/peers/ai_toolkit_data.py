@@ -163,10 +163,8 @@ def to_dataset_toml(t, datasets: Any, train: dict, trigger: str | None) -> dict:
                                 "regularization captions get no trigger word (as ai-toolkit's)"))
         if own_trigger and not subset.get("is_reg") and subset.get("caption_dropout_rate"):
             subset["caption_dropout_text"] = own_trigger  # it puts the trigger word into the dropped caption too
-            dropout = next(i for i, line in enumerate(t.lines) if line.key == f"{where}.caption_dropout_rate")
-            t.lines[dropout] = dataclasses.replace(t.lines[dropout], text=(
-                f"caption_dropout_rate, caption_dropout_text = {own_trigger!r} (ai-toolkit trains a dropped caption "
-                f"as its trigger word)"))
+            _amend_line(t, f"{where}.caption_dropout_rate", text=f"caption_dropout_rate, caption_dropout_text = "
+                        f"{own_trigger!r} (ai-toolkit trains a dropped caption as its trigger word)")
         if train.get("cache_text_embeddings") or entry.get("cache_text_embeddings"):
             _captions_encoded_once(t, subset, where)
         cache_to_disk = cache_to_disk or _cache_line(t, entry, where)
@@ -286,22 +284,25 @@ def _cache_line(t, entry: dict, where: str) -> bool:
     return bool(value)
 
 
+def _amend_line(t, key: str, **changes) -> None:
+    """The line of `key` (its rule wrote it) with `changes` (what another key made of it)."""
+    at = next((i for i, line in enumerate(t.lines) if line.key == key), None)
+    if at is not None:
+        t.lines[at] = dataclasses.replace(t.lines[at], **changes)
+
+
 def _captions_encoded_once(t, subset: dict, where: str) -> None:
     """cache_text_embeddings (train's is every dataset's): ai-toolkit encodes each caption once, drops no tokens
     then (dataloader_mixins skips token_dropout_rate) and shuffles its tags once, the order baked into the cached
     embedding: one fixed order per image, as ours' caption as written is (ours' shuffle would draw a new one of
     its variants every step)."""
-    def amend(key: str, **changes) -> None:
-        at = next((i for i, line in enumerate(t.lines) if line.key == f"{where}.{key}"), None)
-        if at is not None:
-            t.lines[at] = dataclasses.replace(t.lines[at], **changes)
-
     if subset.pop("caption_tag_dropout_rate", 0):
-        amend("token_dropout_rate", verdict=DROPPED, text="ai-toolkit drops no tokens when it caches the text "
-                                                          "embeddings (cache_text_embeddings)", note="")
+        _amend_line(t, f"{where}.token_dropout_rate", verdict=DROPPED, note="",
+                    text="ai-toolkit drops no tokens when it caches the text embeddings (cache_text_embeddings)")
     if subset.pop("shuffle_caption", False):
-        amend("shuffle_tokens", verdict=DROPPED, text="ai-toolkit shuffles each caption once when it caches the text "
-              "embeddings (cache_text_embeddings): one fixed order per image, as ours' caption as written", note="")
+        _amend_line(t, f"{where}.shuffle_tokens", verdict=DROPPED, note="",
+                    text="ai-toolkit shuffles each caption once when it caches the text embeddings "
+                         "(cache_text_embeddings): one fixed order per image, as ours' caption as written")
 
 
 def add_trigger(t, subset: dict, folder: str, trigger: str, key: str) -> None:
