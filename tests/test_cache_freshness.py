@@ -245,10 +245,13 @@ def stand_in_family(loads: list, name="fresh", latent_key="fresh_0123456789", te
 
     import torch
 
+    from library.data.prompts import NegativePrompt
+
     enc = CountingEncoder()
     return SimpleNamespace(
         name=name, latent_cache_key=lambda: latent_key, text_options=lambda args: {},
         text_cache_key=lambda options, precision: text_key, text_sees_controls=False, true_cfg=True,
+        sample_negative=lambda negative: NegativePrompt(negative or " "),  # a model card's " " (DiffusionFamily's)
         load_vae=lambda dtype: loads.append("vae") or SimpleNamespace(vae=torch.nn.Identity(), encode=enc.latents),
         load_text_encoder=lambda precision, device: loads.append("text") or enc.text)
 
@@ -273,6 +276,9 @@ def test_a_re_run_with_current_caches_loads_no_encoder(tmp_path, dropout, prompt
         loads.clear()
         task, _ = fill_caches(tmp_path, family, sample_prompts, caption_dropout_rate=dropout)
         assert loads == expected
+        if expected:  # the first prompt's negative is the family's empty one (sample_negative), the second's its --n
+            encoded = family.load_text_encoder("bf16", None).__self__.captions
+            assert [c for c in encoded if c in (" ", "blurry")] == [" ", "blurry"][:prompts]
         runs.append((task.dataset.empty_text, task.prompt_texts))
     (empty, texts), (cached_empty, cached_texts) = runs
     assert (empty is None) == (dropout == 0) and (cached_empty is None) == (dropout == 0)
@@ -281,7 +287,7 @@ def test_a_re_run_with_current_caches_loads_no_encoder(tmp_path, dropout, prompt
     assert len(texts) == len(cached_texts) == prompts
     for (text, negative), (cached, cached_negative) in zip(texts, cached_texts):
         assert all(torch.equal(text[k], cached[k]) and text[k].dtype == cached[k].dtype for k in text)
-        assert all(torch.equal(negative[k], cached_negative[k]) for k in negative)  # true CFG: "" or "blurry"
+        assert all(torch.equal(negative[k], cached_negative[k]) for k in negative)  # true CFG: " " or "blurry"
 
 
 def test_cache_files_no_entry_uses_are_removed_and_a_users_files_survive(tmp_path):

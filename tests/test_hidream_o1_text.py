@@ -56,12 +56,13 @@ def test_ids_are_the_chat_template_then_boi_and_tms(ids):
 
 
 def test_a_samples_empty_negative_is_the_pipelines_space_and_an_empty_caption_stays_empty(ids):
-    """The pipelines' unconditional prompt is " " (musubi-tuner's and ai-toolkit's); a sample without --n reaches the
-    encoder as NegativePrompt(""), which was encoded as the empty prompt. Caption dropout's "" stays "" there."""
+    """The pipelines' unconditional prompt is " " (musubi-tuner's and ai-toolkit's); a sample without --n was encoded
+    as the empty prompt. Caption dropout's "" stays "" there."""
     from library.data.prompts import NegativePrompt
+    from library.models.family import family_class
 
     space, empty = ids.encode([te.NEGATIVE_PROMPT, ""])
-    negative, = ids.encode([NegativePrompt("")])
+    negative, = ids.encode([family_class("hidream_o1").sample_negative("")])
     assert negative["input_ids"].tolist() == space["input_ids"].tolist() == peers_ids(ids.tokenizer, " ")
     assert len(empty["input_ids"]) == len(space["input_ids"]) - 1
     assert ids.encode([NegativePrompt("blurry")])[0]["input_ids"].tolist() == peers_ids(ids.tokenizer, "blurry")

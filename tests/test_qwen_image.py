@@ -354,3 +354,27 @@ def test_pretraining_vae_computes_what_the_released_class_computes():
             assert grads_f[name] is None, name
         else:
             torch.testing.assert_close(grads_f[name], grads_r[name], rtol=1e-4, atol=1e-7, msg=name)
+
+
+def test_a_sample_without_a_negative_runs_cfg_against_the_model_cards_space(tiny_set, tmp_path, monkeypatch):
+    """The Qwen-Image model cards pass negative_prompt " " (QwenImagePipeline runs no CFG without one; musubi-tuner's
+    samples default to " "); a prompt without --n ran CFG against "", a negative one token shorter that no user's
+    pipeline encodes. Any other family keeps its pipeline's empty negative."""
+    from library.models.family import FAMILIES, family_class
+    from library.models.qwen_image import text_encoder as te
+    from tools import generate
+
+    seen, encode = [], te.QwenImageTextEncoder.encode
+    monkeypatch.setattr(te.QwenImageTextEncoder, "encode",
+                        lambda self, prompts: (seen.extend(prompts), encode(self, prompts))[1])
+    assert generate.main(["--model_type", "qwen_image", "--model", tiny_set["qwen_image"],
+                          "--ae", tiny_set["qwen_image_vae"], "--text_encoder", tiny_set["qwen_image_text_encoder"],
+                          "--prompt", "a red square",
+                          "--width", "64", "--height", "64", "--steps", "1", "--dtype", "fp32",
+                          "--out", str(tmp_path / "out")]) == 0
+    assert seen == ["a red square", " "]
+    cards_space = {"qwen_image", "qwen_image_edit", "qwen_image_layered", "hidream_o1"}
+    for name in FAMILIES:
+        family = family_class(name)
+        assert family.sample_negative("") == (" " if name in cards_space else ""), name
+        assert family.sample_negative("blurry") == "blurry"

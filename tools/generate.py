@@ -73,8 +73,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompts' own name for it)")
     p.add_argument("--negative", default="",
                    help="negative prompt, for the models that sample with true CFG (default: empty; such a model runs CFG "
-                        "by default, with the empty prompt as the negative, as musubi-tuner's samples and ComfyUI's "
-                        "templates do, where a diffusers pipeline runs none without a negative; a guidance at or under the "
+                        "by default, with its model card's empty negative (\" \" where the card passes a space), "
+                        "as musubi-tuner's samples and ComfyUI's templates do, where a diffusers pipeline runs none "
+                        "without a negative; a guidance at or under the "
                         "model's CFG threshold (1, or 0 where its pipeline tests > 0) runs none, with a warning where a "
                         "negative is given; refused on a model without CFG)")
     p.add_argument("--width", type=int, default=1024)
@@ -118,7 +119,7 @@ from library.io import CheckpointError  # noqa: E402
 from networks.lora_arch import check_model_files  # noqa: E402
 from library.models.vae import decoding_in_tiles  # noqa: E402
 from library.data.controls import check_prompt_controls, encode_prompts  # noqa: E402
-from library.data.prompts import (NegativePrompt, SamplePrompt, check_flow_shift, check_guidance,  # noqa: E402
+from library.data.prompts import (SamplePrompt, check_flow_shift, check_guidance,  # noqa: E402
                                   check_seed, decode_references, parse_prompt_line, read_prompt_file,
                                   refuse_large_prompts, refuse_long_prompts, rendered_side, seed_or_random)
 from library.training.config import PRECISION_DTYPES  # noqa: E402
@@ -345,7 +346,7 @@ def generate(args) -> list[str]:
         size = family.sample_text_size(prompt.control_images, prompt.width, prompt.height)
         return stack_text(encode_prompts(encode, [text], [prompt.control_images], family.text_sees_controls, size))
 
-    texts = [(encode_one(p.prompt, p), encode_one(NegativePrompt(p.negative), p) if family.true_cfg else None)
+    texts = [(encode_one(p.prompt, p), encode_one(family.sample_negative(p.negative), p) if family.true_cfg else None)
              for p in prompts]
     del encode  # text encoders are freed before the transformer is loaded
     # A pre-quantized file (ours, ComfyUI's fp8 / scaled fp8, GGUF) is used as it is stored, whatever --base_precision says.

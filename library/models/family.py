@@ -38,7 +38,7 @@ from library.io import safetensors_files
 from library.data.controls import reference_images
 from library.data.images import verified_image_size
 from library.data.dataset_config import PIXELS_PER_TOKEN_SIDE
-from library.data.prompts import rendered_side
+from library.data.prompts import NegativePrompt, rendered_side
 from library.data.masks import on_latent_grid
 from library.models import flow_matching as fm
 from library.models.registry import BASE_PRECISIONS, FAMILIES, LOWBIT_PRECISIONS, arch_spec, spec_of  # noqa: F401  (their importers find them here too)
@@ -152,6 +152,7 @@ class DiffusionFamily:
     sample_steps: int = 20  # default --s of sample prompts: each family's own, from its spec's sample_steps
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
     cfg_above = 1.0  # a true-CFG family runs the negative prompt only where guidance > this (its pipeline's test)
+    empty_negative = ""  # what a sample without --n encodes as its negative prompt (the model card's: sample_negative)
     sample_seed_offset = 0  # samples draw their noise from seed + this (a pipeline that seeds its generator so)
     vae: str  # "module:Class" of its VAE wrapper (library/models/vae.py's kind: Class(path, dtype), built on meta too)
     # Its VAE loads from a file, the config key `ae`. False: the wrapper reads none (vae.py's PixelVAE: a
@@ -597,6 +598,13 @@ class DiffusionFamily:
         in the order the family's diffusers pipeline draws it (the same seed on a CPU generator gives the
         pipeline's noise)."""
         return torch.randn(batch, self.latent_channels, lh, lw, generator=generator, dtype=torch.float32)
+
+    @classmethod
+    def sample_negative(cls, negative: str) -> NegativePrompt:
+        """A sample's negative prompt as its text encoder takes it: --n, else empty_negative (the model card's:
+        a space where the card passes one, as musubi-tuner's samples do; a cache keys its text, so a change of it is
+        a new entry, never a stale one)."""
+        return NegativePrompt(negative or cls.empty_negative)
 
     def guided_velocity(self, model, x, s, text, negative_text, h, w, guidance, control=None):
         """The conditional velocity in float32; a true-CFG family's, with a negative prompt and guidance above

@@ -30,7 +30,7 @@ from library.data.dataset_config import check_token_side, load_dataset_config
 from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import Preservation, get_family, stack_text, warn_unread_prompt_options
 from library.models.registry import spec_of
-from library.data.prompts import (NegativePrompt, SamplePrompt, default_sample_size, read_prompt_file, sample_file_name,
+from library.data.prompts import (SamplePrompt, default_sample_size, read_prompt_file, sample_file_name,
                                   seed_or_random)
 from library.training import fsdp, memory_plan, preservation
 from library.training.host_memory import release_freed_memory
@@ -408,7 +408,8 @@ class DiffusionTask:
         blank = any(item.preservation_caption == "" for item in self.dataset.items)  # blank_prompt_preservation's
         if not sees and (blank or any(drops_captions(item.subset) for item in self.dataset.items)):  # else: per item
             files.append(cache_empty_caption(self.dataset, encode_text, text_key, folder))
-        negatives = [NegativePrompt(p.negative) if self.family.true_cfg else None for p in self.prompts]  # CFG's only
+        negatives = [self.family.sample_negative(p.negative) if self.family.true_cfg else None  # CFG's only
+                     for p in self.prompts]
         sizes = [self.family.sample_text_size(p.control_images, p.width, p.height) if sees else None
                  for p in self.prompts]
         jobs = [(text, p.control_images, size) for p, negative, size in zip(self.prompts, negatives, sizes)

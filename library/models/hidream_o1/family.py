@@ -28,6 +28,7 @@ from library.models import flow_matching as fm
 from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, NamedReleases
 # the releases (model_version) and their noise, named in the spec (its converters read them)
 from library.models.hidream_o1.spec import DEV, FULL, NOISE, NOISE_KEYS
+from library.models.hidream_o1.text_encoder import NEGATIVE_PROMPT
 # Dev's pipeline timesteps (musubi-tuner's hidream_o1/pipeline.py DEFAULT_TIMESTEPS, the official inference.py's)
 DEV_TIMESTEPS = (999, 987, 974, 960, 945, 929, 913, 895, 877, 857, 836, 814, 790, 764, 737, 707, 675, 640, 602, 560,
                  515, 464, 409, 347, 278, 199, 110, 8)
@@ -61,6 +62,7 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
     latent_channels = 3
     text_path_keys = ("tokenizer",)  # optional: the model folder's, or a tokenizer/ folder beside the file
     true_cfg = True  # Full runs the " " negative prompt; Dev defaults to guidance 0 (none run)
+    empty_negative = NEGATIVE_PROMPT  # the pipelines' unconditional prompt, a sample's without --n
     cfg_above = 1.0
     # the official pipeline (musubi-tuner's and ai-toolkit's copies): torch.Generator("cpu").manual_seed(seed + 1)
     sample_seed_offset = 1

@@ -64,11 +64,8 @@ class HiDreamO1PromptIds:
         self.boi_id, self.tms_id = vocabulary[BOI_TOKEN], vocabulary[TMS_TOKEN]
 
     def token_ids(self, prompts: list[str]) -> list[list[int]]:
-        """Each prompt's row: the chat template's ids, then boi and tms. An empty negative prompt (a sample's without
-        --n: library.data.prompts.NegativePrompt) is the pipelines' NEGATIVE_PROMPT; an empty caption stays empty."""
-        from library.data.prompts import NegativePrompt
-
-        prompts = [NEGATIVE_PROMPT if isinstance(p, NegativePrompt) and not p.strip() else p for p in prompts]
+        """Each prompt's row: the chat template's ids, then boi and tms; an empty caption stays empty (a sample without
+        --n encodes NEGATIVE_PROMPT: the family's empty_negative)."""
         texts = [chat_text(self.tokenizer, p) for p in prompts]
         return [ids + [self.boi_id, self.tms_id] for ids in self.tokenizer(texts, add_special_tokens=False).input_ids]
 

@@ -30,9 +30,12 @@ class QwenImageFamily(DiffusionFamily):
     name = "qwen_image"
     vae = "library.models.qwen_image.vae:QwenImageVAE"  # its VAE wrapper (DiffusionFamily.load_vae / vae_on_meta)
     text_path_keys = ("text_encoder",)
-    sample_guidance = SPEC.sample_guidance["qwen-image"]  # a true-CFG scale, run with the (empty) negative prompt
+    sample_guidance = SPEC.sample_guidance["qwen-image"]  # a true-CFG scale, run with the negative (" ")
     sample_steps = SPEC.sample_steps["qwen-image"]  # QwenImagePipeline's 50
     true_cfg = True
+    # The model cards' negative_prompt " " (Qwen-Image, its Edit and Layered releases; musubi-tuner's samples;
+    # diffusers: "even an empty negative prompt like " " should enable" CFG): one more Qwen2.5-VL token than "".
+    empty_negative = " "
     # The text encoder: Qwen2.5-VL's language model (Qwen2 layers: q_proj has a bias).
     text_encoder_kind = ("a Qwen2.5-VL language model", {"embed_tokens.weight": None, "layers.0.self_attn.q_proj.bias": None})
     text_tokenizer = (None, "tokenizer", "Qwen2")  # as load_qwen_image_text_encoder looks for it (ModelFile.tokenizer)
