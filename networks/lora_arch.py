@@ -6,6 +6,7 @@ and the merge's version check ask here."""
 
 from __future__ import annotations
 
+import functools
 import re
 
 from library.io import CheckpointError
@@ -136,11 +137,18 @@ def archs_holding(modules: list[str]) -> list[str]:
     return [a for a, f in lora_files().items() if f.module_paths and flat and all(map(_holds(_paths(a, flat)), flat))]
 
 
-def _paths(arch: str, flat: list[str]) -> set[str]:
+def _paths(arch: str, flat: list[str]) -> frozenset[str]:
     """The '_'-flattened module paths of `arch` for the blocks the flattened module names count."""
     files = lora_files()[arch]
     counts = block_counts([m + "_" for m in flat], files.block_pattern)
-    return {p.replace(".", "_") for p in load_symbol(files.module_paths)(counts)}
+    return _flat_paths(files.module_paths, tuple(sorted(counts.items())))
+
+
+@functools.lru_cache(maxsize=256)
+def _flat_paths(module_paths: str, counts: tuple[tuple[str, int], ...]) -> frozenset[str]:
+    """module_paths(counts) '_'-flattened: the same for the same block counts, and some build a model's skeleton to
+    list them (a file's check asks once per architecture: 2,900 skeletons for one test's 45 files)."""
+    return frozenset(p.replace(".", "_") for p in load_symbol(module_paths)(dict(counts)))
 
 
 def _holds(paths: set[str]):

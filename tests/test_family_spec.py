@@ -355,3 +355,17 @@ def test_families_whose_text_encoders_take_turns_load_them_one_at_a_time():
         cls = family_class(model_type)
         takes = "one_at_a_time" in inspect.signature(cls.load_text_encoder).parameters
         assert takes == cls.text_encoders_take_turns, model_type
+
+
+def test_a_spec_replaced_after_the_specs_were_checked_is_checked_again(monkeypatch):
+    """arch_specs keeps the specs it checked while the registration and the spec objects are the same ones; a spec
+    module's SPEC replaced since (here by one claiming FLUX.1's arch) is checked again, not served from before."""
+    from library.errors import SpecError
+
+    assert "sd3" in arch_specs()  # checked and kept
+    module = importlib.import_module(family_folder("sd3") + ".spec")
+    monkeypatch.setattr(module, "SPEC", dataclasses.replace(module.SPEC, arch="flux"))
+    with pytest.raises(SpecError, match="arch 'flux' is already library/models/flux1/spec.py's"):
+        arch_specs()
+    monkeypatch.undo()
+    assert arch_specs()["sd3"].arch == "sd3"
