@@ -141,11 +141,25 @@ def test_images_of_a_type_not_read_are_said_not_skipped_silently(tmp_path):
         assert len(D.ImageDataset(bp).items) == 1
     assert [str(w.message) for w in caught] == [
         f"{tmp_path / 'img'}: 3 files of a type not read (.heic, .tif; e.g. b.HEIC) are not trained: convert them to "
-        f".png, .jpg, .jpeg, .webp, .bmp"]
+        f".png, .jpg, .jpeg, .webp, .bmp, .avif"]
     os.remove(tmp_path / "img" / "a.jpg")
-    said = "image_dir holds no images (.png, .jpg, .jpeg, .webp, .bmp); 3 files"
+    said = "image_dir holds no images (.png, .jpg, .jpeg, .webp, .bmp, .avif); 3 files"
     with pytest.raises(ValueError, match=re.escape(said)):
         D.ImageDataset(bp)
+
+
+def test_avif_images_are_trained_as_the_peers_read_them(tmp_path):
+    """musubi-tuner reads .avif (sd-scripts with pillow-avif-plugin), and the pinned Pillow decodes it: a folder of
+    AVIF photos stopped with "image_dir holds no images", a mixed one trained without them."""
+    from library.data.images import load_rgb
+
+    (tmp_path / "img").mkdir()
+    Image.new("RGB", (48, 32), (200, 40, 40)).save(tmp_path / "img" / "a.avif")
+    (tmp_path / "img" / "a.txt").write_text("a red photo")
+    (item,) = D.ImageDataset(blueprint(tmp_path / "img", resolution=32)).items
+    assert item.image_path.endswith("a.avif") and item.size == (48, 32) and item.caption == "a red photo"
+    red, green, _ = load_rgb(item.image_path).getpixel((24, 16))
+    assert red > 150 and green < 100  # decoded, not a stand-in
 
 
 def test_an_animated_webp_or_apng_is_refused_naming_the_file_not_trained_on_its_first_frame(tmp_path):

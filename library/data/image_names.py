@@ -3,7 +3,12 @@ lists the images training reads (library/data/images.py re-exports both)."""
 
 from __future__ import annotations
 
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp")
+from PIL import features
+
+# AVIF where this Pillow decodes it (its wheels bundle libavif since 11.3; requirements.txt pins 12.3), as
+# musubi-tuner reads it and sd-scripts does with pillow-avif-plugin; a Pillow built without it leaves it unread (said).
+AVIF = (".avif",) if features.check("avif") else ()
+IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".webp", ".bmp", *AVIF)
 
 
 def is_image_name(name: str) -> bool:

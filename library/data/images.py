@@ -11,11 +11,12 @@ import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageOps, PngImagePlugin
 
-from library.data.image_names import IMAGE_EXTENSIONS, is_image_name  # noqa: F401 (re-exported: the UI's too)
+from library.data.image_names import AVIF, IMAGE_EXTENSIONS, is_image_name  # noqa: F401 (re-exported: the UI's too)
 from library.io import atomic_path
 
 # Image types a dataset folder may hold that are not read (a phone's HEIC, a scan's TIFF): said, not skipped silently.
-UNREAD_IMAGE_EXTENSIONS = (".heic", ".heif", ".avif", ".jxl", ".tif", ".tiff", ".gif", ".jfif", ".psd")
+UNREAD_IMAGE_EXTENSIONS = tuple(e for e in (".heic", ".heif", ".avif", ".jxl", ".tif", ".tiff", ".gif", ".jfif", ".psd")
+                                if e not in AVIF)
 # Pillow opens 16-bit grey PNGs in the I;16 modes ("I": 32-bit integers). Its convert("RGB") /
 # convert("L") clips those values to 255 instead of scaling them: nearly every pixel turns white.
 WIDE_GREY_MODES = ("I;16", "I;16B", "I;16L", "I;16N", "I")
