@@ -593,8 +593,8 @@ def test_sample_prompt_values_are_copied_as_sd_scripts_reads_them(tmp_path, caps
 def test_out_never_writes_over_a_file_the_conversion_reads(tmp_path, capsys):
     """Old: `--out sd.toml` replaced sd-scripts' config with ours, `--out ds.toml` the dataset TOML the peer's
     config names (now our training config), `--out prompts.toml` its prompt objects, exit 0 and no word."""
-    (tmp_path / "ds.toml").write_text(
-        f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{tmp_path}"\n')
+    (tmp_path / "ds.toml").write_text(  # a folder of another machine (one here holding no image is skipped)
+        f'[[datasets]]\nresolution = 64\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "images"}"\n')
     (tmp_path / "prompts.toml").write_text('[[prompt]]\nprompt = "a cat"\n')
     config = tmp_path / "sd.toml"
     config.write_text('pretrained_model_name_or_path = "m"\nae = "a"\nclip_l = "c"\nt5xxl = "t"\n'
@@ -737,3 +737,30 @@ def test_our_dataset_loader_names_sd_scripts_for_its_keys_not_a_typo(tmp_path):
     assert str(e.value).endswith(f"; {path} is an sd-scripts dataset TOML: `python tools/convert_config.py <its "
                                  f"training config> --dataset_config {path}` writes it as ours and says what "
                                  f"becomes of each key")
+
+
+def test_a_dataset_sd_scripts_trains_with_warnings_converts_to_one_ours_loads(tiny_set, tmp_path, capsys):
+    """sd-scripts sets bucket_no_upscale false on a dataset without enable_bucket and skips a subset of 0 repeats
+    (one switched off) or of an empty folder, each with a warning; the converter carried all three, and our
+    loader refused the written dataset ("does nothing without enable_bucket", "num_repeats must be >= 1")."""
+    (tmp_path / "empty").mkdir()
+    image_dir = tiny_set["image_dir"]
+    (tmp_path / "ds.toml").write_text(
+        f'[general]\nbucket_no_upscale = true\ncaption_extension = ".txt"\n'
+        f'[[datasets]]\nresolution = 64\nenable_bucket = true\nmin_bucket_reso = 32\nmax_bucket_reso = 128\n'
+        f'[[datasets.subsets]]\nimage_dir = "{image_dir}"\n'
+        f'[[datasets]]\nresolution = 64\n'
+        f'[[datasets.subsets]]\nimage_dir = "{image_dir}"\nnum_repeats = 2\n'
+        f'[[datasets.subsets]]\nimage_dir = "{image_dir}"\nnum_repeats = 0\n'
+        f'[[datasets.subsets]]\nimage_dir = "{tmp_path / "empty"}"\n')
+    config = tmp_path / "c.toml"
+    config.write_text(f'pretrained_model_name_or_path = "m"\nae = "a"\nclip_l = "c"\nt5xxl = "t"\n'
+                      f'dataset_config = "{tmp_path / "ds.toml"}"\nnetwork_train_unet_only = true\n')
+    code, rows, text = convert([str(config)], capsys)
+    assert code == 0, text
+    assert rows["datasets[1].bucket_no_upscale"] == ("dropped", "without enable_bucket: sd-scripts sets it false")
+    assert rows["datasets[1].subsets[1]"] == ("dropped", "num_repeats 0: sd-scripts skips the subset")
+    assert rows["datasets[1].subsets[2]"] == ("dropped", "no images in the folder: sd-scripts skips the subset")
+    data = load_dataset_config(str(tmp_path / "c_converted_dataset.toml"))
+    assert [d.bucket_no_upscale for d in data.datasets] == [True, False]
+    assert [[s.num_repeats for s in d.subsets] for d in data.datasets] == [[1], [2]]

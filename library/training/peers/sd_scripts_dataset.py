@@ -16,6 +16,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from library.data.image_names import is_image_name
 from library.training.peers.rules import (
     RENAMED, UNKNOWN, Line, Rule, Translation, apply_rule, ignored, implied, is_off, is_true, same, unsupported,
 )
@@ -125,14 +126,15 @@ def carry_toml(t: Translation, doc: dict, masked_loss: bool) -> dict | None:
         if key == "general" and isinstance(value, dict):
             ours["general"] = carry_table(t, "general", value, masked_loss)
         elif key == "datasets" and isinstance(value, list):
-            carried = [carry_dataset(t, i, table, masked_loss) for i, table in enumerate(value)]
+            general = doc.get("general") if isinstance(doc.get("general"), dict) else {}
+            carried = [carry_dataset(t, i, table, masked_loss, general) for i, table in enumerate(value)]
             ours["datasets"] = [d for d in carried if d is not None]
         else:
             t.lines.append(Line(f"dataset {key}", value, UNKNOWN, "not a table of sd-scripts' dataset TOML"))
     return ours if ours.get("datasets") else None
 
 
-def carry_dataset(t: Translation, index: int, table: Any, masked_loss: bool) -> dict | None:
+def carry_dataset(t: Translation, index: int, table: Any, masked_loss: bool, general: dict) -> dict | None:
     where = f"datasets[{index}]"
     if not isinstance(table, dict):
         raise ValueError(f"[[datasets]] {index}: expected a table, got {table!r}")
@@ -140,12 +142,27 @@ def carry_dataset(t: Translation, index: int, table: Any, masked_loss: bool) -> 
     subsets = []
     for number, subset in enumerate(table.get("subsets", [])):
         carried = carry_table(t, f"{where}.subsets[{number}]", subset, masked_loss)
-        if "metadata_file" not in subset and "image_dir" in carried:
+        if "metadata_file" not in subset and "image_dir" in carried and trains(t, f"{where}.subsets[{number}]", {
+                **general, **table, **subset}):
             subsets.append(carried)
     if not subsets:
         t.refuse(where, f"{len(table.get('subsets', []))} subsets", "no subset left that ours can train")
         return None
     return {**ours, "subsets": subsets}
+
+
+def trains(t: Translation, where: str, subset: dict) -> bool:
+    """Whether sd-scripts trains the subset (its keys over its dataset's and [general]'s): it skips one of fewer
+    than 1 repeats (a subset switched off) and one whose folder holds no image, with a warning (train_util's
+    DreamBoothDataset), where ours refuses both: left out, with a line."""
+    repeats, folder = subset.get("num_repeats", 1), subset["image_dir"]
+    if isinstance(repeats, int) and repeats < 1:
+        t.drop(f"{where}", folder, f"num_repeats {repeats}: sd-scripts skips the subset")
+        return False
+    if isinstance(folder, str) and os.path.isdir(folder) and not any(map(is_image_name, os.listdir(folder))):
+        t.drop(f"{where}", folder, "no images in the folder: sd-scripts skips the subset")
+        return False
+    return True
 
 
 def carry_table(t: Translation, where: str, table: Any, masked_loss: bool) -> dict:
@@ -197,11 +214,27 @@ def dataset_arg(t: Translation, key: str, value: Any) -> None:
     t.lines.append(line)
 
 
+def no_upscale_without_buckets(t: Translation, general: dict) -> None:
+    """bucket_no_upscale where a dataset has no enable_bucket: sd-scripts sets it false there (train_util's
+    BaseDataset), ours refuses it ("does nothing without enable_bucket"): written false on that dataset, and
+    [general]'s left out where no dataset reads it."""
+    datasets = t.dataset["datasets"]
+    for i, dataset in enumerate(datasets):
+        value = dataset.get("bucket_no_upscale", general.get("bucket_no_upscale"))
+        if is_true(value) and not is_true(dataset.get("enable_bucket", general.get("enable_bucket"))):
+            dataset["bucket_no_upscale"] = False
+            t.drop(f"datasets[{i}].bucket_no_upscale", value, "without enable_bucket: sd-scripts sets it false")
+    if "bucket_no_upscale" in general and all("bucket_no_upscale" in d for d in datasets):
+        del general["bucket_no_upscale"]
+
+
 def finish(t: Translation) -> None:
-    """caption_extension at sd-scripts' default where no level sets it; [general] first in the file."""
+    """caption_extension at sd-scripts' default where no level sets it; bucket_no_upscale off without buckets;
+    [general] first in the file."""
     if t.dataset is None:
         return
     general = t.dataset.setdefault("general", {})
+    no_upscale_without_buckets(t, general)
     if "caption_extension" not in general and not all(
             "caption_extension" in subset or "caption_extension" in d for d in t.dataset["datasets"] for subset in d["subsets"]):
         general["caption_extension"] = THEIR_CAPTION_EXTENSION
