@@ -457,3 +457,20 @@ def test_the_peer_reads_a_familys_musubi_names_from_its_spec_only(monkeypatch):
     assert verdict_of(t, "model_version") == (DROPPED, "read from the checkpoint")
     with pytest.raises(ValueError, match="zimage_train_network.py: not one of musubi-tuner's image LoRA scripts"):
         musubi_tuner.translate({}, "c.toml", script="zimage_train_network.py")
+
+
+@pytest.mark.parametrize("args, carried", [
+    (None, False),  # relative_step: musubi-tuner's default (trainer_base.get_optimizer), its own lr
+    (["relative_step=False", "warmup_init=True"], False),  # warmup_init turns relative_step back on there
+    (["relative_step=False", "scale_parameter=False", "warmup_init=False"], True),
+])
+def test_adafactor_with_relative_step_is_not_carried(args, carried):
+    """Old: optimizer_type Adafactor was "kept" at musubi-tuner's relative_step, which sets its own lr; the written
+    config then failed our check (sd-scripts' converter refused it already)."""
+    config = {"network_module": "networks.lora_qwen_image", "optimizer_type": "Adafactor",
+              **({"optimizer_args": args} if args else {})}
+    t = musubi_tuner.translate(config, "c.toml")
+    assert verdict_of(t, "optimizer_type")[0] == (KEPT if carried else NOT_CARRIED)
+    assert ("optimizer_type" in t.config) == carried and ("optimizer_args" in t.config) == carried
+    if not carried:
+        assert "relative_step (musubi-tuner's default) sets its own lr" in verdict_of(t, "optimizer_type")[1]

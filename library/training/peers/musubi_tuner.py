@@ -30,6 +30,7 @@ from library.training.peers.rules import (
     Line,
     Rule,
     Translation,
+    adafactor_refusal,
     apply_rules,
     carry_schedule,
     copy_prompts_without,
@@ -455,6 +456,17 @@ def _as_list(value: Any) -> list[str]:
     return [str(v) for v in value] if isinstance(value, list) else [str(value)]
 
 
+def _optimizer(t: Translation, key: str, value: Any, run) -> None:
+    """optimizer_type / optimizer_args, but not its Adafactor with relative_step (its default: trainer_base's
+    get_optimizer), which sets its own lr; ours refuses it (the written config failed our check)."""
+    given = run.flat.get("optimizer_args")
+    why = adafactor_refusal(run.flat.get("optimizer_type"), None if given is None else _as_list(given), "musubi-tuner")
+    if why:
+        t.refuse(key, value, why if key == "optimizer_type" else "goes with optimizer_type Adafactor, not carried")
+    else:
+        t.set(key, (value or "AdamW") if key == "optimizer_type" else _as_list(value), key, value)
+
+
 def _always(value: Any) -> bool:
     return True
 
@@ -500,8 +512,7 @@ RULES: dict[str, Rule] = {
     "sample_prompts": joint(_sample_prompts),
     **dict.fromkeys(("sample_every_n_steps", "sample_every_n_epochs", "sample_at_first"), joint(_sample_when)),
     # optimizer and schedule
-    "optimizer_type": same(convert=lambda v: v or "AdamW"),
-    "optimizer_args": same(convert=_as_list),
+    **dict.fromkeys(("optimizer_type", "optimizer_args"), Rule("custom", handle=_optimizer)),
     "learning_rate": same(), "max_grad_norm": same(),
     **{key: unless_schedule_free(rule) for key, rule in {  # (a schedule-free optimizer_type reads none of them)
         "lr_scheduler": joint(_lr_scheduler),

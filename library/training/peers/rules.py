@@ -67,6 +67,19 @@ def unless_off(why: str) -> Rule:
     return custom(handle)
 
 
+def adafactor_refusal(optimizer_type: Any, optimizer_args: Any, peer: str) -> str:
+    """Why ours does not train a peer's optimizer ("" where it does): Adafactor with relative_step (sd-scripts' and
+    musubi-tuner's default, and warmup_init's: their get_optimizer), which sets its own lr; ours refuses it."""
+    args = dict(str(a).partition("=")[::2] for a in (optimizer_args if isinstance(optimizer_args, list) else []))
+    if str(optimizer_type or "").lower() == "adafactor" and (
+            args.get("relative_step", "True").strip() not in ("False", "0") or
+            args.get("warmup_init", "False").strip() in ("True", "1")):
+        return (f"Adafactor with relative_step ({peer}'s default) sets its own lr (its adafactor schedule), which ours "
+                f"does not: optimizer_args relative_step=False scale_parameter=False warmup_init=False train it at "
+                f"learning_rate")
+    return ""
+
+
 def is_true(value: Any) -> bool:
     return value is True or (isinstance(value, str) and value.lower() == "true")
 

@@ -12,8 +12,8 @@ from library.training.config_keys import SCHEDULE_KEY_READERS
 from library.training.config_schema import SCHEMA
 from library.training.peers import sd_scripts_models as models
 from library.training.peers.rules import (
-    KEPT, RENAMED, Rule, Translation, carry_schedule, custom, ignored, implied, is_off, is_true, same, schedule_key,
-    unless_off, unless_schedule_free, unsupported, warmup_steps,
+    KEPT, RENAMED, Rule, Translation, adafactor_refusal, carry_schedule, custom, ignored, implied, is_off, is_true,
+    same, schedule_key, unless_off, unless_schedule_free, unsupported, warmup_steps,
 )
 from library.training.peers.sd_scripts_defaults import note, script_of, their
 
@@ -25,16 +25,8 @@ IGNORED = models.ignored_text(models.first_script())  # a key of its parser its 
 
 
 def optimizer_refusal(t: Translation) -> str:
-    """Why ours does not train with sd-scripts' optimizer ("" where it does): Adafactor with relative_step (its default there, and warmup_init's; train_util.get_optimizer), which sets its own lr."""
-    name = str(their(t, "optimizer_type") or "").lower()
-    given = their(t, "optimizer_args")
-    args = dict(str(a).partition("=")[::2] for a in (given if isinstance(given, list) else []))
-    if name == "adafactor" and (args.get("relative_step", "True").strip() not in ("False", "0") or
-                                args.get("warmup_init", "False").strip() in ("True", "1")):
-        return ("Adafactor with relative_step (sd-scripts' default) sets its own lr (its adafactor schedule), which ours "
-                "does not: optimizer_args relative_step=False scale_parameter=False warmup_init=False train it at "
-                "learning_rate")
-    return ""
+    """Why ours does not train with sd-scripts' optimizer ("" where it does): rules.adafactor_refusal."""
+    return adafactor_refusal(their(t, "optimizer_type"), their(t, "optimizer_args"), "sd-scripts")
 
 
 def _optimizer_type(t: Translation, key: str, value: Any) -> None:
