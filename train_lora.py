@@ -465,7 +465,7 @@ class Trainer:
                 self.norm_counts = self.task.scale_weight_norms(args.scale_weight_norms)
             if self.ema is not None and stepped:  # per optimizer step; every rank averages the same (all-reduced) weights
                 self.ema.update(self.step + 1)
-            self.finish_step(accelerator.reduce(torch.stack(losses).sum(), reduction="mean").item())
+            self.finish_step(accelerator.reduce(torch.stack(losses).sum(), reduction="mean").item(), stepped)
             losses = []
             if self.step >= self.max_steps and self.batches_done < total:  # at the epoch's end: it counts as run
                 return
@@ -534,9 +534,10 @@ class Trainer:
         every = self.args.validate_every_n_steps
         return bool(self.task.validation_size()) and ((every and step % every == 0) or step == self.max_steps)
 
-    def finish_step(self, loss: float):
+    def finish_step(self, loss: float, stepped: bool = True):
         """After an optimizer step: validate (when due), log (with the lr this step used),
-        schedule, sample, save, and honour Ctrl-C / SIGTERM."""
+        schedule, sample, save, and honour Ctrl-C / SIGTERM. A step fp16's grad scaler skipped (not
+        `stepped`) leaves the schedule where it was, as accelerate's scheduler (the peers') does."""
         args = self.args
         extras, self.norm_counts = {**self.task.step_extras(), **self.norm_counts}, {}
         timing = self.clock.lap()  # before validation: a step's time is its training
@@ -549,7 +550,8 @@ class Trainer:
         values = {"loss": loss}
         if self.accelerator.is_main_process:
             values = self.logger.log(self.step + 1, self.epoch, loss, self.optimizer, extras, self.step_ds)
-        self.scheduler.step()
+        if stepped:
+            self.scheduler.step()
         self.step += 1
         self.progress_bar.update(1)
         self.progress_bar.set_postfix(progress_postfix({**values, "val_loss": self.val_loss}))

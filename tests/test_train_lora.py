@@ -193,6 +193,29 @@ def test_fp16_loss_scale_is_in_the_state(tiny_set, tmp_path, monkeypatch):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_step_the_fp16_scaler_skips_leaves_the_schedule_where_it_was(tiny_set, tmp_path, monkeypatch):
+    """A step fp16's grad scaler skips (inf gradients: no update) advanced the schedule all the same: k skipped steps
+    early on ended the warmup k updates early and the decay k steps short of its end. accelerate's scheduler, which
+    sd-scripts and musubi-tuner step, stays where it was on such a step; so does ours."""
+    skipped, real = [], train_lora.Trainer.optimizer_step
+
+    def skipping_the_first(self):
+        if skipped:
+            return real(self)
+        skipped.append(self.step)  # as GradScaler.step on inf gradients: no optimizer.step()
+        self.step_ds = train_lora.step_ds(self.optimizer)
+        return False
+
+    monkeypatch.setattr(train_lora.Trainer, "optimizer_step", skipping_the_first)
+    out = tmp_path / "run"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "4", "--sample_prompts", "",
+                                     "--optimizer_type", "AdamW", "--optimizer_args", "--learning_rate", "1e-3",
+                                     "--lr_scheduler", "linear", "--lr_warmup_steps", "2")) == 0
+    with open(out / "tiny_flux_lora_log.csv") as f:
+        lrs = [float(r["lr/lora"]) for r in csv.DictReader(f)]
+    assert skipped == [0] and lrs == pytest.approx([0.0, 0.0, 5e-4, 1e-3]), lrs  # was [0, 5e-4, 1e-3, 5e-4]
+
+
 def test_a_state_at_an_epochs_end_resumed_on_longer_epochs_starts_the_next_epoch(tiny_set, tmp_path, monkeypatch):
     """A state written at an epoch's last step (a step save, a Ctrl-C) held batches_done = that epoch's batches; on data
     with more batches an epoch (num_repeats 2) the resumed run trained the rest of the new order as the same epoch (4

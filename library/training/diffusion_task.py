@@ -553,7 +553,9 @@ class DiffusionTask:
         return self.network.param_groups(lr)
 
     def loss_weight(self, epoch: int, batch: int, step_batches: range) -> tuple[float, float]:
-        return 1, len(step_batches)  # every micro-batch's mean counts alike (sd-scripts' accumulation)
+        # Every micro-batch's mean counts alike, over the step's own count: an epoch's last, shorter step is the mean of
+        # its micro-batches too (accelerate divides by gradient_accumulation_steps always: k/N of it in the peers).
+        return 1, len(step_batches)
 
     def batches_per_epoch(self) -> int:
         return len(EpochBatches(self.sampler, 0, self.accelerator.process_index, self.accelerator.num_processes))
