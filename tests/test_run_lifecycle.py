@@ -70,17 +70,20 @@ def test_an_epochs_run_whose_warmup_covers_it_is_refused_before_caching(tiny_set
 def test_save_last_n_saves_deletes_no_save_this_run_did_not_write(tiny_set, tmp_path):
     """A fresh run pruned every <name>-stepNNNNNN file in output_dir up to its step: saving every 2
     steps with the newest 1 kept, it deleted an earlier run's step-1 save (and its _ema, folders
-    alike). Now it prunes the saves it wrote (and, resumed, those its state lists)."""
+    alike). Now it prunes the saves it wrote (and, resumed, those its state lists). sd-scripts' save of a step this
+    run prunes (8 digits: step00000002) went with ours of that step."""
     out = tmp_path / "run"
     out.mkdir()
-    earlier = [out / "tiny_flux_lora-step000001.safetensors", out / "tiny_flux_lora-step000003.safetensors"]
+    earlier = [out / "tiny_flux_lora-step000001.safetensors", out / "tiny_flux_lora-step000003.safetensors",
+               out / "tiny_flux_lora-step00000002.safetensors"]
     for path in earlier:
         path.write_bytes(b"another run's LoRA")
     assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "5", "--save_every_n_steps", "2",
                                      "--save_last_n_saves", "1")) == 0
-    assert sorted(p.name for p in out.glob("*.safetensors")) == [
-        "tiny_flux_lora-step000001.safetensors", "tiny_flux_lora-step000003.safetensors",
-        "tiny_flux_lora-step000004.safetensors", "tiny_flux_lora.safetensors"]  # its step 2 pruned, the final kept
+    assert sorted(p.name for p in out.glob("*.safetensors")) == sorted([
+        "tiny_flux_lora-step000001.safetensors", "tiny_flux_lora-step00000002.safetensors",
+        "tiny_flux_lora-step000003.safetensors", "tiny_flux_lora-step000004.safetensors",
+        "tiny_flux_lora.safetensors"])  # its step 2 pruned, the final kept
     assert all(path.read_bytes() == b"another run's LoRA" for path in earlier)
 
 

@@ -14,7 +14,7 @@ import warnings
 from library.io import CheckpointError, CheckpointReader
 from library.training.config import PRECISION_DTYPES, ConfigError, lora_network_args
 from library.training.ema import TrainableEMA
-from library.training.output_names import lora_save_name
+from library.training.output_names import lora_save_name, step_tag
 from library.training.state import save_state
 from networks.lora_files import PEFT_WEIGHTS_FILE
 
@@ -197,7 +197,9 @@ class Saver:
         resumes) wrote them."""
         saves: dict[int, list[str]] = {}
         for entry in sorted(os.listdir(self.args.output_dir)):
-            if match := self.numbered.fullmatch(entry):
+            # step digits as ours writes them (step_tag): sd-scripts' step saves, <name>-step00000500 (8 digits),
+            # are another trainer's files of the same step, never counted (pruning deleted them)
+            if (match := self.numbered.fullmatch(entry)) and match.group(1) == step_tag(int(match.group(1)))[4:]:
                 saves.setdefault(int(match.group(1)), []).append(os.path.join(self.args.output_dir, entry))
         return saves
 
