@@ -474,3 +474,13 @@ def test_adafactor_with_relative_step_is_not_carried(args, carried):
     assert ("optimizer_type" in t.config) == carried and ("optimizer_args" in t.config) == carried
     if not carried:
         assert "relative_step (musubi-tuner's default) sets its own lr" in verdict_of(t, "optimizer_type")[1]
+
+
+def test_a_kontext_prompts_fs_0_is_its_own_schedule_not_a_refused_line(tmp_path):
+    """musubi-tuner's docs: `--fs 0` samples FLUX.1 Kontext on its flux_shift (its sampler: no shift given); the line
+    was copied as written and our reader refused the file when training started ("--fs must be a number > 0")."""
+    from library.data.prompts import read_prompt_file
+
+    _, ours = converted_prompts(tmp_path, "networks.lora_flux", "a cat --fs 0 --d 1\na dog --fs 3\n")
+    assert open(ours).read().splitlines() == ["a cat --d 1", "a dog --fs 3"]
+    assert [p.flow_shift for p in read_prompt_file(ours, guidance_is_cfg=False)] == [None, 3.0]

@@ -412,8 +412,20 @@ def _sample_prompts(t: Translation, key: str, value: Any, run: Run) -> None:
     if cfg := models.models_of(run.model_type).sample_cfg:
         runs = "above 1 and with a --n" if cfg.needs_negative else "above 1"
         rewrite = (partial(_cfg_as_ours, cfg=cfg), f"with --l as ours reads it (its samples run CFG only {runs})")
-    copy_prompts_without(t, key, value, lambda part: part.split(" ", 1)[0].lower() not in UNREAD_PROMPT_FLAGS,
-                         "ours does not read them", rewrite)
+    copy_prompts_without(t, key, value, _read_prompt_flag, "ours does not read them (--fs 0: the model's own "
+                         "schedule, FLUX.1 Kontext's flux_shift there, which ours samples without --fs)", rewrite)
+
+
+def _read_prompt_flag(part: str) -> bool:
+    """A prompt line's flag ours reads as musubi-tuner does: not its UNREAD_PROMPT_FLAGS, nor --fs 0 (its "no shift
+    of mine": ours refuses a shift of 0)."""
+    flag, _, value = part.partition(" ")
+    if flag.lower() == "fs":
+        try:
+            return float(value) != 0
+        except ValueError:
+            return True  # ours says what is wrong with it
+    return flag.lower() not in UNREAD_PROMPT_FLAGS
 
 
 def _cfg_as_ours(flags: list[str], cfg) -> list[str]:
