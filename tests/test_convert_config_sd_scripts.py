@@ -764,3 +764,28 @@ def test_a_dataset_sd_scripts_trains_with_warnings_converts_to_one_ours_loads(ti
     data = load_dataset_config(str(tmp_path / "c_converted_dataset.toml"))
     assert [d.bucket_no_upscale for d in data.datasets] == [True, False]
     assert [[s.num_repeats for s in d.subsets] for d in data.datasets] == [[1], [2]]
+
+
+@pytest.mark.parametrize("script, config, lines", [
+    ("sd3_train_network.py", {}, {"a cat --g 3.5 --d 1": "a cat --d 1 --l 7.5", "a cat --l 5 --g 2": "a cat --l 5"}),
+    ("lumina_train_network.py", {}, {"a cat": "a cat --l 3.5"}),
+    ("anima_train_network.py", {}, {"a cat --fs 5": "a cat --fs 5 --l 7.5"}),
+    ("hunyuan_image_train_network.py", {}, {"a cat --fs 4 --l 6": "a cat --fs 4 --l 6"}),
+    ("flux_train_network.py", {"model_type": "chroma"}, {"a cat --g 3.5": "a cat --l 1"}),
+    ("flux_train_network.py", {}, {"a cat --g 3.5 --fs 2": "a cat --g 3.5"}),  # FLUX.1: --g its guidance, no --fs
+])
+def test_sample_lines_render_at_the_scale_and_shift_its_samples_read(tmp_path, script, config, lines):
+    """sd-scripts' SD3, Lumina, Anima and HunyuanImage samples read --l alone (7.5 / 3.5 unset; Chroma's FLUX.1 ones
+    --l 1.0, its --g an embedded guidance Chroma lacks), and Anima's and HunyuanImage's read --fs. Copied as they
+    were, a lone --g was ours' CFG scale (3.5 where it rendered 7.5), a line without --l the family's default, and an
+    Anima --fs was left out."""
+    from library.training.peers import sd_scripts
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("\n".join(lines) + "\n")
+    t = sd_scripts.translate({"sample_prompts": str(prompts), "sample_every_n_steps": 100, **config},
+                             str(tmp_path / "c.toml"), script=script)
+    if "sample_prompts" not in t.files:  # nothing to change: the file as it is
+        assert list(lines) == list(lines.values()) and t.config["sample_prompts"] == str(prompts)
+    else:
+        assert t.files["sample_prompts"][1].splitlines() == list(lines.values())

@@ -507,6 +507,10 @@ class SdScriptsModels:
     # "": its loss compares velocities, as ours; else why its huber is not ours' (a loss on the predicted clean
     # latent: huber of sigma x the velocity error, where ours' x0 weighting is sigma^2 x huber of the error)
     huber_not_ours: str = ""
+    # Its samples' CFG scale without --l where they read --l alone (their --g unread, where ours reads a lone --g as
+    # the CFG scale): sd_scripts_samples drops --g and writes this --l on a line without one. None: as ours reads them
+    sample_scale: float | None = None
+    sample_flags: tuple[str, ...] = ()  # prompt flags its samples read beyond --w --h --s --d --l --g --n (--fs)
     lora_module_args: tuple[str, ...] = ()  # the network_args its LoRA module reads (empty: sd_scripts.LORA_ARGS)
     # its LoRA module's switches (network_args "name=true") -> ours' item, "{network_dim}" standing for the rank
     lora_switches: dict[str, str] = field(default_factory=dict)

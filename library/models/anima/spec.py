@@ -129,6 +129,7 @@ MODELSPEC = {"anima": S.ModelSpecNames("anima-preview", "https://huggingface.co/
 _MEMORY = "memory and speed only: ours runs PyTorch's SDPA on whole batches and encodes latents once, before training"
 SD_SCRIPTS = S.SdScriptsModels(
     script="anima_train_network.py", lora_module="networks.lora_anima", models={}, model_type="anima",
+    sample_scale=7.5, sample_flags=("fs",),  # anima_train_utils: scale (--l) 7.5, no --g; flow_shift (--fs) 3.0
     lacks=("model_type", "clip_l", "t5xxl", "ae", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
            "controlnet_model_name_or_path", "model_prediction_type", "split_mode"),
     files={"qwen3": "text_encoder", "vae": "ae", "t5_tokenizer_path": "t5_tokenizer"},

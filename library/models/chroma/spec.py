@@ -135,7 +135,8 @@ SPEC = S.ArchSpec(
     # sd-scripts' FLUX.1 script and LoRA module train it as --model_type chroma
     peer_bucket_steps={"ai-toolkit": 32},  # ai-toolkit's get_bucket_divisibility (32)
     peer_models={"ai-toolkit": {"chroma": {"model_type": "chroma"}},
+                 # its FLUX.1 samples: --g the embedded guidance Chroma has none of, CFG --l (1.0: none)
                  "sd-scripts": S.SdScriptsModels("flux_train_network.py", "networks.lora_flux",
-                                                 {"chroma": {"model_type": "chroma"}})},
+                                                 {"chroma": {"model_type": "chroma"}}, sample_scale=1.0)},
     masks_text_padding=True,  # ChromaPipeline masks T5's padding (FluxPipeline does not)
 )

@@ -171,6 +171,7 @@ _FLUX_SHIFT = ("FLUX.1's resolution line read at (h/2)(w/2) of the 32x latent, a
 SD_SCRIPTS = S.SdScriptsModels(
     script="hunyuan_image_train_network.py", lora_module="networks.lora_hunyuan_image", models={},
     model_type="hunyuan_image",
+    sample_scale=3.5, sample_flags=("fs",),  # its sample_image_inference: scale (--l) 3.5, no --g; --fs 5.0
     lacks=("model_type", "clip_l", "t5xxl", "ae", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
            "controlnet_model_name_or_path", "split_mode"),
     files={"vae": "ae"},

@@ -159,6 +159,7 @@ _NEXTDIT_SHIFT = ("uniform sigmas time-shifted by FLUX.1's resolution line: ours
                   "sigmoid(1.7 randn)), draws sigmas whose CDF is within 0.0096 of its at every sigma")
 SD_SCRIPTS = S.SdScriptsModels(
     script="lumina_train_network.py", lora_module="networks.lora_lumina", models={}, model_type="lumina2",
+    sample_scale=3.5,  # lumina_train_util.sample_image_inference: scale (--l) 3.5, no --g
     lacks=("model_type", "clip_l", "t5xxl", "t5xxl_max_token_length", "apply_t5_attn_mask", "guidance_scale",
            "controlnet_model_name_or_path", "split_mode"),
     files={"gemma2": "text_encoder"},

@@ -174,6 +174,7 @@ _PER_ENCODER_DROPOUT = ("with this probability sd-scripts zeroes {what} of a sam
 _NOT_WORKING = "sd-scripts' help: [DOES NOT WORK], its script reads nothing of it"
 SD_SCRIPTS = S.SdScriptsModels(
     script="sd3_train_network.py", lora_module="networks.lora_sd3", models={}, model_type="sd3",
+    sample_scale=7.5,  # sd3_train_utils.sample_image_inference: scale (--l) 7.5, no --g
     lacks=("model_type", "ae", "controlnet_model_name_or_path", "guidance_scale", "timestep_sampling", "sigmoid_scale",
            "model_prediction_type", "discrete_flow_shift", "split_mode"),
     files={"vae": "ae"},

@@ -413,7 +413,7 @@ def _sample_prompts(t: Translation, key: str, value: Any, run: Run) -> None:
         runs = "above 1 and with a --n" if cfg.needs_negative else "above 1"
         rewrite = (partial(_cfg_as_ours, cfg=cfg), f"with --l as ours reads it (its samples run CFG only {runs})")
     copy_prompts_without(t, key, value, _read_prompt_flag, "ours does not read them (--fs 0: the model's own "
-                         "schedule, FLUX.1 Kontext's flux_shift there, which ours samples without --fs)", rewrite)
+                         "schedule there, which ours samples without --fs)", rewrite)
 
 
 def _read_prompt_flag(part: str) -> bool:

@@ -70,6 +70,14 @@ def default_model_type(script: str) -> str:
     return defaults[0]
 
 
+def model_entry(model_type: str) -> SdScriptsModels:
+    """The SdScriptsModels of the spec whose script trains our `model_type` (one of its models, or its own)."""
+    for m in every_model():
+        if model_type in (keys["model_type"] for keys in m.models.values()) or model_type == m.model_type:
+            return m
+    raise ValueError(f"model_type {model_type!r}: no sd-scripts script of the specs trains it")
+
+
 def script_of(model_type: str) -> str:
     """The script that trains our `model_type` (one of some script's model_types, or a script's own model)."""
     for script in scripts():
