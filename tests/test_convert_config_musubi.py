@@ -484,3 +484,24 @@ def test_a_kontext_prompts_fs_0_is_its_own_schedule_not_a_refused_line(tmp_path)
     _, ours = converted_prompts(tmp_path, "networks.lora_flux", "a cat --fs 0 --d 1\na dog --fs 3\n")
     assert open(ours).read().splitlines() == ["a cat --d 1", "a dog --fs 3"]
     assert [p.flow_shift for p in read_prompt_file(ours, guidance_is_cfg=False)] == [None, 3.0]
+
+
+def test_a_toml_prompt_file_of_its_objects_becomes_our_prompt_lines(tmp_path):
+    """musubi-tuner's .toml prompts ([prompt] with [[prompt.subset]], its keys cfg_scale, discrete_flow_shift,
+    control_image_path ...) were passed on as they were; our reader refused them at training start ("key 'cfg_scale'
+    is not read"). Now they are written as its prompt lines, which the line rules carry."""
+    from library.data.prompts import read_prompt_file
+
+    prompts = tmp_path / "prompts.toml"
+    prompts.write_text('[prompt]\nwidth = 512\nheight = 512\nsample_steps = 20\n'
+                       '[[prompt.subset]]\nprompt = "a cat"\nseed = 1\ndiscrete_flow_shift = 3.0\n'
+                       '[[prompt.subset]]\nprompt = "a dog"\nseed = 2\nframe_count = 1\nnegative_prompt = "blurry"\n')
+    config = tmp_path / "c.toml"
+    config.write_text(f'dit = "d"\nnetwork_module = "networks.lora_flux"\nsample_prompts = "{prompts}"\n')
+    assert convert_config.main([str(config)]) == 0
+    ours = toml.load(tmp_path / "c_converted.toml")["sample_prompts"]
+    assert open(ours).read().splitlines() == ["a cat --w 512 --h 512 --s 20 --d 1 --fs 3.0",
+                                              "a dog --w 512 --h 512 --s 20 --d 2 --n blurry"]
+    read = read_prompt_file(ours, guidance_is_cfg=False)
+    assert [(p.prompt, p.width, p.seed, p.flow_shift, p.negative) for p in read] == [
+        ("a cat", 512, 1, 3.0, ""), ("a dog", 512, 2, None, "blurry")]

@@ -413,7 +413,44 @@ def _sample_prompts(t: Translation, key: str, value: Any, run: Run) -> None:
         runs = "above 1 and with a --n" if cfg.needs_negative else "above 1"
         rewrite = (partial(_cfg_as_ours, cfg=cfg), f"with --l as ours reads it (its samples run CFG only {runs})")
     copy_prompts_without(t, key, value, _read_prompt_flag, "ours does not read them (--fs 0: the model's own "
-                         "schedule there, which ours samples without --fs)", rewrite)
+                         "schedule there, which ours samples without --fs)", rewrite, objects=prompt_object_lines)
+
+
+# its prompt objects' keys (sampling_prompts.line_to_prompt_dict's) -> the flag of its line syntax
+OBJECT_FLAGS = {"width": "w", "height": "h", "frame_count": "f", "seed": "d", "sample_steps": "s",
+                "guidance_scale": "g", "discrete_flow_shift": "fs", "cfg_scale": "l", "negative_prompt": "n",
+                "image_path": "i", "end_image_path": "ei", "control_video_path": "cn", "control_image_path": "ci",
+                "one_frame": "of"}
+
+
+def prompt_object_lines(path: str) -> list[str]:
+    """Its .toml ([prompt] with [[prompt.subset]]: each subset over the table's keys) or .json (a list of objects or
+    lines) prompt file as lines of its syntax (load_prompts), which the line rules then carry; a key its sampling
+    reads none of is left out, as it leaves it."""
+    import json
+
+    import toml
+
+    from library.text_files import read_utf8
+
+    text = read_utf8(path, "sample prompts")
+    if path.lower().endswith(".toml"):
+        table = toml.loads(text).get("prompt", {})
+        shared = {k: v for k, v in table.items() if k != "subset"}
+        entries = [{**shared, **subset} for subset in table.get("subset", [])]
+    else:
+        entries = json.loads(text)
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a list of prompts (musubi-tuner's load_prompts)")
+    return [entry if isinstance(entry, str) else _object_line(entry) for entry in entries]
+
+
+def _object_line(entry: dict) -> str:
+    parts = [str(entry.get("prompt", ""))]
+    for key, value in entry.items():
+        if key in OBJECT_FLAGS:
+            parts += [f"--{OBJECT_FLAGS[key]} {v}" for v in (value if isinstance(value, list) else [value])]
+    return " ".join(parts)
 
 
 def _read_prompt_flag(part: str) -> bool:

@@ -231,12 +231,14 @@ def peer_file(path: str, source: str) -> str:
 
 
 def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[str], bool], why: str,
-                         rewrite: tuple[Callable[[list[str]], list[str]], str] | None = None) -> None:
+                         rewrite: tuple[Callable[[list[str]], list[str]], str] | None = None,
+                         objects: Callable[[str], list[str]] | None = None) -> None:
     """A peer's prompt file (value: its path) as our sample_prompts; where its lines have flags the peer does not
     read (read(part) false for the text after a --), which ours refuses, a copy without them beside our config
     (t.files), `why` in the note; "" none. rewrite: (a line's kept flags -> ours, what it does for the note), where
-    ours reads a flag otherwise (a copy where it changes a line). A relative path is the working folder's (the
-    peer's), else the config's folder's."""
+    ours reads a flag otherwise (a copy where it changes a line). objects: a .toml / .json file of prompt objects ->
+    its prompts as lines, where the peer's objects are not ours (always a copy); None: read as they are. A relative
+    path is the working folder's (the peer's), else the config's folder's."""
     import os
 
     from library.data.prompts import prompt_lines, split_prompt_line
@@ -248,11 +250,12 @@ def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[s
     if not isinstance(value, str):
         raise ValueError("expected the path of a prompt file")
     path = peer_file(value, t.source)
-    if not os.path.isfile(path) or path.lower().endswith((".toml", ".json")):  # its objects: read as they are
+    as_objects = path.lower().endswith((".toml", ".json"))
+    if not os.path.isfile(path) or (as_objects and objects is None):  # its objects: read as they are
         t.set(key, value, key, value, note="" if os.path.isfile(path) else "not on this machine: unchecked")
         return
     skipped, rewritten, lines = set(), False, []
-    for line in prompt_lines(read_utf8(path, "sample prompts")):
+    for line in objects(path) if as_objects else prompt_lines(read_utf8(path, "sample prompts")):
         parts = split_prompt_line(line) if line.strip() and not line.lstrip().startswith("#") else None
         flags = [part for part in parts[1:] if read(part)] if parts else []
         skipped |= {part.split(" ", 1)[0] for part in (parts or [""])[1:] if part not in flags}
@@ -262,11 +265,12 @@ def copy_prompts_without(t: Translation, key: str, value: Any, read: Callable[[s
     if not any(line.strip() and not line.lstrip().startswith("#") for line in lines):
         t.set(key, "", key, value, RENAMED, note='no prompts in it: "", no samples (ours refuses an empty file)')
         return
-    if not skipped and not rewritten:
+    if not skipped and not rewritten and not as_objects:
         t.set(key, path, key, value)
         return
-    notes = ([f"without {', '.join('--' + f for f in sorted(skipped))}: {why}"] if skipped else []) + \
-        ([rewrite[1]] if rewritten else [])
+    notes = (["its prompt objects as lines"] if as_objects else []) + (
+        [f"without {', '.join('--' + f for f in sorted(skipped))}: {why}"] if skipped else []) + (
+        [rewrite[1]] if rewritten else [])
     t.set(key, path, key, value, RENAMED, note=f"a copy {'; '.join(notes)}")
     text = "\n".join(lines)  # the file's last newline kept, none added
     t.files[key] = ("_prompts.txt", text if text.endswith("\n") else text + "\n")
