@@ -202,7 +202,8 @@ def test_two_gloo_processes_cache_their_shares_and_the_main_one_the_prompts(tmp_
     reports = sorted((json.loads(line) for line in run.stdout.splitlines() if line.startswith("{")),
                      key=lambda r: r["process"])
     main, other = reports
-    assert (main["images"], main["captions"]) == (2, ["", "a dog", "caption a", "caption c"])
+    # the sample prompt's negative (the stand-in family's empty one, " "), the prompt, the main process's share
+    assert (main["images"], main["captions"]) == (2, [" ", "a dog", "caption a", "caption c"])
     assert (other["images"], other["captions"]) == (2, ["caption b", "caption d"])
     for report in reports:
         assert report["loads"] == ["vae", "text"]

@@ -49,8 +49,8 @@ def recorded(monkeypatch):
         weights.clear()
         weights.append(snapshot(self))
 
-    def finish(self, loss):
-        real_finish(self, loss)
+    def finish(self, loss, *stepped):
+        real_finish(self, loss, *stepped)
         assert len(weights) == self.step  # one record per optimizer step
         weights.append(snapshot(self))
 
@@ -172,8 +172,8 @@ def straight_run(tiny_set, tmp_path_factory):
     out = tmp_path_factory.mktemp("ema") / "straight"
     weights, real = [], train_lora.Trainer.finish_step
 
-    def finish(self, loss):  # as `recorded`, at module scope (the run is shared by three tests)
-        real(self, loss)
+    def finish(self, loss, *stepped):  # as `recorded`, at module scope (the run is shared by three tests)
+        real(self, loss, *stepped)
         weights.append({k: v.detach().double().clone() for k, v in self.task.trainable_tensors().items()})
 
     with pytest.MonkeyPatch.context() as mp:

@@ -45,7 +45,7 @@ def test_default_guidance_of_the_true_cfg_families_runs_cfg_with_the_empty_negat
     assert family.true_cfg and family.sample_guidance == _pipeline_default("QwenImagePipeline", "true_cfg_scale") == 4.0
     assert family("unused").unread_prompt_options("", family.sample_guidance) == {}
     help_text = " ".join(build_parser().format_help().split())
-    assert "such a model runs CFG by default, with the empty prompt as the negative" in help_text
+    assert "such a model runs CFG by default, with its model card's empty negative" in help_text
     assert "Qwen-Image: qwen-image 4, edit 4, layered 4" in help_text
     assert "Qwen-Image: qwen-image 50, edit 50, layered 50" in help_text
 
