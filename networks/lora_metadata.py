@@ -58,6 +58,7 @@ METADATA_KEYS = {
     "training_finished_at": "ss_training_finished_at",
     "training_seconds": "ss_training_seconds",
     "output_name": "ss_output_name",
+    "training_comment": "ss_training_comment",  # the config's note (sd-scripts' key)
     # Stability's ModelSpec (sd-scripts' / musubi-tuner's sai_model_spec.build_metadata; modelspec_fields)
     "modelspec_version": "modelspec.sai_model_spec",
     "modelspec_architecture": "modelspec.architecture",  # the release's (its spec's modelspec) + "/lora"
@@ -66,7 +67,11 @@ METADATA_KEYS = {
     "modelspec_resolution": "modelspec.resolution",  # "WxH"
     "modelspec_date": "modelspec.date",
     "modelspec_hash": MODELSPEC_HASH,  # write_lora_tensors sets it to the written tensors'
+    # the config's metadata_* (sd-scripts' add_model_spec_arguments): written where set
+    **{f"modelspec_{name}": f"modelspec.{name}"
+       for name in ("author", "description", "license", "tags", "usage_hint", "trigger_phrase")},
 }
+MODELSPEC_TEXTS = ("author", "description", "license", "tags", "usage_hint", "trigger_phrase")  # metadata_<name>
 
 # The ModelSpec version the keys follow: the spec's own (Stability-AI/ModelSpec README), musubi-tuner's; sd-scripts
 # writes 1.0.1 over the same keys.

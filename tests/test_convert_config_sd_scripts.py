@@ -789,3 +789,16 @@ def test_sample_lines_render_at_the_scale_and_shift_its_samples_read(tmp_path, s
         assert list(lines) == list(lines.values()) and t.config["sample_prompts"] == str(prompts)
     else:
         assert t.files["sample_prompts"][1].splitlines() == list(lines.values())
+
+
+def test_the_headers_note_and_modelspec_text_are_carried():
+    """training_comment and metadata_title / _author / ... (the LoRA's header text) were dropped ("ours writes none");
+    ours writes them now, by the same keys. A thumbnail (a data URL of an image) is still not written."""
+    from library.training.config_schema import SCHEMA
+    from library.training.peers import sd_scripts
+
+    given = {"training_comment": "v2", "metadata_title": "Zxq", "metadata_trigger_phrase": "zxq",
+             "metadata_thumbnail": "t.png"}
+    t = sd_scripts.translate(given, "x.toml")
+    assert {k: t.config.get(k) for k in given} == {**given, "metadata_thumbnail": None}
+    assert set(given) - {"metadata_thumbnail"} <= set(SCHEMA)

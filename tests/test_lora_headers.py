@@ -125,6 +125,23 @@ def test_the_modelspec_keys_name_the_release_and_an_unnamed_one_warns_and_saves_
     assert not any(k.startswith("modelspec.") for k in header_of_run({"base_model_version": "llm-2x64"}, model_type="llm"))
 
 
+def test_training_comment_and_the_metadata_keys_are_written_as_sd_scripts_writes_them():
+    """sd-scripts' training_comment (ss_training_comment) and metadata_* (ModelSpec's title, author, description,
+    license, tags, usage hint, trigger phrase: what LoRA managers show) had no key here; the converters dropped
+    them, and the header said output_name as the title and none of the rest."""
+    texts = {"training_comment": "v2, more images", "metadata_title": "Zxq Star", "metadata_author": "me",
+             "metadata_description": "a purple star", "metadata_license": "CC-BY-4.0", "metadata_tags": "star,purple",
+             "metadata_usage_hint": "say zxq", "metadata_trigger_phrase": "zxq"}
+    header = header_of_run({}, **texts)
+    assert header["ss_training_comment"] == "v2, more images" and header["modelspec.title"] == "Zxq Star"
+    assert {k: header[f"modelspec.{k}"] for k in ("author", "description", "license", "tags", "usage_hint",
+                                                     "trigger_phrase")} == {
+        "author": "me", "description": "a purple star", "license": "CC-BY-4.0", "tags": "star,purple",
+        "usage_hint": "say zxq", "trigger_phrase": "zxq"}
+    unset = header_of_run({}, **dict.fromkeys(texts))
+    assert unset["modelspec.title"] == "x" and not {"ss_training_comment", "modelspec.author"} & set(unset)
+
+
 def test_the_header_after_network_weights_rebuilt_a_module_says_the_ranks_the_file_holds(flux_loras):
     """network_weights rebuilt qkv / linear1 at ranks 12 / 16 beside rank-4 modules: the header said
     ss_network_dim 4 (the config's) and alpha 12 (one rebuilt module's); now "Dynamic" for both, as

@@ -55,6 +55,13 @@ SCHEMA: dict[str, Arg] = {
     # output
     "output_dir": A(str, "output", "where the LoRA, logs, samples and states go"),
     "output_name": A(str, "lora", "file stem of the saved LoRA"),
+    # what the LoRA's header says of it (sd-scripts' keys): ss_training_comment and ModelSpec's fields
+    "training_comment": A(str, None, "a note in the LoRA's header (ss_training_comment)"),
+    **{f"metadata_{name}": A(str, None, f"ModelSpec's {what} in the LoRA's header (modelspec.{name})")
+       for name, what in (("title", "title (default: output_name)"), ("author", "author"),
+                          ("description", "description"), ("license", "license"),
+                          ("tags", "tags, comma-separated"), ("usage_hint", "usage hint"),
+                          ("trigger_phrase", "trigger phrase"))},
     "save_precision": A(str, "fp32", "dtype of the saved LoRA tensors (float: sd-scripts' fp32)", (*PRECISION_NAMES, "float")),
     "save_format": A(str, "auto", "LoRA layout: auto (llm: peft, diffusion families: kohya), kohya (one .safetensors), "
                                   "peft (llm: PEFT adapter folder <output_name>/), peft+kohya (both)",

@@ -25,6 +25,7 @@ SAVED_FOLDER_WEIGHTS = (PEFT_WEIGHTS_FILE, "model.safetensors")
 def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int, started: float) -> dict:
     from library.models.registry import spec_of
     from networks.lora_files import build_metadata, modelspec_fields
+    from networks.lora_metadata import MODELSPEC_TEXTS
 
     facts, now = task.metadata(), time.time()
     dim = facts.get("network_dim") or args.network_dim
@@ -35,7 +36,9 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
     if names is None and spec.modelspec is not None:  # a contributor's miss: the LoRA still saves
         warnings.warn(f"{args.model_type}'s spec.py: modelspec names no release {facts['base_model_version']!r}; "
                       f"the LoRA's header has no modelspec.* keys", stacklevel=2)
-    modelspec = modelspec_fields(names, args.output_name, facts["resolution"].split(",")[0], now) if names else {}
+    title = getattr(args, "metadata_title", None) or args.output_name  # (an LLM's args have none of these)
+    modelspec = modelspec_fields(names, title, facts["resolution"].split(",")[0], now) if names else {}
+    modelspec.update({f"modelspec_{name}": getattr(args, f"metadata_{name}", None) for name in MODELSPEC_TEXTS})
     return build_metadata(
         network_module=args.network_module, network_dim=dim,
         network_alpha=facts.get("network_alpha") or args.network_alpha or float(dim),  # 0: alpha = rank
@@ -56,7 +59,8 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         **{key: facts.get(key) for key in ("dataset_dirs", "tag_frequency", "num_train_images", "num_reg_images")},
         num_batches_per_epoch=task.batches_per_epoch(),
         training_started_at=int(started), training_finished_at=int(now),
-        training_seconds=round(now - started, 1), output_name=args.output_name, **modelspec,
+        training_seconds=round(now - started, 1), output_name=args.output_name,
+        training_comment=getattr(args, "training_comment", None), **modelspec,
     )
 
 

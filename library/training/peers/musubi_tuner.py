@@ -524,7 +524,7 @@ SDPA = "ours runs PyTorch SDPA: the same attention, another kernel"
 COMPILE = "torch.compile's settings: ours compiles each block its own way"
 DYNAMO = "accelerate's whole-model compile: ours compiles per block (torch_compile)"
 HUB = "an upload to the Hugging Face Hub: ours writes local files only"
-METADATA = "the header's ModelSpec text: ours writes its own (title = output_name)"
+METADATA = "the header's ModelSpec resolution / architecture: ours writes its own (the model's, the dataset's)"
 HUNYUAN = "HunyuanVideo's VAE: memory only"
 SAMPLES = "how samples render: ours samples the trained base with the pipeline's schedule"
 
@@ -599,7 +599,7 @@ RULES: dict[str, Rule] = {
                      "scale_weight_norms"), same()),
     "network_module": joint(_network_module),
     "network_args": joint(_network_args),
-    "training_comment": ignored("a note in the header: ours writes none"),
+    "training_comment": same(),
     "base_weights": joint(_base_weights),
     "base_weights_multiplier": ignored("read with base_weights (base_loras' :ratio)"),
     # saves
@@ -609,8 +609,9 @@ RULES: dict[str, Rule] = {
     "save_last_n_epochs": joint(_save_last_n), "save_last_n_steps": joint(_save_last_n),
     **dict.fromkeys(("save_last_n_epochs_state", "save_last_n_steps_state"),
                     ignored("ours keeps one state, the newest (<output_name>-state)")),
-    **dict.fromkeys(("metadata_title", "metadata_author", "metadata_description", "metadata_license", "metadata_tags",
-                     "metadata_reso", "metadata_arch"), ignored(METADATA)),
+    **dict.fromkeys(("metadata_title", "metadata_author", "metadata_description", "metadata_license", "metadata_tags"),
+                    same()),  # ModelSpec's text in the header, the same keys
+    **dict.fromkeys(("metadata_reso", "metadata_arch"), ignored(METADATA)),
     **dict.fromkeys(("huggingface_repo_id", "huggingface_repo_type", "huggingface_path_in_repo", "huggingface_token",
                      "huggingface_repo_visibility", "save_state_to_huggingface", "resume_from_huggingface",
                      "async_upload"), ignored(HUB)),

@@ -402,6 +402,8 @@ def _dataset_config(t: Translation, key: str, value: Any) -> None:
 
 IGNORED = models.ignored_text(models.first_script())  # a key of its parser its training of these models does not read
 HEADER_TEXT = "text for the LoRA's header: ours writes none (the training is the same)"
+HEADER_KEYS = ("training_comment", "metadata_title", "metadata_author", "metadata_description", "metadata_license",
+               "metadata_tags", "metadata_usage_hint", "metadata_trigger_phrase")
 UPLOAD = "a Hugging Face upload: ours uploads nothing (upload the LoRA yourself)"
 DEEPSPEED = "DeepSpeed: ours runs DDP or FSDP through accelerate launch (configs/accelerate/)"
 
@@ -481,12 +483,10 @@ RULES: dict[str, Rule] = {
     "unet_lr": custom(_learning_rate),
     "base_weights": custom(_base_weights),
     "base_weights_multiplier": custom(_base_weights),
-    "training_comment": ignored(HEADER_TEXT),
     "no_metadata": unsupported("ours always writes the training metadata (folder names, tag counts) into the LoRA"),
+    **{key: same() for key in HEADER_KEYS},  # the header's note and ModelSpec text, the same keys
     **{key: ignored(HEADER_TEXT) for key in (
-        "metadata_title", "metadata_author", "metadata_description", "metadata_license", "metadata_tags",
-        "metadata_usage_hint", "metadata_thumbnail", "metadata_merged_from", "metadata_trigger_phrase",
-        "metadata_preprocessor", "metadata_is_negative_embedding")},
+        "metadata_thumbnail", "metadata_merged_from", "metadata_preprocessor", "metadata_is_negative_embedding")},
     # the optimizer, its schedule, the timestep draw, the prediction and the loss (sd_scripts_training.py)
     **training_rules.RULES,
     "learning_rate": custom(_learning_rate),  # unet_lr's too (the network's)
