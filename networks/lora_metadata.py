@@ -18,6 +18,8 @@ from library.io import CheckpointError
 # write_lora_tensors (networks/lora_files.py) sets it over the tensors it writes.
 MODELSPEC_HASH = "modelspec.hash_sha256"
 
+MODELSPEC_TEXTS = ("author", "description", "license", "tags", "usage_hint", "trigger_phrase")  # metadata_<name>
+
 # build_metadata field -> safetensors header key (sd-scripts names where sd-scripts has one).
 METADATA_KEYS = {
     "network_module": "ss_network_module",
@@ -68,10 +70,8 @@ METADATA_KEYS = {
     "modelspec_date": "modelspec.date",
     "modelspec_hash": MODELSPEC_HASH,  # write_lora_tensors sets it to the written tensors'
     # the config's metadata_* (sd-scripts' add_model_spec_arguments): written where set
-    **{f"modelspec_{name}": f"modelspec.{name}"
-       for name in ("author", "description", "license", "tags", "usage_hint", "trigger_phrase")},
+    **{f"modelspec_{name}": f"modelspec.{name}" for name in MODELSPEC_TEXTS},
 }
-MODELSPEC_TEXTS = ("author", "description", "license", "tags", "usage_hint", "trigger_phrase")  # metadata_<name>
 
 # The ModelSpec version the keys follow: the spec's own (Stability-AI/ModelSpec README), musubi-tuner's; sd-scripts
 # writes 1.0.1 over the same keys.
