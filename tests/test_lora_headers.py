@@ -12,6 +12,7 @@ from types import SimpleNamespace
 import pytest
 from safetensors.torch import save_file
 
+from library.training.config_schema import SCHEMA
 from networks import lora_files as lf
 from networks.lora import LoRANetwork
 from networks.lora_arch import header_arch
@@ -140,6 +141,8 @@ def test_training_comment_and_the_metadata_keys_are_written_as_sd_scripts_writes
         "usage_hint": "say zxq", "trigger_phrase": "zxq"}
     unset = header_of_run({}, **dict.fromkeys(texts))
     assert unset["modelspec.title"] == "x" and not {"ss_training_comment", "modelspec.author"} & set(unset)
+    # every metadata_* key of the config reaches the header: one added to the schema alone would be read and lost
+    assert {k for k in SCHEMA if k.startswith("metadata_")} | {"training_comment"} == set(texts)
 
 
 def test_the_header_after_network_weights_rebuilt_a_module_says_the_ranks_the_file_holds(flux_loras):

@@ -402,8 +402,8 @@ def _dataset_config(t: Translation, key: str, value: Any) -> None:
 
 IGNORED = models.ignored_text(models.first_script())  # a key of its parser its training of these models does not read
 HEADER_TEXT = "text for the LoRA's header: ours writes none (the training is the same)"
-HEADER_KEYS = ("training_comment", "metadata_title", "metadata_author", "metadata_description", "metadata_license",
-               "metadata_tags", "metadata_usage_hint", "metadata_trigger_phrase")
+# the header's note and ModelSpec text: the same keys in ours (its other metadata_* are ignored below)
+HEADER_KEYS = ("training_comment", *(key for key in SCHEMA if key.startswith("metadata_")))
 UPLOAD = "a Hugging Face upload: ours uploads nothing (upload the LoRA yourself)"
 DEEPSPEED = "DeepSpeed: ours runs DDP or FSDP through accelerate launch (configs/accelerate/)"
 
