@@ -26,6 +26,7 @@ METADATA_KEYS = {
     "network_dim": "ss_network_dim",
     "network_alpha": "ss_network_alpha",
     "network_args": "ss_network_args",
+    "network_dropout": "ss_network_dropout",  # sd-scripts' key beside its `dropout` in ss_network_args
     "base_model_version": "ss_base_model_version",
     "base_model": "ss_sd_model_name",
     "base_precision": "ss_base_precision",

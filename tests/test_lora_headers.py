@@ -145,6 +145,13 @@ def test_training_comment_and_the_metadata_keys_are_written_as_sd_scripts_writes
     assert {k for k in SCHEMA if k.startswith("metadata_")} | {"training_comment"} == set(texts)
 
 
+def test_network_dropout_is_written_as_sd_scripts_writes_it():
+    """sd-scripts writes ss_network_dropout beside the `dropout` in its ss_network_args; ours wrote only the latter."""
+    header = header_of_run({}, network_dropout=0.1)
+    assert header["ss_network_dropout"] == "0.1" and json.loads(header["ss_network_args"])["dropout"] == 0.1
+    assert "ss_network_dropout" not in header_of_run({})
+
+
 def test_the_header_after_network_weights_rebuilt_a_module_says_the_ranks_the_file_holds(flux_loras):
     """network_weights rebuilt qkv / linear1 at ranks 12 / 16 beside rank-4 modules: the header said
     ss_network_dim 4 (the config's) and alpha 12 (one rebuilt module's); now "Dynamic" for both, as

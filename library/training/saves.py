@@ -42,7 +42,7 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
     return build_metadata(
         network_module=args.network_module, network_dim=dim,
         network_alpha=facts.get("network_alpha") or args.network_alpha or float(dim),  # 0: alpha = rank
-        network_args=lora_network_args(args),
+        network_args=lora_network_args(args), network_dropout=getattr(args, "network_dropout", None),
         base_model_version=facts["base_model_version"], base_model=args.pretrained_model_name_or_path,
         base_precision=facts["base_precision"], fp8_compute=facts.get("fp8_compute"), base_loras=facts.get("base_loras"),
         output_preservation=facts.get("output_preservation"), trained_keys=facts.get("trained_keys"),
