@@ -108,6 +108,26 @@ def left_behind(folder: str, is_target) -> dict[str, list[str]]:
     return found
 
 
+def synced_folder(path: str):
+    """fsync a folder: the names made, renamed or removed in it are on the disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def synced_tree(path: str):
+    """fsync every file and folder under `path`. A writer's plain open() (torch.save, json.dump) leaves its bytes in
+    the page cache: after a power cut the renamed folder could hold empty files (ext4's delayed allocation), and
+    the folder it replaced would be gone."""
+    for root, _, files in os.walk(path):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                os.fsync(f.fileno())
+        synced_folder(root)
+
+
 @contextlib.contextmanager
 def atomic_folder(path: str):
     """Yield a temporary folder beside `path` to fill; on success it takes the place of `path` (an
@@ -122,10 +142,12 @@ def atomic_folder(path: str):
         old = None
         try:
             yield tmp
+            synced_tree(tmp)  # the new folder's bytes are on the disk before the old one may go
             if os.path.isdir(path):
                 old = tempfile.mkdtemp(prefix="." + os.path.basename(path) + ".", suffix=".old", dir=folder)
                 os.replace(path, os.path.join(old, "folder"))
             os.replace(tmp, path)
+            synced_folder(folder)  # and so are the renames, before the old folder is removed
         finally:
             if os.path.exists(tmp):
                 shutil.rmtree(tmp)

@@ -534,6 +534,35 @@ def test_a_state_a_killed_save_left_moved_aside_is_put_back_and_resumes(trained,
         assert json.load(f)["step"] == 2
 
 
+def test_a_folder_save_is_on_the_disk_before_it_replaces_the_old_one(tmp_path, monkeypatch):
+    """atomic_folder renamed the new state over the old and removed the old with the writers' plain open() files
+    (optimizer.pt, train_state.json) still in the page cache: a power cut then could leave the only state with
+    empty files. Every file and folder of the new one is fsynced before the renames, the parent after them."""
+    from library import atomic_files
+
+    events = []
+    fsync, replace, rmtree = os.fsync, os.replace, atomic_files.shutil.rmtree
+    monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
+                                                 fsync(fd))[1])
+    monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), replace(a, b))[1])
+    monkeypatch.setattr(atomic_files.shutil, "rmtree", lambda p: (events.append(("rmtree", str(p))), rmtree(p))[1])
+    state = tmp_path / "x-state"
+    state.mkdir()
+    (state / "old.json").write_text("{}")
+    with atomic_files.atomic_folder(str(state)) as tmp:
+        with open(os.path.join(tmp, "optimizer.pt"), "wb") as f:
+            f.write(b"state")
+        os.mkdir(os.path.join(tmp, "sub"))
+        with open(os.path.join(tmp, "sub", "train_state.json"), "w") as f:
+            f.write("{}")
+    kinds = [kind for kind, _ in events]
+    first_replace, removed = kinds.index("replace"), kinds.index("rmtree")
+    synced_before = {os.path.relpath(p, tmp) for kind, p in events[:first_replace] if kind == "fsync"}
+    assert {"optimizer.pt", os.path.join("sub", "train_state.json"), "sub", "."} <= synced_before, events
+    assert ("fsync", str(tmp_path)) in events[kinds.index("replace", first_replace + 1):removed], events
+    assert sorted(os.listdir(state)) == ["optimizer.pt", "sub"]
+
+
 def test_a_run_removes_the_temporaries_killed_saves_left_for_its_output_name_only(tmp_path):
     """A save killed mid-write (SIGKILL) left its hidden temporary (half the LoRA) that no later run removed.
     Under its output lock a run removes those of its own saves (LoRA files, step saves, EMAs, PEFT / model
