@@ -1,9 +1,12 @@
 """A run's lifecycle on disk: sample names that a later (or resumed) run does not overwrite, seeds
 that agree between training samples and generate.py, schedule checks before caching, saves, resume."""
 
+import json
+import os
 import re
 import time
 
+import pytest
 from PIL import Image
 
 import train_lora
@@ -152,6 +155,35 @@ def test_a_run_that_does_not_resume_an_unfinished_state_in_its_output_dir_is_ref
     assert capsys.readouterr().err.endswith(f"{out}: not a training state (no train_state.json); it holds {state}\n")
     assert train_lora.main([*fresh, "--resume", str(state)]) == 0
     assert f"resumed from {state} at step 2 (epoch 1, 2 of its batches done)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("peer_json", [{"current_epoch": 1, "current_step": 5}, None], ids=["sd-scripts", "musubi"])
+def test_a_peers_state_named_as_ours_is_neither_replaced_nor_called_damaged(tiny_set, tmp_path, capsys, peer_json):
+    """sd-scripts and musubi-tuner name their final accelerate state <output_name>-state, as ours: a run into their
+    output_dir took it for no state (musubi-tuner's, no train_state.json) or a damaged one (sd-scripts' has its own)
+    and replaced it at its first save; --resume at it said "no 'step' ... the state is damaged" or "not a training
+    state". Now one line each, before caching, the folder untouched; a --resume path that is not there says so."""
+    out = tmp_path / "run"
+    peer = out / "tiny_flux_lora-state"
+    peer.mkdir(parents=True)
+    for name in ("optimizer.bin", "scheduler.bin", "random_states_0.pkl", "model.safetensors"):
+        (peer / name).write_bytes(b"accelerate")
+    if peer_json:
+        (peer / "train_state.json").write_text(json.dumps(peer_json))
+    before = sorted(os.listdir(peer))
+    capsys.readouterr()
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "1")) == 2
+    said = f"error: {peer}: an accelerate state (sd-scripts' or musubi-tuner's save_state); "
+    assert capsys.readouterr().err == (f"{said}this run would replace it at its first save: move it, or set another "
+                                       f"output_name\n")
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "1", "--resume", str(peer))) == 2
+    assert capsys.readouterr().err == (f"{said}ours resumes only its own: start from the peer's LoRA with "
+                                       f"network_weights\n")
+    assert sorted(os.listdir(peer)) == before and not [p for p in os.listdir(out) if p.endswith(".safetensors")]
+    missing = tmp_path / "nowhere-state"
+    assert train_lora.main(flux_args(tiny_set, out, "--max_train_steps", "1", "--resume", str(missing))) == 2
+    assert capsys.readouterr().err == (f"error: {missing}: no such folder; --resume takes the <output_name>-state "
+                                       f"folder a run saved\n")
 
 
 def test_resume_inside_an_epoch_with_other_data_is_refused(tiny_set, tmp_path, capsys):

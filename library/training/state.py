@@ -137,12 +137,25 @@ class SavedState(NamedTuple):
     ema: dict[str, torch.Tensor] | None  # with ema_decay set
 
 
+# What accelerate's save_state writes (sd-scripts' and musubi-tuner's --save_state, named <output_name>-state at a
+# run's end as ours is; sd-scripts adds a train_state.json of its own, current_epoch / current_step).
+ACCELERATE_STATE_FILES = ("optimizer.bin", "scheduler.bin", "random_states_0.pkl")
+PEER_STATE = "an accelerate state (sd-scripts' or musubi-tuner's save_state)"
+
+
+def is_peer_state(folder: str) -> bool:
+    return any(os.path.isfile(os.path.join(folder, name)) for name in ACCELERATE_STATE_FILES)
+
+
 def check_no_unfinished_state(args) -> None:
     """A run that does not resume, in an output_dir that holds <output_name>-state of an unfinished run: one line.
     The state is one folder, replaced at each save: a forgotten --resume replaced it at the new run's first save
     without a word, and the run it could continue could continue no more. A finished run's state (or one written
     before max_steps was kept, or a damaged one) is replaced, as sd-scripts replaces its own."""
     folder = os.path.join(args.output_dir, f"{args.output_name}-state")
+    if is_peer_state(folder):  # the peers name their final state as ours: it was replaced at our first save
+        raise ValueError(f"{folder}: {PEER_STATE}; this run would replace it at its first save: move it, or set "
+                         f"another output_name")
     path = os.path.join(folder, "train_state.json")
     if not os.path.isfile(path):
         return
@@ -161,9 +174,15 @@ def load_state(folder: str, args) -> SavedState:
     """Every file of the state, read and checked before anything is built from it. Refuses a state
     written by a run with other settings, naming the first setting that differs, and a damaged
     file, naming it."""
+    if not os.path.isdir(folder):
+        what = "a file, not a folder" if os.path.exists(folder) else "no such folder"
+        raise ValueError(f"{folder}: {what}; --resume takes the <output_name>-state folder a run saved")
+    if is_peer_state(folder):  # its train_state.json, where it has one, was called damaged
+        raise ValueError(f"{folder}: {PEER_STATE}; ours resumes only its own: start from the peer's LoRA with "
+                         f"network_weights")
     path = os.path.join(folder, "train_state.json")
     if not os.path.exists(path):
-        inside = sorted(d for d in (os.listdir(folder) if os.path.isdir(folder) else [])
+        inside = sorted(d for d in os.listdir(folder)
                         if os.path.isfile(os.path.join(folder, d, "train_state.json")))
         hint = f"; it holds {', '.join(os.path.join(folder, d) for d in inside)}" if inside else ""
         raise ValueError(f"{folder}: not a training state (no train_state.json){hint}")
