@@ -236,6 +236,7 @@ class Trainer:
                                 self.batches_done)
         self.saver = Saver(args, task, accelerator, self.started, self.max_steps, epochs, self.ema, saves, earlier,
                            self.modes.reading)
+        self.last_save: tuple[int, str | None, str | None] = (-1, None, None)  # step, LoRA, state folder or None
 
     def save_epoch(self) -> int:
         """The epoch a save now falls in, from 1 (ss_epoch, sd-scripts' loop counter + 1): the one in
@@ -345,12 +346,18 @@ class Trainer:
             self.accelerator.print(f"{requested} during the final samples: {written}; the LoRA is final")
         return requested
 
-    def save_intermediate(self):
-        """A step or epoch save: the LoRA, and with save_state the state to resume from it."""
-        self.check_finite()
-        self.saver.lora(self.step, self.save_epoch())
-        if self.args.save_state:
-            self.saver.state(self.optimizer, self.scheduler, self.progress())
+    def save_intermediate(self, state: bool | None = None) -> tuple[str, str | None]:
+        """A step or epoch save: the LoRA, and with save_state (or `state`) the state to resume from it. Once a step:
+        a step save that ends an epoch is that epoch's save too, and a Ctrl-C after it adds only the state (each
+        was written again, the LoRA under the same name and the state, gigabytes at full size, twice)."""
+        step, path, folder = self.last_save
+        if step != self.step:
+            self.check_finite()
+            path, folder = self.saver.lora(self.step, self.save_epoch()), None
+        if (self.args.save_state if state is None else state) and folder is None:
+            folder = self.saver.state(self.optimizer, self.scheduler, self.progress())
+        self.last_save = (self.step, path, folder)
+        return path, folder
 
     def progress(self) -> dict:
         return {"step": self.step, "epoch": self.epoch, "batches_done": self.batches_done, "log_run": self.log_run,
@@ -565,9 +572,7 @@ class Trainer:
         requested = self.interrupt_requested()
         if requested and self.step < self.max_steps:  # (after the last: the final save as usual)
             self.interrupts.saving = True  # the run ends after this save: a second signal must not cut it
-            self.check_finite()
-            path = self.saver.lora(self.step, self.save_epoch())
-            folder = self.saver.state(self.optimizer, self.scheduler, self.progress())
+            path, folder = self.save_intermediate(state=True)
             raise StopTraining(f"{requested}: saved {path} and state {folder} at step {self.step}; "
                                f"continue with --resume {folder}", code=INTERRUPTED)
         self.clock.restart()

@@ -484,6 +484,31 @@ def test_epoch_save_with_save_state_writes_a_state_that_resumes(tiny_set, tmp_pa
     assert json.loads(meta["ss_dataset_dirs"]) and json.loads(meta["ss_tag_frequency"]), meta  # sd-scripts' folder keys
 
 
+def test_a_step_is_saved_once_when_its_step_save_ends_an_epoch_or_a_ctrl_c_follows(tiny_set, tmp_path, monkeypatch,
+                                                                                   capsys):
+    """save_every_n_steps and save_every_n_epochs firing at the same step wrote its LoRA (same name) and its state
+    twice, and a Ctrl-C after a step's save wrote both again: each step's LoRA and state are written once now."""
+    written, lora, state = [], train_lora.Saver.lora, train_lora.Saver.state
+
+    def count_lora(self, step, epoch, final=False, prune=True):
+        written.append(("lora", step, final))
+        if step == 2 and not final:  # a Ctrl-C as step 2's save is written: the run stops after it, at step 2
+            os.kill(os.getpid(), signal.SIGINT)
+        return lora(self, step, epoch, final, prune)
+
+    def count_state(self, optimizer, scheduler, progress):
+        written.append(("state", progress["step"]))
+        return state(self, optimizer, scheduler, progress)
+
+    monkeypatch.setattr(train_lora.Saver, "lora", count_lora)
+    monkeypatch.setattr(train_lora.Saver, "state", count_state)
+    epochs = ["--max_train_epochs", "3", "--save_every_n_epochs", "1", "--save_every_n_steps", "1",
+              "--save_state", "true", "--gradient_accumulation_steps", "8", "--sample_prompts", ""]  # a step an epoch
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "run", *epochs)) == 130
+    assert written == [("lora", 1, False), ("state", 1), ("lora", 2, False), ("state", 2)], written
+    assert "saved" in capsys.readouterr().err
+
+
 class Killed(Exception):
     """Stands in for SIGKILL: the run ends where it is, with no handler saving anything."""
 
