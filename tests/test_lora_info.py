@@ -41,6 +41,24 @@ def test_lora_info_describes_our_kohya_file_with_training_metadata(tiny_set, tmp
     assert json.loads(capsys.readouterr().out)["checked"].startswith("does not fit")
 
 
+def test_lora_info_names_the_modules_a_training_left_at_zero(tiny_set, tmp_path, capsys):
+    """A module whose up stayed at its zero init (frozen, left out of the optimizer) adds nothing at any ratio; the
+    report said only "all finite" (sd-scripts' check_lora_weights.py prints each tensor's mean |x| to find them)."""
+    from tools import lora_info
+
+    net = random_lora(tiny_set["flux_bfl"], tmp_path / "a.safetensors")
+    untrained = net.lora_modules()[3]
+    with torch.no_grad():
+        untrained.lora_up.weight.zero_()
+    net.save(str(tmp_path / "a.safetensors"))
+    got = info(tmp_path / "a.safetensors")
+    assert got["zero_modules"] == ["lora_unet_" + untrained.name.replace(".", "_")], got["zero_modules"]  # file names
+    assert lora_info.main([str(tmp_path / "a.safetensors")]) == 0
+    assert "zero modules: 1 of 26 have an up or down of zeros" in capsys.readouterr().out
+    random_lora(tiny_set["flux_bfl"], tmp_path / "b.safetensors")
+    assert info(tmp_path / "b.safetensors")["zero_modules"] == []
+
+
 def test_lora_info_reads_a_peft_llm_adapter_with_its_header_alpha(tiny_set, tmp_path):
     model, family, _ = load_model(tiny_set["llm"])
     weights = LoRANetwork(model, family, rank=4, alpha=8.0).lora_weights()

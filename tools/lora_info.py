@@ -21,6 +21,9 @@ training metadata and which model it fits.
   (lora_packed_experts).
 - values: whether every factor is finite (a diverged training's LoRA holds NaN / inf, which the trainer,
   generate and the LoRA tools refuse; a LyCORIS file's factors are not read).
+- zero modules: those whose delta is exactly 0, an up (or down) all zeros: as initialized and never trained (a
+  module frozen or left out of the optimizer, a save before the first step); sd-scripts' check_lora_weights.py
+  prints every tensor's mean |x| to find them.
 - metadata: the training settings our trainer and sd-scripts write (ss_* keys, networks/lora_files.py
   METADATA_KEYS: rank, alpha, network args, base model and its precision, optimizer, lr, steps ...),
   then every other header entry (modelspec.*, sshs_model_hash, our tools' lora_* records).
@@ -211,8 +214,14 @@ def _read_info(path: str) -> dict:
         "fits": fit, "text_encoders": text_encoder_note(te, text_encoder_labels(arch)) if te else None,
         "beside_lora": beside_lora_note(diffs) if diffs else None,
         "finite": None if fmt == "lycoris" else non_finite_factor(weights) or "all finite", "training": training,
+        "zero_modules": None if fmt == "lycoris" else zero_modules(weights),
         "metadata": {k: v for k, v in metadata.items() if k not in METADATA_KEYS.values()},
     }
+
+
+def zero_modules(weights: dict) -> list[str]:
+    """The modules whose delta is exactly 0 (an up or a down of zeros: never trained)."""
+    return [m for m, w in weights.items() if not w.up.any() or not w.down.any()]
 
 
 def check_against(path: str, model: str) -> str:
@@ -242,6 +251,9 @@ def text_report(info: dict) -> str:
     if info["finite"] is not None:  # a diverged training's file is what every loader refuses
         lines.append("values: all finite" if info["finite"] == "all finite" else
                      f"values: NOT FINITE: {info['finite']}: the trainer, generate and the LoRA tools refuse this file")
+    if zero := info["zero_modules"]:  # a module never trained: its delta is 0 whatever the ratio
+        lines.append(f"zero modules: {len(zero)} of {info['modules']} have an up or down of zeros, their delta is 0 "
+                     f"(never trained; first: {zero[0]})")
     lines += [f"modules: {info['modules']}", "ranks: " + (", ".join(f"{r} x{n}" for r, n in info["ranks"].items()) or "n/a (LyCORIS factors)"),
               "alphas: " + ", ".join(f"{a} x{n}" for a, n in info["alphas"].items()) + f" ({info['alpha_source']})",
               "dtypes: " + ", ".join(f"{d} x{n}" for d, n in info["dtypes"].items())]  # fmt: skip
