@@ -72,7 +72,7 @@ def test_abbreviated_flags_are_refused(script, capsys):
 
 
 @pytest.mark.parametrize("script", ["tools/generate.py", "tools/merge_lora.py", "tools/extract_lora.py",
-                                    "tools/convert_lora.py"])
+                                    "tools/convert_lora.py", "tools/resize_lora.py", "tools/combine_loras.py"])
 def test_a_peers_flags_name_ours(script, capsys):
     """A musubi-tuner / sd-scripts command line (--dit, --from_file, --model_org) was argparse's "required: --model"
     or "unrecognized arguments". Each peer flag is named with ours, and none of them is a flag of the tool's own."""

@@ -39,8 +39,19 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 from tools.cli import Parser, check_command_line, save_precision_name, exit_without_collecting  # noqa: E402
 
 
+# sd-scripts' svd_merge_lora.py and its models' merge_lora.py scripts without a base (LoRAs into one) -> ours. Their
+# concat scales up and down by sqrt(ratio) each time (ratio twice) and keeps the first file's alpha over the summed
+# rank: theirs at ratio 1 is half the sum; ours stacks each LoRA at its own strength (alpha = the summed rank).
+PEER_FLAGS = {"--models": "--lora PATH:RATIO ...", "--ratios": "--lora PATH:RATIO ...",
+              "--new_rank": "--mode svd --rank N", "--concat": "--mode concat (the default)",
+              "--shuffle": "none: --mode concat stacks the factors as they are",
+              "--new_conv_rank": "none: ours combines Linear LoRAs (a conv LoRA is refused)",
+              "--no_metadata": "none: ours always writes the header", "--lbws": "none (SD / SDXL block weights)",
+              "--precision": "none: the deltas and SVDs run in float32"}
+
+
 def build_parser() -> Parser:
-    parser = Parser(description=__doc__.split("\n\n")[0])
+    parser = Parser(description=__doc__.split("\n\n")[0], peer_flags=PEER_FLAGS)
     parser.add_argument("--lora", required=True, nargs="+", help="LoRA files as path[:ratio] (ratio 1 when left out)")
     parser.add_argument("--save_to", required=True, help="output .safetensors")
     parser.add_argument("--mode", choices=["concat", "svd"], default="concat", help="concat: exact; svd: compress to --rank")

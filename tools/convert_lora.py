@@ -77,7 +77,9 @@ from tools.cli import Parser, check_command_line, exit_without_collecting  # noq
 
 # musubi-tuner's convert_lora.py flags -> ours
 PEER_FLAGS = {"--input": "the first argument (input)", "--output": "the second argument (output)",
-              "--target": "--to (musubi-tuner's default: kohya; other: diffusers)"}
+              "--target": "--to (musubi-tuner's default: kohya; other: comfy, its diffusion_model.* names; other "
+                          "with --diffusers_prefix transformer: diffusers)",
+              "--diffusers_prefix": "--to comfy (diffusion_model.*) or --to diffusers (transformer.*)"}
 
 
 def build_parser() -> Parser:

@@ -50,7 +50,13 @@ from tools.cli import Parser, check_command_line, save_precision_name, exit_with
 
 
 # sd-scripts' and musubi-tuner's LoRA-extraction scripts' flags -> ours
-PEER_FLAGS = {"--model_org": "--model", "--model_tuned": "--tuned", "--dim": "--rank"}
+PEER_FLAGS = {"--model_org": "--model", "--model_tuned": "--tuned", "--dim": "--rank",
+              # theirs clip U S and Vh at this quantile (0.99 unset): each module's delta weaker and less exact
+              "--clamp_quantile": "none: ours keeps the SVD's factors unclipped",
+              "--no_metadata": "none: ours always writes the header (rank, base, ModelSpec)",
+              "--mem_eff_safe_open": "none: ours reads the checkpoints tensor by tensor",
+              "--conv_dim": "none: ours extracts the transformer's Linear layers",
+              "--load_precision": "none: the differences and SVDs run in float32"}
 
 
 def build_parser() -> Parser:

@@ -116,7 +116,10 @@ GGUF_PRECISIONS = ("gguf_q8_0", "gguf_q5_1", "gguf_q5_0", "gguf_q4_1", "gguf_q4_
 
 
 # sd-scripts' and musubi-tuner's LoRA-merge scripts' flags -> ours (a model's own, --<name>_model: its spec's)
-PEER_FLAGS = {"--dit": "--model", "--models": "--lora PATH:RATIO ...", "--ratios": "--lora PATH:RATIO ...",
+# (sd-scripts' --models without a base merges LoRAs into one: tools/combine_loras.py)
+INTO_ONE = "--lora PATH:RATIO ... (LoRAs into one LoRA: tools/combine_loras.py --lora PATH:RATIO ...)"
+PEER_FLAGS = {"--dit": "--model", "--models": INTO_ONE, "--ratios": INTO_ONE, "--concat": "tools/combine_loras.py",
+              "--shuffle": "none (tools/combine_loras.py --mode concat stacks the factors as they are)",
               "--lora_weight": "--lora PATH:RATIO ...", "--lora_multiplier": "--lora PATH:RATIO ...",
               "--save_merged_model": "--save_to"}
 

@@ -48,9 +48,15 @@ if __package__ in (None, ""):  # run as a script: make `library` importable
 from tools.cli import Parser, check_command_line, save_precision_name, exit_without_collecting  # noqa: E402
 
 
+# sd-scripts' resize_lora.py flags -> ours (its --model is the LoRA: ours' --lora; ours' --model is the base)
+PEER_FLAGS = {"--verbose": "none: ours prints every module's ranks, kept energy and error",
+              "--new_conv_rank": "none: ours resizes Linear LoRAs (a conv LoRA is refused)"}
+
+
 def build_parser() -> Parser:
-    parser = Parser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--lora", required=True, help="LoRA .safetensors to resize (kohya, PEFT/diffusers, ComfyUI)")
+    parser = Parser(description=__doc__.split("\n\n")[0], peer_flags=PEER_FLAGS)
+    parser.add_argument("--lora", required=True, help="LoRA .safetensors to resize (kohya, PEFT/diffusers, ComfyUI; "
+                                                      "sd-scripts' resize_lora.py --model)")
     parser.add_argument("--save_to", required=True, help="output .safetensors (same layout as the input)")
     parser.add_argument("--new_rank", type=int, default=4, help="rank, or the largest rank with --dynamic_method (default 4)")
     # Not argparse choices: DYNAMIC_METHODS lives with the SVD code (torch); check_args refuses other names.
