@@ -53,8 +53,8 @@ from library.training.ema import TrainableEMA  # noqa: E402
 from library.training.host_memory import return_freed_buffers  # noqa: E402
 from library.training.lr_plot import plot_runs  # noqa: E402
 from library.training.schedule_free import OptimizerModes  # noqa: E402
-from library.training.state import (SavedState, check_no_unfinished_state, check_trainable_fit,  # noqa: E402
-                                    item_digests, load_state, restore_rng, rng_states, sample_seed)
+from library.training.state import (NothingToTrain, SavedState, check_no_unfinished_state,  # noqa: E402
+                                    check_trainable_fit, item_digests, load_state, restore_rng, rng_states, sample_seed)
 from library.training.saves import Saver, earlier_emas, resumed_saves, saves_at  # noqa: E402
 from library.training.task import Task  # noqa: E402
 
@@ -265,13 +265,7 @@ class Trainer:
         self.accelerator.print(f"resumed from {folder} at step {self.step} ({where})")
 
     def run(self) -> int:
-        args = self.args
-        if self.step >= self.max_steps:  # resumed at the end: the run that wrote the state saved its LoRA
-            planned = (f"the run is {self.max_steps} steps (max_train_epochs = {args.max_train_epochs})" if args.max_train_epochs
-                       else f"max_train_steps is {self.max_steps}")
-            self.accelerator.print(f"nothing to train: {args.resume} is at step {self.step}, {planned}")
-            self.accelerator.end_training()
-            return 0
+        # (a state resumed at its run's end stopped before the models loaded: state.NothingToTrain)
         # Kept to the end: a Ctrl-C during the last step lets the final LoRA and state be written (and
         # skips the final samples) rather than leaving a run that trained every step without its LoRA.
         self.interrupts = Interrupts()
@@ -605,6 +599,9 @@ def main(argv=None) -> int:
     except SamplesFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except NothingToTrain as e:  # resumed at its end: before the models load
+        print(str(e))
+        return 0
     except KeyboardInterrupt:  # Ctrl-C before the loop (loading, caching) or a second one inside it
         print("interrupted: stopped before the next save (cache files are written whole; a rerun reuses them)",
               file=sys.stderr)

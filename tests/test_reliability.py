@@ -629,12 +629,25 @@ def test_resume_from_a_damaged_state_is_one_error_line_before_the_models_load(tr
     assert built == [] and files_under(out) == []
 
 
-def test_resume_at_the_final_step_into_a_new_folder_has_nothing_to_train(trained, tiny_set, tmp_path, capsys):
-    state, out = trained / "tiny_flux_lora-state", tmp_path / "out"
+@pytest.mark.parametrize("epochs", [False, True])
+def test_resume_at_the_final_step_into_a_new_folder_has_nothing_to_train(trained, tiny_set, tmp_path, capsys,
+                                                                         monkeypatch, epochs):
+    """Said after the models had loaded and the caches filled (minutes at full size, for one line): now as soon as
+    the run's length is known, from the config (max_train_steps) or the dataset's batches (max_train_epochs)."""
+    from library.training.diffusion_task import DiffusionTask
+
+    state, out, length = trained / "tiny_flux_lora-state", tmp_path / "out", ()
+    if epochs:  # a run of one epoch (one step: all its batches in one accumulation), finished with its state
+        length = ("--max_train_epochs", "1", "--gradient_accumulation_steps", "64", "--sample_prompts", "")
+        assert train_lora.main(flux_args(tiny_set, tmp_path / "epoch", "--save_state", "true", "--network_dim", "8",
+                                         *length)) == 0
+        state = tmp_path / "epoch" / "tiny_flux_lora-state"
+    monkeypatch.setattr(DiffusionTask, "_fill_caches", lambda self: pytest.fail("caching a run with nothing to train"))
     capsys.readouterr()
-    assert train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--resume", str(state))) == 0
+    assert train_lora.main(flux_args(tiny_set, out, "--network_dim", "8", "--resume", str(state), *length)) == 0
     captured = capsys.readouterr()
-    assert f"nothing to train: {state} is at step 1, max_train_steps is 1" in captured.out, captured.out
+    planned = "the run is 1 step (max_train_epochs = 1)" if epochs else "max_train_steps is 1"
+    assert f"nothing to train: {state} is at step 1, {planned}" in captured.out, captured.out
     assert captured.err == "" and files_under(out) == []
 
 

@@ -147,6 +147,18 @@ def is_peer_state(folder: str) -> bool:
     return any(os.path.isfile(os.path.join(folder, name)) for name in ACCELERATE_STATE_FILES)
 
 
+class NothingToTrain(Exception):
+    """A resumed state at (or past) the run's last step: the run that wrote it saved its LoRA. One line and exit 0,
+    as soon as the run's length is known (before the models load and the caches fill)."""
+
+
+def check_steps_left(folder: str, progress: dict, max_steps: int, args) -> None:
+    if progress["step"] >= max_steps:
+        planned = (f"the run is {max_steps} step{'s' * (max_steps != 1)} (max_train_epochs = {args.max_train_epochs})"
+                   if args.max_train_epochs else f"max_train_steps is {max_steps}")
+        raise NothingToTrain(f"nothing to train: {folder} is at step {progress['step']}, {planned}")
+
+
 def check_no_unfinished_state(args) -> None:
     """A run that does not resume, in an output_dir that holds <output_name>-state of an unfinished run: one line.
     The state is one folder, replaced at each save: a forgotten --resume replaced it at the new run's first save
@@ -209,7 +221,10 @@ def load_state(folder: str, args) -> SavedState:
     trainable = read_tensors(os.path.join(folder, "trainable.safetensors"))
     optimizer = read_optimizer_state(os.path.join(folder, "optimizer.pt"))
     rng = read_tensors(os.path.join(folder, "rng.safetensors"))
-    return SavedState(trainable, optimizer, progress, rng, load_ema_state(folder) if args.ema_decay else None)
+    ema = load_ema_state(folder) if args.ema_decay else None
+    if not args.max_train_epochs:  # a damaged file is said first
+        check_steps_left(folder, progress, args.max_train_steps, args)
+    return SavedState(trainable, optimizer, progress, rng, ema)
 
 
 def check_resumed_fit(folder: str, progress: dict, args, batches_per_epoch: int, items: list[str],
@@ -217,7 +232,9 @@ def check_resumed_fit(folder: str, progress: dict, args, batches_per_epoch: int,
     """The resumed state against this run's data: the run's length (with max_train_epochs, known from
     the batches), the batches per epoch (with Task.epoch_settings) and the files (Task.data_items). A
     task calls it as soon as it knows its batches, before any slow work (a diffusion task's caching)."""
-    check_resumed_length(folder, progress, plan_steps(args, batches_per_epoch, progress), args)
+    steps = plan_steps(args, batches_per_epoch, progress)
+    check_steps_left(folder, progress, steps, args)
+    check_resumed_length(folder, progress, steps, args)
     check_resumed_epoch(folder, progress, batches_per_epoch, epoch_settings)
     check_resumed_data(folder, progress, item_digests(items))
 
