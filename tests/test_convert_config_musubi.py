@@ -166,6 +166,18 @@ def test_control_resolution_is_carried_where_it_is_the_resolutions_area(tmp_path
     assert t.dataset["datasets"][0]["subsets"][0]["control_directory"] == "c"
 
 
+def test_references_beside_the_training_images_are_not_carried(tmp_path):
+    """musubi-tuner takes a control_directory equal to image_directory (the captioned images are the targets, name_0.png
+    their references); ours reads every image of image_dir as a target, and the written dataset trained each image as
+    its own reference (now refused by the loader): not carried, with why."""
+    dataset = {"datasets": [{"image_directory": "i", "control_directory": "i/."}]}
+    t = musubi_tuner.translate({"network_module": "networks.lora_qwen_image", "model_version": "edit"}, "c.toml",
+                               dataset=dataset, dataset_source="d.toml")
+    verdict, why = verdict_of(t, "datasets[0].control_directory")
+    assert verdict == NOT_CARRIED and "folder of their own" in why, why
+    assert "control_directory" not in t.dataset["datasets"][0]["subsets"][0]
+
+
 @pytest.mark.parametrize("keys, verdicts", [
     ({}, {}), ({"no_resize_control": True}, {"no_resize_control": DROPPED}),
     ({"control_resolution": [1024, 1024], "no_resize_control": True},

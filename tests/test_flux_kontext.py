@@ -192,3 +192,32 @@ def test_sampling_matches_flux_and_kontext_pipelines(tiny_set, tmp_path, monkeyp
     relative = ((ours - theirs).norm() / theirs.norm()).item()
     print(f"{family.name} sampling vs its pipeline: relative {relative:.3g}")
     assert relative <= 1e-5
+
+
+def test_an_edit_model_type_trained_without_any_reference_is_warned(tiny_set, tmp_path, monkeypatch):
+    """Kontext on a dataset with no control_directory trained text-to-image to the end without a word (musubi-tuner
+    stops on it): a forgotten control_directory. One warning before caching; none where a subset has references."""
+    import train_lora
+    from library.data.controls import references_missing
+    from library.training.diffusion_task import DiffusionTask
+    from tests.test_reliability import flux_args
+
+    class BeforeCaching(Exception):
+        pass
+
+    def stop(self):
+        raise BeforeCaching
+
+    monkeypatch.setattr(DiffusionTask, "_fill_caches", stop)
+    said = "model_type flux_kontext is an edit model, but no training image has a reference image"
+    with pytest.warns(UserWarning, match=said), pytest.raises(BeforeCaching):
+        train_lora.main(flux_args(tiny_set, tmp_path / "out", "--model_type", "flux_kontext"))
+
+    class Item:
+        def __init__(self, controls):
+            self.control_paths = controls
+
+    assert references_missing([Item([]), Item(["a_0.png"])], "flux_kontext") is None
+    assert said in references_missing([Item([]), Item([])], "flux_kontext")
+    assert family_class("flux_kontext").edits_without_references_warn
+    assert not family_class("flux").edits_without_references_warn

@@ -191,6 +191,12 @@ def test_control_directory_must_be_a_folder_and_a_family_must_take_references(tm
     make_image(tmp_path / "img" / "a.png", 32, 32)
     with pytest.raises(ValueError, match=r"paired.toml: .* key 'control_directory' '.*ctrl' is not a folder"):
         paired_blueprint(tmp_path)
+    # the image_dir itself (a.png its own reference, a_0.png a target without a caption): refused, whatever the spelling
+    for same in (tmp_path / "img", tmp_path / "img" / ".", tmp_path / "ctrl2"):
+        if same.name == "ctrl2":
+            os.symlink(tmp_path / "img", same)
+        with pytest.raises(ValueError, match=r"key 'control_directory' .* is the image_dir: each image there is a "):
+            paired_blueprint(tmp_path, control_directory=str(same))
     make_image(tmp_path / "ctrl" / "a.png", 32, 32)
     items = D.ImageDataset(paired_blueprint(tmp_path)).items
     check_family_takes(items, "flux_kontext", 4)

@@ -210,6 +210,12 @@ def _parse_subset(source: str, general: dict, dataset: dict, subset: dict, secti
         raise ValueError(f"{where} key 'mask_dir' {spec.mask_dir!r} is not a folder")
     if spec.control_directory is not None and not os.path.isdir(spec.control_directory):
         raise ValueError(f"{where} key 'control_directory' {spec.control_directory!r} is not a folder")
+    control = spec.control_directory
+    if control is not None and os.path.realpath(control) == os.path.realpath(spec.image_dir):
+        # every image there is a target: name.png became its own reference, name_0.png a target without a caption
+        raise ValueError(f"{where} key 'control_directory' {control!r} is the image_dir: each image there is a "
+                         f"training image; put the reference images (name.png or name_0.png, ...) in a folder of "
+                         f"their own")
     if spec.multiple_target and (spec.control_directory or spec.alpha_mask or spec.mask_dir):
         raise ValueError(f"{where} key 'multiple_target' (layered targets: library/data/layers.py) takes no "
                          f"control_directory, alpha_mask or mask_dir (the composite is the reference; alpha is trained)")

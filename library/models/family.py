@@ -163,6 +163,9 @@ class DiffusionFamily:
     latent_channels = 16  # VAE latent channels: the latents are [B, latent_channels, H/8, W/8]
     max_controls = 0  # reference images a sample may carry (0: the family takes none)
     min_controls = 0  # reference images every training image needs
+    # An edit model's type that also runs without references (min_controls 0): a training set of none is most likely
+    # a forgotten control_directory, and the LoRA learns text-to-image (one warning before caching)
+    edits_without_references_warn = False
     text_sees_controls = False  # the text encoder takes the reference images with the captions
     plan_controls = 0  # references the memory planner sizes a training sample for
     takes_layers = False  # trains on layered targets (a dataset's multiple_target: library/data/layers.py)

@@ -25,7 +25,7 @@ from library.data.check import (TokenLimit, references_sized_apart, refuse_long_
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import (caption_as_written, largest_step, refuse_large_buckets, scan_images,
                                        split_validation)
-from library.data.controls import check_family_takes, check_prompt_controls
+from library.data.controls import check_family_takes, check_prompt_controls, references_missing
 from library.data.dataset_config import check_token_side, load_dataset_config
 from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import Preservation, get_family, stack_text, warn_unread_prompt_options
@@ -296,6 +296,8 @@ class DiffusionTask:
         refuse_large_buckets(train + validation, largest, bp.source)
         if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
             warn(training_warnings(train, validation, limit))
+            if self.family.edits_without_references_warn and (said := references_missing(train, self.family.name)):
+                warnings.warn(f"{self.args.dataset_config}: {said}", stacklevel=2)
             enlarged = upscaled(train + validation)
             if enlarged:
                 self.accelerator.print(f"{self.args.dataset_config}: {enlarged}")

@@ -41,6 +41,7 @@ class FluxKontextFamily(FluxFamily):
     sample_steps = SPEC.sample_steps["kontext"]
     max_controls = 4
     plan_controls = 1
+    edits_without_references_warn = True  # Kontext runs text-to-image too; musubi-tuner stops without references
     # Samples: FluxKontextPipeline (_auto_resize) stretches each reference (Lanczos) to its preferred resolution,
     # of nearly its aspect ratio; training crops them to the target's bucket (musubi-tuner's), as samples did before
     stretches_sample_references = True

@@ -50,6 +50,7 @@ class Krea2EditFamily(Krea2Family):
     arch = "krea2"  # Krea 2's transformer: its LoRA targets, fp8 rules and flow-matching constants
     max_controls = 4  # ai-toolkit takes any number (each a further frame on the first RoPE axis)
     min_controls = 0  # none: the text-to-image forward exactly
+    edits_without_references_warn = True  # (the text-to-image model type is krea2)
     plan_controls = 1
     text_sees_controls = True  # encode(captions, condition_images): ai-toolkit shows them to Qwen3-VL
     reference_resolution = REFERENCE_RESOLUTION  # an instance takes the config's (a planner preset keeps these)

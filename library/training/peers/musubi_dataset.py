@@ -12,6 +12,7 @@ which hold every one of them and more (the line says how many). A JSONL or video
 from __future__ import annotations
 
 import math
+import os
 from typing import Any
 
 from library.models.registry import spec_of
@@ -102,6 +103,10 @@ def _not_an_image_folder(entry: dict) -> str:
     return ""
 
 
+def _same_folder(a: Any, b: Any) -> bool:
+    return isinstance(a, str) and isinstance(b, str) and os.path.realpath(a) == os.path.realpath(b)
+
+
 def _references(t: Translation, label: str, key: str, value: Any, entry: dict, pick: dict, model_type: str,
                 subset: dict) -> None:
     """control_directory and how its images are sized (the spec's references: "target" or "area"); multiple_target
@@ -118,7 +123,11 @@ def _references(t: Translation, label: str, key: str, value: Any, entry: dict, p
     if sizing is None:
         (t.drop if is_off(value) else t.refuse)(label, value, "reference images: this model takes none here")
         return
-    if key == "control_directory":
+    if key == "control_directory" and _same_folder(value, entry.get("image_directory")):
+        t.refuse(label, value, "the references beside the training images (musubi-tuner takes the captioned ones as "
+                               "targets): ours reads every image of image_dir as one; move the references (name_0.png "
+                               "...) to a folder of their own and set control_directory to it")
+    elif key == "control_directory":
         subset[key] = value
         sized = "control_resolution" in entry or entry.get("no_resize_control")
         ours = {"area": "encodes it at the resolution's area, its own aspect",
