@@ -233,3 +233,12 @@ def test_a_ctrl_c_in_a_tool_is_one_line_and_status_130_leaving_no_partial_output
                           timeout=300)
     assert (done.returncode, done.stderr) == (130, "interrupted\n"), done.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["k.safetensors"]
+
+
+def test_generates_guidance_scale_hint_says_where_musubi_tuners_scale_reads_otherwise():
+    """musubi-tuner's --guidance_scale on Krea 2 is standard CFG, ours' guidance + 1 (its 5.5 is ours' 4.5), and runs
+    only above 1: the hint said --guidance alone, so a ported Turbo command (--guidance_scale 1) ran CFG here."""
+    from tools import generate
+
+    said = generate.peer_flags()["--guidance_scale"]
+    assert "Krea 2: its value - 1, CFG only above 1 there" in said and "Z-Image: its value, CFG only above 1" in said

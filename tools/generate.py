@@ -50,15 +50,32 @@ def _per_release(defaults: str) -> str:
 PEER_FLAGS = {"--dit": "--model", "--ckpt_path": "--model", "--vae": "--ae", "--from_file": "--prompt_file",
               "--save_path": "--out", "--output_dir": "--out", "--infer_steps": "--steps",
               "--image_size": "--height H --width W", "--negative_prompt": "--negative",
-              "--guidance_scale": "--guidance", "--cfg_scale": "--guidance", "--control_image_path": "--control_image",
+              "--guidance_scale": "--guidance", "--cfg_scale": "--guidance (where the model samples with true CFG; "
+              "none over an embedded guidance: sd-scripts' true CFG there)",
+              "--control_image_path": "--control_image",
               "--lora_weight": "--lora PATH:RATIO", "--lora_multiplier": "--lora PATH:RATIO",
               "--lora_weights": "--lora PATH:RATIO", "--merge_lora_weights": "--lora PATH:RATIO (applied unmerged)",
               "--fp8": "--base_precision fp8", "--fp8_scaled": "--base_precision fp8_scaled",
-              "--vae_enable_tiling": "--vae_tiling"}
+              "--vae_enable_tiling": "--vae_tiling", "--embedded_cfg_scale": "--guidance",
+              "--ref_images": "--control_image", "--output_image": "--out (a folder)", "--image_width": "--width",
+              "--image_height": "--height", "--discrete_flow_shift": "--flow_shift",
+              "--pretrained_model_name_or_path": "--model", "--ae_path": "--ae",
+              "--mu": "--flow_shift (e^mu: a fixed shift k = e^mu)",
+              "--cpu_noise": "none: the noise is always drawn on the CPU"}
+
+
+def peer_flags() -> dict[str, str]:
+    """PEER_FLAGS with the CFG scale's reading per model where musubi-tuner's differs (spec MusubiModels.sample_cfg):
+    its --guidance_scale g is ours' g - offset, and runs CFG only above 1 (ours above 0)."""
+    cfgs = [(spec.title, musubi.sample_cfg) for spec in arch_specs().values()
+            if (musubi := spec.peer_models.get("musubi-tuner")) is not None and getattr(musubi, "sample_cfg", None)]
+    said = "; ".join(f"{title}: its value{f' - {cfg.offset:g}' if cfg.offset else ''}, CFG only above 1 there"
+                     for title, cfg in cfgs)
+    return {**PEER_FLAGS, "--guidance_scale": f"--guidance ({said})" if said else "--guidance"}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, peer_flags=PEER_FLAGS)
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter, peer_flags=peer_flags())
     p.add_argument("--model_type", required=True, choices=tuple(FAMILIES))
     p.add_argument("--model", required=True, help="transformer checkpoint (single file / diffusers folder / ComfyUI "
                                                    "file, fp8 and scaled fp8 ones used as they are)")
