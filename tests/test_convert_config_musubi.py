@@ -197,6 +197,14 @@ def test_flux2_references_keep_their_size_up_to_1_mp(keys, verdicts):
         assert verdict_of(t, f"datasets[0].{key}")[0] == verdict
 
 
+@pytest.mark.parametrize("version", ["klein-4b", "klein-base-9b"])
+def test_flux2_model_version_is_carried_where_it_says_the_distilled_klein(version):
+    """Its model_version klein-4b (the step-distilled [klein]) was dropped ("ours tells ... from the checkpoint"),
+    which a single file cannot say: samples ran 50 steps with CFG on the distilled model. Carried now."""
+    t = musubi_tuner.translate({"network_module": "networks.lora_flux_2", "model_version": version}, "c.toml")
+    assert (t.config["model_type"], t.config["model_version"]) == ("flux2", version)
+
+
 def test_command_tells_the_model_from_the_script(tmp_path):
     command = ("accelerate launch src/musubi_tuner/flux_kontext_train_network.py --dit flux1-kontext-dev.safetensors "
                "--vae ae.safetensors --text_encoder1 t5xxl_fp16.safetensors --text_encoder2 clip_l.safetensors "

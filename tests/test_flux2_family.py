@@ -143,6 +143,25 @@ def test_sample_steps_default_to_a_distilled_kleins_own_4(tiny_set, tmp_path, di
     assert family.is_distilled == distilled and family.sample_steps == steps
 
 
+@pytest.mark.parametrize("name, version, distilled", [
+    ("flux-2-klein-4b.safetensors", None, True), ("flux-2-klein-base-4b.safetensors", None, False),
+    ("flux-2-klein-9b-fp8.safetensors", None, True), ("my-finetune.safetensors", None, False),
+    ("my-finetune.safetensors", "klein-4b", True), ("flux-2-klein-4b.safetensors", "klein-base-4b", False)])
+def test_a_single_files_distilled_klein_is_told_by_its_name_or_model_version(tiny_set, tmp_path, name, version,
+                                                                            distilled):
+    """A single file said nothing, so BFL's / Comfy-Org's flux-2-klein-4b.safetensors (the step-distilled [klein])
+    sampled as the base: 50 steps with CFG 4 against "", and no key could say otherwise (model_version was refused
+    for flux2; musubi-tuner's --model_version klein-4b was dropped by its converter). Its name, or model_version in
+    musubi-tuner's names, tells now."""
+    import shutil
+
+    shutil.copy(tiny_set["flux2_tiny"], tmp_path / name)
+    family = Flux2Family(str(tmp_path / name), model_version=version)
+    assert (family.is_distilled, family.sample_steps) == (distilled, 4 if distilled else 50)
+    with pytest.raises(ValueError, match=r"model_version 'klein': expected one of dev, klein-4b, klein-9b"):
+        Flux2Family(str(tmp_path / name), model_version="klein")
+
+
 def test_dev_sampling_matches_flux2_pipeline(tiny_set, tmp_path):
     """FLUX.2 [dev] (guidance embedding, no CFG; empirical mu from the size and step count): sample_latents
     equals Flux2Pipeline.__call__ on the same weights (our file saved as a diffusers folder), seed and

@@ -28,7 +28,7 @@ from functools import cached_property
 import torch
 
 from library.models.family import DiffusionFamily, ModelFile
-from library.models.flux2.spec import SPEC
+from library.models.flux2.spec import DISTILLED_VERSIONS, SPEC, VERSIONS
 
 
 class Flux2Family(DiffusionFamily):
@@ -42,6 +42,18 @@ class Flux2Family(DiffusionFamily):
     latent_channels = 32
     max_controls = 4  # the pipelines take any number, each a further frame on the t axis; four as the other edit models
     plan_controls = 0  # a text-to-image model first: presets plan none, a dataset's references are counted
+
+    def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
+        super().__init__(model_path, vae_path, **text_paths)
+        if model_version is not None and model_version not in VERSIONS:
+            raise ValueError(f"model_version {model_version!r}: expected one of {', '.join(VERSIONS)} (musubi-tuner's "
+                             f"names; the size is read from the checkpoint)")
+        self._version = model_version
+
+    @classmethod
+    def from_args(cls, args) -> "Flux2Family":
+        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
+                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     def model_files(self) -> list[ModelFile]:
         from library.models.vae import vae_markers
@@ -176,15 +188,20 @@ class Flux2Family(DiffusionFamily):
 
     @cached_property
     def is_distilled(self) -> bool:
-        """`is_distilled` of a diffusers pipeline folder's model_index.json (the step-distilled
-        klein models, which sample without CFG); False for single files, which do not say."""
+        """The step-distilled [klein] (samples in 4 steps without CFG): model_version where set (musubi-tuner's names),
+        else `is_distilled` of a diffusers pipeline folder's model_index.json, else the file name: BFL's and
+        Comfy-Org's single files of the distilled [klein] are flux-2-klein-4b / -9b, the base's flux-2-klein-base-*
+        (a single file read as the base before: 50 steps and CFG 4 on the distilled model)."""
+        if self._version is not None:
+            return self._version in DISTILLED_VERSIONS
         folder = self.model_path if os.path.isdir(self.model_path) else os.path.dirname(self.model_path)
         for candidate in (folder, os.path.dirname(folder.rstrip("/"))):
             index = os.path.join(candidate, "model_index.json")
             if os.path.isfile(index):
                 with open(index) as f:
                     return bool(json.load(f).get("is_distilled", False))
-        return False
+        name = os.path.basename(self.model_path.rstrip("/")).lower()
+        return os.path.isfile(self.model_path) and "klein" in name and "base" not in name
 
     # -- references ----------------------------------------------------------------------------
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],

@@ -109,13 +109,21 @@ TINY = S.TinySpec(
 )
 
 
-# -- the training config's keys of its text encoder files (library/training/config.py)
+# model_version: musubi-tuner's names; the step-distilled [klein] samples in 4 steps without CFG, the base in 50 with it
+DISTILLED_VERSIONS = ("klein-4b", "klein-9b")
+VERSIONS = ("dev", *DISTILLED_VERSIONS, "klein-base-4b", "klein-base-9b")
+
+# -- the training config's keys of its text encoder files and version (library/training/config.py)
 CONFIG_KEYS = (
     S.ConfigKey("text_encoder", str, "[klein] Qwen3, [dev] Mistral Small 3.1's language model (the repo's "
                                      "text_encoder/ folder or a single file, tokenizer/ beside it)"),
     S.ConfigKey("max_sequence_length", int, "text tokens a caption is padded / cut to, chat template included "
                                             "(default 512, as Flux2Pipeline / Flux2KleinPipeline's max_sequence_length)",
                 renders=True),
+    S.ConfigKey("model_version", str, "flux2: klein-4b / klein-9b (the step-distilled [klein]: samples in 4 steps "
+                "without CFG) or klein-base-4b / klein-base-9b (50 steps with CFG), dev, musubi-tuner's names; the "
+                "size is read from the checkpoint (default: the pipeline folder's model_index.json is_distilled, else "
+                "the file name: a [klein] file whose name does not say base is the distilled one, as BFL names them)"),
 )
 
 
@@ -138,8 +146,7 @@ MUSUBI = S.MusubiModels(
     script="flux_2_train_network.py",
     lora_module="networks.lora_flux_2",
     model_type="flux2",
-    versions={v: {"model_type": "flux2"} for v in ("dev", "klein-4b", "klein-base-4b", "klein-9b", "klein-base-9b")},
-    versions_unread="ours tells FLUX.2 [dev] / [klein] 4B / 9B and a distilled [klein] from the checkpoint",
+    versions={v: {"model_type": "flux2", "model_version": v} for v in VERSIONS},
     swap_scale=2,
     token_grid=True,
     references={"flux2": "own"},  # each keeps its own size up to 1 MP (the pipelines'); its default fits the target's
