@@ -354,3 +354,21 @@ def test_a_png_records_no_negative_prompt_the_model_did_not_read(tiny_set, tmp_p
                                            "1")) == 0
     with Image.open(tmp_path / "out" / "000_1.png") as png:
         assert png.text["prompt"] == "a dog" and png.text["negative"] == "", png.text
+
+
+@pytest.mark.parametrize("model_type, side", [("flux", 1024), ("hunyuan_image", 2048), ("hidream_o1", 2048)])
+def test_the_default_size_is_the_models_pipelines(model_type, side):
+    """Every model rendered 1024 x 1024 without --width / --height, the 2K models too (HunyuanImagePipeline and
+    musubi-tuner's HiDream-O1 script default to 2048)."""
+    from types import SimpleNamespace
+
+    from library.models.family import family_class
+
+    family = family_class(model_type)
+    stand_in = SimpleNamespace(sample_guidance=1.0, sample_steps=4, vae_downsample=8, patch=2,
+                               render_size=family.render_size, true_cfg=False,
+                               guidance_is_cfg_scale=lambda: False, caption_token_limit=lambda args: None,
+                               largest_image=lambda: None)
+    args = generate.build_parser().parse_args(["--model_type", model_type, "--model", "m", "--prompt", "a cat"])
+    prompt = generate.collect_prompts(args, stand_in)[0]
+    assert (prompt.width, prompt.height) == (side, side)

@@ -95,8 +95,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "without a negative; a guidance at or under the "
                         "model's CFG threshold (1, or 0 where its pipeline tests > 0) runs none, with a warning where a "
                         "negative is given; refused on a model without CFG)")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--height", type=int, default=1024)
+    p.add_argument("--width", type=int, default=None, help="default: the model's pipeline's (1024; 2048 for the 2K "
+                                                            "models)")
+    p.add_argument("--height", type=int, default=None, help="default: as --width's")
     p.add_argument("--steps", type=int, default=None,
                    help="default: the release's own, its diffusers pipeline's num_inference_steps (a step-distilled "
                         f"one's count) - {_per_release('sample_steps')}; a prompt's --s wins")
@@ -235,7 +236,8 @@ def collect_prompts(args, family) -> list[SamplePrompt]:
         if not os.path.isfile(path):
             raise ValueError(f"--control_image {path!r} is not an image file")
     multiple = family.vae_downsample * family.patch  # a prompt's own --w / --h is rounded alike (to 16)
-    width, height = rendered_side("--width", args.width, multiple), rendered_side("--height", args.height, multiple)
+    width, height = (rendered_side(flag, family.render_size if side is None else side, multiple)
+                     for flag, side in (("--width", args.width), ("--height", args.height)))
     defaults = SamplePrompt("", width, height, steps, args.seed, guidance, args.negative, tuple(args.control_image),
                             args.flow_shift)
     cfg = family.guidance_is_cfg_scale()  # a prompt's --l is its guidance, or unread

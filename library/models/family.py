@@ -153,6 +153,7 @@ class DiffusionFamily:
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
     cfg_above = 1.0  # a true-CFG family runs the negative prompt only where guidance > this (its pipeline's test)
     empty_negative = ""  # what a sample without --n encodes as its negative prompt (the model card's: sample_negative)
+    render_size = 1024  # generate.py's side without --width / --height: the pipeline's default image size
     sample_seed_offset = 0  # samples draw their noise from seed + this (a pipeline that seeds its generator so)
     vae: str  # "module:Class" of its VAE wrapper (library/models/vae.py's kind: Class(path, dtype), built on meta too)
     # Its VAE loads from a file, the config key `ae`. False: the wrapper reads none (vae.py's PixelVAE: a

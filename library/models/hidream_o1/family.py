@@ -64,6 +64,7 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
     true_cfg = True  # Full runs the " " negative prompt; Dev defaults to guidance 0 (none run)
     empty_negative = NEGATIVE_PROMPT  # the pipelines' unconditional prompt, a sample's without --n
     cfg_above = 1.0
+    render_size = 2048  # musubi-tuner's hidream_o1_generate_image.py default (the release's 2K images)
     # the official pipeline (musubi-tuner's and ai-toolkit's copies): torch.Generator("cpu").manual_seed(seed + 1)
     sample_seed_offset = 1
     releases = (FULL, DEV)

@@ -40,6 +40,7 @@ class HunyuanImageFamily(DiffusionFamily):
     sample_guidance = SPEC.sample_guidance[RELEASE]
     sample_steps = SPEC.sample_steps[RELEASE]
     true_cfg = True
+    render_size = 2048  # HunyuanImagePipeline's default_sample_size 64 x its 32x VAE: a 2K model
     patch = 1  # the transformer takes latent pixels
     latent_channels = 64
 
