@@ -599,8 +599,9 @@ def main(argv=None) -> int:
     except SamplesFailed as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
-    except NothingToTrain as e:  # resumed at its end: before the models load
-        print(str(e))
+    except NothingToTrain as e:  # resumed at its end: before the models load (said once, by the main process)
+        if os.environ.get("RANK", "0") == "0":
+            print(str(e))
         return 0
     except KeyboardInterrupt:  # Ctrl-C before the loop (loading, caching) or a second one inside it
         print("interrupted: stopped before the next save (cache files are written whole; a rerun reuses them)",

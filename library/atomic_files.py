@@ -110,6 +110,8 @@ def left_behind(folder: str, is_target) -> dict[str, list[str]]:
 
 def synced_folder(path: str):
     """fsync a folder: the names made, renamed or removed in it are on the disk."""
+    if os.name == "nt":  # Windows opens no folder to fsync (NTFS journals its renames)
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
