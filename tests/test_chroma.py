@@ -253,6 +253,28 @@ def tiny_pipeline(t5_folder: str) -> ChromaPipeline:
     return ChromaPipeline(scheduler=None, vae=None, text_encoder=encoder, tokenizer=tokenizer, transformer=None)
 
 
+def test_t5_of_a_flux1_repo_layout_reads_its_own_tokenizer_not_clips(tiny_set, tmp_path):
+    """A FLUX.1 / Flex.1 repo (ai-toolkit's Chroma takes its T5 from ostris/Flex.1-alpha) keeps T5 in
+    text_encoder_2/ with tokenizer_2/, CLIP in text_encoder/ with tokenizer/: given text_encoder_2/, the
+    T5 took CLIP's tokenizer (its ids into T5, without a word); given the repo, CLIP's text_encoder/."""
+    import shutil
+
+    from transformers import AutoTokenizer
+
+    from library.models.chroma.text_encoder import t5_paths, t5_tokenizer
+
+    repo = tmp_path / "Flex.1-alpha"
+    shutil.copytree(tiny_set["t5xxl"], repo / "text_encoder_2", ignore=shutil.ignore_patterns("tokenizer*"))
+    shutil.copytree(tiny_set["t5xxl"], repo / "tokenizer_2", ignore=shutil.ignore_patterns("*.safetensors", "config*"))
+    shutil.copytree(tiny_set["clip_l"], repo / "text_encoder")
+    shutil.copytree(tiny_set["clip_l"], repo / "tokenizer", ignore=shutil.ignore_patterns("*.safetensors", "config*"))
+    t5_ids = AutoTokenizer.from_pretrained(tiny_set["t5xxl"])("a red cat").input_ids
+    assert t5_ids != AutoTokenizer.from_pretrained(tiny_set["clip_l"])("a red cat").input_ids
+    for given in (repo / "text_encoder_2", repo):
+        assert t5_paths(str(given)) == (str(repo / "text_encoder_2"), str(repo / "tokenizer_2"))
+        assert t5_tokenizer(str(given))("a red cat").input_ids == t5_ids
+
+
 def test_encode_prompt_matches_pipeline(tiny_files):
     prompts = ["a photo of a cat", "a painting of a house by the sea at sunset, oil on canvas, " * 3]
     t5 = load_t5(tiny_files["chroma_t5xxl"])

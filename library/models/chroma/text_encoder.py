@@ -53,11 +53,14 @@ def per_caption(hidden: torch.Tensor, mask: torch.Tensor) -> list[dict]:
 
 def t5_paths(path: str) -> tuple[str, str | None]:
     """(weights, tokenizer folder or None: beside the weights as load_t5 looks) of T5-XXL given as an HF
-    folder, a t5xxl_*.safetensors file, or a Chroma diffusers repo (text_encoder/ with tokenizer/ beside
-    it: Chroma's repos name them so, FLUX.1's text_encoder_2/ + tokenizer_2/)."""
-    path = component_folder(path, "text_encoder")
+    folder, a t5xxl_*.safetensors file, a Chroma diffusers repo (text_encoder/ with tokenizer/ beside it) or
+    a FLUX.1 / Flex.1 one (text_encoder_2/ with tokenizer_2/: the T5 ai-toolkit's Chroma reads). That layout's
+    text_encoder/ and tokenizer/ are CLIP's: its text_encoder_2/ took CLIP's tokenizer (T5 fed CLIP's ids)."""
+    second = component_folder(path, "text_encoder_2")
+    path = second if second != path else component_folder(path, "text_encoder")
     folder = path if os.path.isdir(path) else os.path.dirname(path)
-    sibling = os.path.join(os.path.dirname(folder.rstrip("/")), "tokenizer")
+    name = "tokenizer_2" if os.path.basename(folder.rstrip("/")) == "text_encoder_2" else "tokenizer"
+    sibling = os.path.join(os.path.dirname(folder.rstrip("/")), name)
     own = os.path.isfile(os.path.join(folder, "tokenizer_config.json"))
     return path, sibling if not own and os.path.isfile(os.path.join(sibling, "tokenizer_config.json")) else None
 
