@@ -328,6 +328,19 @@ def test_keys_left_out_are_read_at_ai_toolkits_defaults_and_a_hub_id_is_a_folder
     assert "hf download black-forest-labs/FLUX.1-dev --local-dir models/FLUX.1-dev" in verdict(t, "model.name_or_path")[1]
 
 
+def test_chromas_vae_and_t5_are_ai_toolkits_own_from_flex_whatever_name_or_path_names():
+    """ai-toolkit's Chroma reads one transformer file from name_or_path and its VAE and T5 from ostris/Flex.1-alpha:
+    ours wrote ae and t5xxl as lodestones/Chroma's folder (which holds neither) and called it a diffusers folder."""
+    t = translate(job(model={"name_or_path": "lodestones/Chroma", "arch": "chroma"}), "run.yaml")
+    assert (t.config["ae"], t.config["t5xxl"]) == ("models/Flex.1-alpha", "models/Flex.1-alpha")
+    assert t.config["pretrained_model_name_or_path"] == "models/Chroma"
+    assert "hf download ostris/Flex.1-alpha --local-dir models/Flex.1-alpha" in verdict(t, "model.arch")[1]
+    assert "newest chroma-unlocked-vNN.safetensors" in verdict(t, "model.name_or_path")[1]
+    hidream = translate(job(model={"name_or_path": "HiDream-ai/HiDream-I1-Full", "arch": "hidream"}), "run.yaml")
+    assert hidream.config["llama"] == "models/Meta-Llama-3.1-8B-Instruct"  # its default Llama, said with its Hub id
+    assert "hf download unsloth/Meta-Llama-3.1-8B-Instruct" in verdict(hidream, "model.arch")[1]
+
+
 def test_the_lora_trains_at_train_lr_whatever_train_unet_lr_says():
     """ai-toolkit's LoRA trainer gives the network train.lr (BaseSDTrainProcess); unet_lr is unread. It was read as the
     LoRA's lr and train.lr dropped: 5e-5 where ai-toolkit trains at 1e-4 (and with unet_lr alone, at its 1e-6)."""

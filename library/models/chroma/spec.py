@@ -134,7 +134,13 @@ SPEC = S.ArchSpec(
     # ai-toolkit's model.arch
     # sd-scripts' FLUX.1 script and LoRA module train it as --model_type chroma
     peer_bucket_steps={"ai-toolkit": 32},  # ai-toolkit's get_bucket_divisibility (32)
-    peer_models={"ai-toolkit": {"chroma": {"model_type": "chroma"}},
+    # ai-toolkit's chroma_model.py reads the transformer alone from name_or_path (a single file) and the VAE and T5
+    # from ostris/Flex.1-alpha whatever the YAML says (its vae/, text_encoder_2/ + tokenizer_2/)
+    peer_models={"ai-toolkit": {"chroma": {
+        "model_type": "chroma", "ae": "ostris/Flex.1-alpha", "t5xxl": "ostris/Flex.1-alpha",
+        "file_note": "ai-toolkit reads one file from it: lodestones/Chroma's newest chroma-unlocked-vNN.safetensors "
+                     "(lodestones/Chroma/vNN: that version's), a lodestones/Chroma1-* repo's Chroma1-*.safetensors; "
+                     "set pretrained_model_name_or_path to that file"}},
                  # its FLUX.1 samples: --g the embedded guidance Chroma has none of, CFG --l (1.0: none)
                  "sd-scripts": S.SdScriptsModels("flux_train_network.py", "networks.lora_flux",
                                                  {"chroma": {"model_type": "chroma"}}, sample_scale=1.0)},

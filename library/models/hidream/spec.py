@@ -164,6 +164,6 @@ SPEC = S.ArchSpec(
     # model_kwargs.llama_model_path, else its LLAMA_MODEL_PATH unsloth/Meta-Llama-3.1-8B-Instruct (downloaded to
     # models/); its bucket divisibility
     peer_bucket_steps={"ai-toolkit": 16},
-    peer_models={"ai-toolkit": {"hidream": {"model_type": "hidream", "llama": "models/Meta-Llama-3.1-8B-Instruct"}}},
+    peer_models={"ai-toolkit": {"hidream": {"model_type": "hidream", "llama": "unsloth/Meta-Llama-3.1-8B-Instruct"}}},
     learned="library.models.hidream.learned:LEARNED",  # the learned tiny base (learned.py; learned/hidream/)
 )

@@ -23,7 +23,7 @@ import os
 from typing import Any
 
 from library.training.peers.ai_toolkit_data import DATASET_RULES, SAMPLE_RULES, sample_prompts, to_dataset_toml
-from library.training.peers.ai_toolkit_model import (ENTRY_ARGS, MODEL_RULES, NETWORK_RULES, PEER, SAVE_RULES, Job,
+from library.training.peers.ai_toolkit_model import (MODEL_RULES, NETWORK_RULES, PEER, SAVE_RULES, Job, entry_config,
                                                     entry_of, model_keys, read_elsewhere, unset_model_options)
 from library.training.peers.ai_toolkit_train import ADAPTIVE, TRAIN_RULES, clipping
 from library.training.peers.rules import (NOT_CARRIED, RENAMED, Line, Rule, Translation, apply_rule, custom, ignored,
@@ -94,7 +94,7 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
     t = Job(PEER, source, process=process)
     keys = model_keys(t, source, model_type)
     t.model_type = keys["model_type"]
-    t.config.update({k: v for k, v in keys.items() if k not in ENTRY_ARGS})  # (its network args: _modulation)
+    t.config.update(entry_config(keys))  # (its network args: _modulation)
     if not t.section("model").get("name_or_path"):
         raise ValueError(f"{source}: model.name_or_path is required (the model to train: a diffusers folder, a file "
                          f"or a Hub id)")

@@ -47,8 +47,9 @@ def read_as(text: str) -> Rule:
 # make ours train what its transformer_only LoRA (its default) wraps, those for its whole-model LoRA
 # (transformer_only false), and the substrings of its module names whose Linears no training step runs (a LoRA on
 # them stays zero), space-separated; lokr_format "peft" where ai-toolkit's model writes its LoKr in the PEFT format
-# whatever old_lokr_format says (its use_old_lokr_format = False)
-ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules", "lokr_format")
+# whatever old_lokr_format says (its use_old_lokr_format = False); file_note: how its model reads name_or_path where
+# that is not a diffusers folder (said on its line)
+ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules", "lokr_format", "file_note")
 
 
 def entry_of(model_type: str) -> dict[str, str]:
@@ -95,8 +96,18 @@ def our_key(name: str, when: str | None = None, convert=None) -> Rule:
 
 def _arch(t: Job, key: str, value: Any) -> None:
     keys = _peer_models()[_arch_name(t.section("model"))]
-    t.lines.append(Line(key, value, RENAMED, ", ".join(f"{k} = {v!r}" for k, v in keys.items()
-                                                       if k not in ENTRY_ARGS)))  # (said where they are added)
+    said = []
+    for k, v in entry_config(keys).items():  # (its network args: said where they are added)
+        hub = _local(keys[k])[1] if isinstance(keys[k], str) else None
+        said.append(f"{k} = {v!r}" + (f" (ai-toolkit's own file for it, a Hub id, which ours does not download: "
+                                      f"`hf download {hub} --local-dir {v}`)" if hub else ""))
+    t.lines.append(Line(key, value, RENAMED, ", ".join(said)))
+
+
+def entry_config(keys: dict) -> dict:
+    """The config keys an arch's entry (spec peer_models) sets: its Hub ids (the files ai-toolkit reads whatever the
+    YAML says) as the folders under models/ that ours reads."""
+    return {k: _local(v)[0] if isinstance(v, str) else v for k, v in keys.items() if k not in ENTRY_ARGS}
 
 
 def _arch_name(model: dict) -> str:
@@ -167,6 +178,8 @@ def _name_or_path(t: Job, key: str, value: Any) -> None:
         text += f"; a Hub id, which ours does not download: `hf download {value} --local-dir {path}`"
     if missing:
         text += f"; give {', '.join(missing)} yourself (a single file holds the transformer only)"
+    if note := entry_of(t.model_type).get("file_note"):
+        text += f"; {note}"
     t.lines.append(Line(key, value, RENAMED, text))
 
 
