@@ -455,6 +455,20 @@ def test_a_command_lines_words_become_numbers_only_where_they_read_back_as_writt
         "name": "nan"}
 
 
+def test_a_word_no_flag_takes_is_refused_not_taken_as_a_second_value():
+    """musubi-tuner's docs end a command with `--model_version edit-2511 \\` and a `...` line: the `...` became a second
+    value ['edit-2511', '...'], read as off, and the edit command converted to text-to-image qwen_image without a
+    word; `(... other args ...)` after --dataset_config wrote a list there. Its argparse refuses such a word; so does
+    ours, naming it; several words stay a list where its argparse takes them (network_args, base_weights ...)."""
+    with pytest.raises(ValueError, match=r"^command line: '\.\.\.' after --model_version 'edit-2511': no argument"):
+        argv_to_dict(["--network_module", "networks.lora_qwen_image", "--model_version", "edit-2511", "..."])
+    with pytest.raises(ValueError, match=r"^command line: 'x' before the first flag"):
+        argv_to_dict(["x", "--sdpa"])
+    assert argv_to_dict(["--network_args", "a=1", "b=2", "--base_weights", "p.safetensors", "q.safetensors",
+                         "--flag", "--dim", "4"]) == {
+        "network_args": ["a=1", "b=2"], "base_weights": ["p.safetensors", "q.safetensors"], "flag": True, "dim": 4}
+
+
 def test_the_peer_reads_a_familys_musubi_names_from_its_spec_only(monkeypatch):
     """musubi_tuner.py names no model: the spec's peer_models["musubi-tuner"] is what it maps. A spec whose script,
     LoRA module, version and draw are renamed is read by the new names, and the old script is then refused."""

@@ -60,7 +60,7 @@ def read_peer_config(args) -> tuple[dict, str, str | None]:
         if script is None:
             raise ValueError("--command: no training script (*.py) in the command line")
         rest = words[words.index(script) + 1:]
-        flat = argv_to_dict(rest, list_keys=("network_args", "optimizer_args", "lr_scheduler_args"))
+        flat = argv_to_dict(rest)
         if isinstance(flat.get("config_file"), str):  # the peers' --config_file: its keys, the command line's over them
             from library.training.peers.rules import flatten_tables
 

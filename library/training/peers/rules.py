@@ -396,10 +396,18 @@ def flatten_tables(config: dict[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def argv_to_dict(argv: list[str], list_keys: tuple[str, ...] = ()) -> dict[str, Any]:
+# The peers' training arguments that take several words (argparse nargs "*" / "+": sd-scripts' train_util /
+# train_network, musubi-tuner's parser_common): any other takes one, and a second word is none of the script's
+PEER_LIST_FLAGS = ("network_args", "optimizer_args", "lr_scheduler_args", "base_weights", "base_weights_multiplier",
+                   "text_encoder_lr", "trainable_modules")
+
+
+def argv_to_dict(argv: list[str], list_keys: tuple[str, ...] = PEER_LIST_FLAGS) -> dict[str, Any]:
     """A peer's command line (`--key value`, `--flag`, `--network_args a=1 b=2`) as the dict its TOML
-    would hold: a flag alone is true, several values (or one of `list_keys`) a list; numbers stay text
-    where the rule's convert reads them (a command line does not say 1 from "1")."""
+    would hold: a flag alone is true, one of `list_keys` a list; numbers stay text where the rule's convert reads
+    them (a command line does not say 1 from "1"). A word no flag takes (a doc's `...` or `(other args)`) is a
+    ValueError, as the peer's argparse refuses it: it was taken as a second value of the flag before it, and
+    `--model_version edit-2511 ...` trained another model."""
     flat: dict[str, Any] = {}
     key = None
     for word in argv:
@@ -408,8 +416,12 @@ def argv_to_dict(argv: list[str], list_keys: tuple[str, ...] = ()) -> dict[str, 
             flat[key] = [] if key in list_keys else True
             if "=" in word:
                 _append(flat, key, word.split("=", 1)[1])
-        elif key is not None:
+        elif key is not None and (key in list_keys or flat[key] is True):
             _append(flat, key, word)
+        else:
+            after = f" after --{key} {flat[key]!r}" if key is not None else " before the first flag"
+            raise ValueError(f"command line: {word!r}{after}: no argument of the script takes it (its argparse "
+                             f"refuses it: unrecognized arguments); leave it out")
     return {k: _number(v) for k, v in flat.items()}
 
 
