@@ -469,6 +469,23 @@ def test_a_word_no_flag_takes_is_refused_not_taken_as_a_second_value():
         "network_args": ["a=1", "b=2"], "base_weights": ["p.safetensors", "q.safetensors"], "flag": True, "dim": 4}
 
 
+@pytest.mark.parametrize("script, given, read", [
+    ("src/musubi_tuner/zimage_train_network.py", (), "bf16"),
+    ("src/musubi_tuner/zimage_train_network.py", ("--mixed_precision", "fp16"), "fp16"),
+    ("flux_train_network.py", (), None)])  # sd-scripts: its parser's default "no" wins over accelerate's flag
+def test_accelerates_launch_flag_is_musubi_tuners_mixed_precision_where_the_script_gives_none(script, given, read):
+    """`accelerate launch --mixed_precision bf16 <script>` without the script's own flag: musubi-tuner's parser
+    default None leaves accelerate's bf16 in force; the converter wrote "no" (Z-Image's DiT then float32)."""
+    from argparse import Namespace
+
+    from tools.convert_config import read_peer_config
+
+    command = " ".join(["accelerate launch --num_cpu_threads_per_process 1 --mixed_precision bf16", script,
+                        "--network_dim 8", *given])
+    flat, _, _ = read_peer_config(Namespace(config=None, command=command))
+    assert flat.get("mixed_precision") == read
+
+
 def test_the_peer_reads_a_familys_musubi_names_from_its_spec_only(monkeypatch):
     """musubi_tuner.py names no model: the spec's peer_models["musubi-tuner"] is what it maps. A spec whose script,
     LoRA module, version and draw are renamed is read by the new names, and the old script is then refused."""

@@ -61,6 +61,9 @@ def read_peer_config(args) -> tuple[dict, str, str | None]:
             raise ValueError("--command: no training script (*.py) in the command line")
         rest = words[words.index(script) + 1:]
         flat = argv_to_dict(rest)
+        launch = launch_mixed_precision(words[:words.index(script)])
+        if launch and "mixed_precision" not in flat and is_musubi_script(script):
+            flat["mixed_precision"] = launch  # its parser's default None: accelerate's launch flag decides
         if isinstance(flat.get("config_file"), str):  # the peers' --config_file: its keys, the command line's over them
             from library.training.peers.rules import flatten_tables
 
@@ -85,6 +88,23 @@ def read_peer_config(args) -> tuple[dict, str, str | None]:
             raise ValueError(f"{args.config}: expected a YAML mapping (ai-toolkit's config:), got {type(doc).__name__}")
         return doc, args.config, None
     return read_toml_file(args.config, "training config"), args.config, None
+
+
+def launch_mixed_precision(words: list[str]) -> str | None:
+    """`accelerate launch --mixed_precision bf16` (or =bf16) before the script: what musubi-tuner's runs take where
+    the script's own --mixed_precision is not given (sd-scripts' default "no" wins over it)."""
+    for i, word in enumerate(words):
+        if word.startswith("--mixed_precision="):
+            return word.split("=", 1)[1]
+        if word == "--mixed_precision" and i + 1 < len(words):
+            return words[i + 1]
+    return None
+
+
+def is_musubi_script(script: str) -> bool:
+    from library.training.peers.musubi_models import scripts
+
+    return os.path.basename(script.replace("\\", "/")) in scripts()
 
 
 def command_words(command: str) -> list[str]:
