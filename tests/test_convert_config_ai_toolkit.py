@@ -539,6 +539,24 @@ def test_an_assistant_lora_on_the_hub_is_a_file_to_download_into_base_loras():
             "models/zimage_turbo_training_adapter`") in verdict(t, "model.assistant_lora_path")[1]
 
 
+def test_flux1s_assistant_lora_repository_or_folder_is_its_pytorch_lora_weights(tmp_path):
+    """ai-toolkit's FLUX.1 reads pytorch_lora_weights.safetensors from an assistant_lora_path naming a Hub
+    repository (its schnell examples: ostris/FLUX.1-schnell-training-adapter) or a folder: the repository was not
+    carried, the folder written as the LoRA file. Another model's (Z-Image: repo/file only) stays refused."""
+    flux = translate(job(model={"name_or_path": "black-forest-labs/FLUX.1-schnell", "arch": "flux",
+                                "assistant_lora_path": "ostris/FLUX.1-schnell-training-adapter"}), "run.yaml")
+    assert flux.config["base_loras"] == ["models/FLUX.1-schnell-training-adapter/pytorch_lora_weights.safetensors:1.0"]
+    assert ("`hf download ostris/FLUX.1-schnell-training-adapter pytorch_lora_weights.safetensors --local-dir "
+            "models/FLUX.1-schnell-training-adapter`") in verdict(flux, "model.assistant_lora_path")[1]
+    (tmp_path / "adapter").mkdir()
+    folder = translate(job(model={"name_or_path": "black-forest-labs/FLUX.1-schnell", "arch": "flux",
+                                  "assistant_lora_path": str(tmp_path / "adapter")}), "run.yaml")
+    assert folder.config["base_loras"] == [f"{tmp_path / 'adapter' / 'pytorch_lora_weights.safetensors'}:1.0"]
+    zimage = translate(job(model={"name_or_path": "Tongyi-MAI/Z-Image-Turbo", "arch": "zimage",
+                                  "assistant_lora_path": "ostris/zimage_turbo_training_adapter"}), "run.yaml")
+    assert verdict(zimage, "model.assistant_lora_path")[0] == NOT_CARRIED
+
+
 @pytest.mark.parametrize("sections, message", [
     ({"trigger_word": 1990}, 'run.yaml: trigger_word must be text (quote it: "1990"), got 1990'),
     ({"network": {"linear_alpha": "x"}}, "run.yaml: network.linear_alpha = 'x': could not convert string to float"),

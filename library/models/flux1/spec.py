@@ -204,6 +204,8 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch (or its older is_flux: true): dev and schnell are one arch there and here
     peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
-    peer_models={"ai-toolkit": {"flux": {"model_type": "flux"}, "flux_kontext": {"model_type": "flux_kontext"}},
+    # (its FLUX.1 model reads an assistant_lora_path folder's or Hub repository's pytorch_lora_weights.safetensors)
+    peer_models={"ai-toolkit": {"flux": {"model_type": "flux", "assistant_file": "pytorch_lora_weights.safetensors"},
+                                "flux_kontext": {"model_type": "flux_kontext"}},
                  "sd-scripts": SD_SCRIPTS, "musubi-tuner": MUSUBI},
 )

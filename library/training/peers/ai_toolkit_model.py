@@ -48,8 +48,9 @@ def read_as(text: str) -> Rule:
 # (transformer_only false), and the substrings of its module names whose Linears no training step runs (a LoRA on
 # them stays zero), space-separated; lokr_format "peft" where ai-toolkit's model writes its LoKr in the PEFT format
 # whatever old_lokr_format says (its use_old_lokr_format = False); file_note: how its model reads name_or_path where
-# that is not a diffusers folder (said on its line)
-ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules", "lokr_format", "file_note")
+# that is not a diffusers folder (said on its line); assistant_file: the file its model reads from an
+# assistant_lora_path naming a folder or a Hub repository (its other models take a file, or repo/file)
+ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules", "lokr_format", "file_note", "assistant_file")
 
 
 def entry_of(model_type: str) -> dict[str, str]:
@@ -264,22 +265,25 @@ def _path_read_with_name(t: Job, key: str, value: Any) -> None:
 
 def _assistant_lora(t: Job, key: str, value: Any) -> None:
     """ai-toolkit's assistant LoRA (a de-distillation adapter) is applied while training, off in its samples;
-    ours merges base_loras into the frozen base for both."""
-    hub_file = re.fullmatch(r"([\w.-]+/[\w.-]+)/([\w.-]+\.safetensors)", str(value))
+    ours merges base_loras into the frozen base for both. A folder or a Hub repository is read as its model reads
+    it (the entry's assistant_file inside it); the UI's adapters name a repository and its file."""
+    merged = "base_loras (merged while training, as there; our samples keep it too, ai-toolkit's leave it out)"
+    path, inside = str(value), entry_of(t.model_type).get("assistant_file")
+    if inside and not is_off(value) and (os.path.isdir(path) or _local(path)[1]):
+        path = f"{path.rstrip('/')}/{inside}"
+    hub_file = re.fullmatch(r"([\w.-]+/[\w.-]+)/([\w.-]+\.safetensors)", path)
     if is_off(value):
         t.drop(key, value, "off")
-    elif hub_file and not os.path.exists(str(value)):  # the UI's adapters: a Hub repository and its file
+    elif hub_file and not os.path.exists(path):
         repo, name = hub_file.groups()
         folder = os.path.join("models", repo.split("/")[1])
-        t.set("base_loras", [f"{os.path.join(folder, name)}:1.0"], key, value, RENAMED, "base_loras (merged while "
-              f"training, as there; our samples keep it too, ai-toolkit's leave it out); a Hub file, which ours does not download: `hf download {repo} {name} "
-              f"--local-dir {folder}`")
-    elif _local(str(value))[1]:
+        t.set("base_loras", [f"{os.path.join(folder, name)}:1.0"], key, value, RENAMED,
+              f"{merged}; a Hub file, which ours does not download: `hf download {repo} {name} --local-dir {folder}`")
+    elif _local(path)[1]:
         t.refuse(key, value, f"a Hub repository, which ours does not download: `hf download {value} --local-dir "
-                             f"{_local(str(value))[0]}`, then base_loras = [\"<its .safetensors>:1.0\"]")
+                             f"{_local(path)[0]}`, then base_loras = [\"<its .safetensors>:1.0\"]")
     else:
-        t.set("base_loras", [f"{value}:1.0"], key, value, RENAMED, "base_loras (merged while training, as there; our "
-              "samples keep it too, ai-toolkit's leave it out)")
+        t.set("base_loras", [f"{path}:1.0"], key, value, RENAMED, merged)
 
 
 # quantize's qtype -> our base_precision (quanto's qfloat8 keeps a scale per output channel, ours per 64 weights)
