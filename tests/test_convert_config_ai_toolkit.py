@@ -405,6 +405,28 @@ def test_the_network_trains_every_linear_of_the_blocks_as_ai_toolkits_lora(arch,
                     and name.startswith(blocks + ".")}
 
 
+def test_hidreams_ignore_if_contains_carries_as_a_pattern_over_the_same_module_names():
+    """ai-toolkit's HiDream example leaves the routed experts out (ignore_if_contains ff_i.experts, ff_i.gate): ours
+    (the same diffusers module names) did not carry it and trained every expert, a LoRA many times the size."""
+    from types import SimpleNamespace
+
+    from library.models.hidream.model import HiDream
+    from library.models.hidream.tiny import tiny_config
+    from library.training.config import lora_network_args
+    from networks.lora import LoRANetwork
+
+    t = translate(job(model={"arch": "hidream", "name_or_path": "/models/base"},
+                      network={"network_kwargs": {"ignore_if_contains": ["ff_i.experts", "ff_i.gate"]}}), "run.yaml")
+    assert verdict(t, "network.network_kwargs.ignore_if_contains")[0] == RENAMED
+    args = lora_network_args(SimpleNamespace(network_args=t.config["network_args"], network_dropout=0.0,
+                                             config_file="run.toml"))
+    model = HiDream(tiny_config())
+    names = {lora.name for lora in LoRANetwork(model, "hidream", rank=4, network_args=args).lora_modules()}
+    every = {lora.name for lora in LoRANetwork(model, "hidream", rank=4).lora_modules()}
+    assert names and not any("ff_i.experts" in n for n in names) and any("ff_i.experts" in n for n in every)
+    assert any("ff_i.shared_experts" in n for n in names)  # the shared experts stay, as there
+
+
 def test_an_arch_we_do_not_train_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
     code, out, err = written(tmp_path, "sdxl", yaml.safe_dump(job(model={"arch": "sdxl"})), capsys)
     assert code == 2 and out == ""

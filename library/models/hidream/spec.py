@@ -164,6 +164,8 @@ SPEC = S.ArchSpec(
     # model_kwargs.llama_model_path, else its LLAMA_MODEL_PATH unsloth/Meta-Llama-3.1-8B-Instruct (downloaded to
     # models/); its bucket divisibility
     peer_bucket_steps={"ai-toolkit": 16},
-    peer_models={"ai-toolkit": {"hidream": {"model_type": "hidream", "llama": "unsloth/Meta-Llama-3.1-8B-Instruct"}}},
+    # (its LoRA names the diffusers modules, ours: its example's ignore_if_contains ff_i.experts carries)
+    peer_models={"ai-toolkit": {"hidream": {"model_type": "hidream", "llama": "unsloth/Meta-Llama-3.1-8B-Instruct",
+                                            "same_module_names": "yes"}}},
     learned="library.models.hidream.learned:LEARNED",  # the learned tiny base (learned.py; learned/hidream/)
 )

@@ -49,8 +49,10 @@ def read_as(text: str) -> Rule:
 # them stays zero), space-separated; lokr_format "peft" where ai-toolkit's model writes its LoKr in the PEFT format
 # whatever old_lokr_format says (its use_old_lokr_format = False); file_note: how its model reads name_or_path where
 # that is not a diffusers folder (said on its line); assistant_file: the file its model reads from an
-# assistant_lora_path naming a folder or a Hub repository (its other models take a file, or repo/file)
-ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules", "lokr_format", "file_note", "assistant_file")
+# assistant_lora_path naming a folder or a Hub repository (its other models take a file, or repo/file);
+# same_module_names: its LoRA's module names are ours (only_if_contains / ignore_if_contains carry as patterns)
+ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules", "lokr_format", "file_note", "assistant_file",
+              "same_module_names")
 
 
 def entry_of(model_type: str) -> dict[str, str]:
@@ -451,6 +453,11 @@ def _module_names(t: Job, key: str, value: Any) -> None:
         return
     alternatives = "|".join(re.escape(str(w)) for w in words)
     pattern = f".*(?:{alternatives}).*" if key.endswith("ignore_if_contains") else f"(?!.*(?:{alternatives})).*"
+    if entry_of(t.model_type).get("same_module_names"):
+        t.network_args.append(f"exclude_patterns=[{pattern!r}]")
+        t.lines.append(Line(key, value, RENAMED, f"network_args exclude_patterns=[{pattern!r}] (its module names are "
+                                                 f"ours on this model)"))
+        return
     t.refuse(key, value, f"substrings of ai-toolkit's module names; ours takes regexes over ours (which may be named "
                          f"otherwise: docs/configuration.md, network): e.g. network_args exclude_patterns=[{pattern!r}]")
 
