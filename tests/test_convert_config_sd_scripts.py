@@ -802,3 +802,11 @@ def test_the_headers_note_and_modelspec_text_are_carried():
     t = sd_scripts.translate(given, "x.toml")
     assert {k: t.config.get(k) for k in given} == {**given, "metadata_thumbnail": None}
     assert set(given) - {"metadata_thumbnail"} <= set(SCHEMA)
+
+
+def test_networks_lora_on_a_dit_script_is_said_to_wrap_none_of_its_transformer():
+    """sd-scripts' SD3 doc passes networks.lora, its SD / SDXL LoRA, which finds no Transformer2DModel in a DiT: the
+    run wraps none of the transformer. The refusal read as if ours took it ("ours trains ... (networks.lora)")."""
+    t = sd_scripts.translate({"network_module": "networks.lora", "network_train_unet_only": True}, "x.toml")
+    verdict, text = next((line.verdict, line.text) for line in t.lines if line.key == "network_module")
+    assert verdict == "not carried" and text.startswith("sd-scripts' SD / SDXL LoRA, which finds no layer"), text

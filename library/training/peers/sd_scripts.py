@@ -215,8 +215,10 @@ def _network_module(t: Translation, key: str, value: Any) -> None:
         note(t, 'network_module = "networks.lora" (the same LoRA of the same Linears)')
     elif value == "lycoris.kohya":
         t.set(key, value, key, value)
-    else:
-        t.refuse(key, value, f"ours trains {lora_module_of(t)}'s LoRA (networks.lora) or lycoris.kohya")
+    else:  # (networks.lora on a DiT script wraps its CLIP text encoders alone: no block of the transformer)
+        what = ("sd-scripts' SD / SDXL LoRA, which finds no layer of this script's transformer to wrap"
+                if value == "networks.lora" else "another network")
+        t.refuse(key, value, f"{what}; ours trains {lora_module_of(t)}'s LoRA (networks.lora) or lycoris.kohya")
 
 
 def network_arg_verdict(t: Translation, name: str, text: str) -> tuple[str, str]:
