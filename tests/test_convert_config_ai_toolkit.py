@@ -427,6 +427,18 @@ def test_hidreams_ignore_if_contains_carries_as_a_pattern_over_the_same_module_n
     assert any("ff_i.shared_experts" in n for n in names)  # the shared experts stay, as there
 
 
+def test_an_adapter_job_and_a_job_of_other_processes_are_refused_for_what_they_are():
+    """Its Redux example (no network, an adapter) was refused as "trains the whole model (a fine-tune)", and its
+    extraction job (5 locon processes) as "5 processes; ... a file per process", as if splitting it would do."""
+    redux = job(adapter={"type": "redux"})
+    del redux["config"]["process"][0]["network"]
+    with pytest.raises(ValueError, match=r"no network: ai-toolkit then trains its redux adapter; ours trains LoRAs"):
+        translate(redux, "run.yaml")
+    extract = {"job": "extract", "config": {"name": "x", "process": [{"type": "locon"}, {"type": "locon"}]}}
+    with pytest.raises(ValueError, match=r"process type 'locon': ours translates ai-toolkit's LoRA trainers"):
+        translate(extract, "run.yaml")
+
+
 def test_an_arch_we_do_not_train_is_one_line_exit_2_and_nothing_written(tmp_path, capsys):
     code, out, err = written(tmp_path, "sdxl", yaml.safe_dump(job(model={"arch": "sdxl"})), capsys)
     assert code == 2 and out == ""

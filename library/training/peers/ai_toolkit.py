@@ -99,8 +99,9 @@ def translate(config: dict, source: str, *, model_type=None, dataset=None, datas
         raise ValueError(f"{source}: model.name_or_path is required (the model to train: a diffusers folder, a file "
                          f"or a Hub id)")
     if not isinstance(process.get("network"), dict):
-        raise ValueError(f"{source}: the process has no network: ai-toolkit then trains the whole model (a fine-tune); "
-                         f"ours trains LoRAs")
+        trains = (f"its {process['adapter'].get('type', 'adapter')} adapter" if isinstance(process.get("adapter"), dict)
+                  else "the whole model (a fine-tune)")
+        raise ValueError(f"{source}: the process has no network: ai-toolkit then trains {trains}; ours trains LoRAs")
     for key, value in _flat_keys(config, process).items():
         apply_rule(t, key, value, rule_for(key))
     train = t.section("train")
@@ -129,7 +130,8 @@ def _the_process(config: dict, source: str) -> dict:
     if not isinstance(job, dict) or not isinstance(job.get("process"), list) or not job["process"]:
         raise ValueError(f"{source}: expected ai-toolkit's job (config: {{name, process: [...]}}), got keys "
                          f"{', '.join(map(str, config)) or 'none'}")
-    if len(job["process"]) > 1:
+    kinds = {p.get("type") for p in job["process"] if isinstance(p, dict)}
+    if len(job["process"]) > 1 and kinds & set(LORA_TRAINERS):  # (other processes: the job's kind is said below)
         raise ValueError(f"{source}: {len(job['process'])} processes; ours translates one (a file per process)")
     process = job["process"][0]
     if not isinstance(process, dict):

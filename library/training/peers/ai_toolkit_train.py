@@ -158,7 +158,8 @@ def _timesteps(t: Job, key: str, value: Any) -> None:
         t.refuse(key, value, "uniform draws weighted by ai-toolkit's own table of loss weights: not ours (the nearest "
                              "is timestep_sampling = \"uniform\")")
     elif kind.endswith("shift"):
-        t.refuse(key, value, "ai-toolkit shifts evenly spaced sigmas by the image size; ours shifts logit-normal draws "
+        t.refuse(key, value, "ai-toolkit shifts evenly spaced sigmas (by the image size where its model's scheduler "
+                             "shifts dynamically, else by the scheduler's fixed shift); ours shifts logit-normal draws "
                              "(each model's default timestep_sampling)")
     else:
         t.refuse(key, value, "ai-toolkit's own timestep draw: not ours")
