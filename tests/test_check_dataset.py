@@ -194,6 +194,32 @@ def test_a_bucket_over_zimages_rope_positions_is_a_check_error_per_image_as_in_t
         for name in ("wide.png", "wide2.png")]
 
 
+def test_a_bucket_step_off_the_models_token_grid_is_refused_by_the_check_as_by_training(tiny_set, tmp_path, capsys):
+    """HunyuanImage's 32x VAE takes sides in multiples of 32 px; the tiny dataset's bucket_reso_steps 16 passed the
+    check (0 errors) and training refused it before caching. Both refuse it now, in one line naming the key."""
+    from tools.make_tiny_models import tiny_config
+
+    config = tmp_path / "run.toml"
+    config.write_text(tiny_config("hunyuan_image", tiny_set))
+    assert check_dataset.main(["--config_file", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "key 'bucket_reso_steps' = 16" in err and "multiples of 32 px" in err and len(err.splitlines()) == 1
+
+
+def test_an_image_skipped_for_its_size_is_no_duplicate_of_its_copy(tmp_path):
+    """Two copies of an image too small for its buckets, skipped (skip_bad_size_images): training never reads them,
+    the check warned that one was the same file as the other."""
+    for folder in ("a", "b"):
+        make_image(tmp_path / folder / "tiny.png", 16, 16, (200, 0, 0))
+        make_image(tmp_path / folder / "big.png", 64, 64, (0, 0, 200) if folder == "a" else (0, 200, 0))
+    subsets = [{"image_dir": str(tmp_path / f), "class_tokens": "x", "skip_bad_size_images": True} for f in "ab"]
+    bp = parse_dataset_config({"datasets": [{"resolution": 64, "min_bucket_reso": 32, "enable_bucket": True,
+                                             "subsets": subsets}]}, source="ds.toml")
+    report = check.check_dataset(bp)
+    assert not [p for p in report.problems() if "the same file" in p.line()], [p.line() for p in report.problems()]
+    assert any("skipped (skip_bad_size_images)" in p.line() for p in report.problems())
+
+
 def test_a_caption_path_that_is_a_folder_is_one_error_of_the_report(tmp_path, capsys):
     """Its OSError discarded the whole report: one errno line, exit 2 as for an unreadable config."""
     for i in range(2):

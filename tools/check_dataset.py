@@ -101,6 +101,11 @@ def main(argv=None) -> int:
             from library.models.family import get_family
 
             family = get_family(config)
+            from library.data.dataset_config import check_token_side
+            from library.models.registry import spec_of
+
+            # a bucket step the model's tokens do not divide: training refuses it before caching (the check passed it)
+            check_token_side(blueprint, family.vae_downsample * family.patch, spec_of(family.name).title)
         limit, why = token_limit(args, config, family)
         takes = (family.name, family.min_controls, family.max_controls, family.takes_layers) if family else None  # as training
         largest = family.largest_image() if family else None  # the bucket training refuses before caching

@@ -365,13 +365,13 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
         size = check_pixels(report, path, alpha_dropped=not (subset.alpha_mask or subset.multiple_target))
         if size is None:
             continue
-        readable.append(path)
         problem = bad_size(size, ds)
         if problem:
             report.add("warning", "size", f"{path}: {problem}" + ("; skipped (skip_bad_size_images)"
                                                                     if subset.skip_bad_size_images else ""))
-            if subset.skip_bad_size_images:  # training never looks at it again
+            if subset.skip_bad_size_images:  # training never looks at it again (nor at its copies: no duplicate)
                 continue
+        readable.append(path)
         try:
             bucket = image_bucket(path, size, ds, buckets)
             report.buckets["{}x{}".format(*bucket)] += 1
