@@ -206,6 +206,17 @@ def test_a_bucket_step_off_the_models_token_grid_is_refused_by_the_check_as_by_t
     assert "key 'bucket_reso_steps' = 16" in err and "multiples of 32 px" in err and len(err.splitlines()) == 1
 
 
+def test_an_edit_model_type_without_any_reference_is_the_checks_warning_as_trainings(tiny_set, tmp_path, capsys):
+    """Training warns that a Kontext LoRA on a dataset without control_directory learns text-to-image; the check
+    said nothing."""
+    from tools.make_tiny_models import tiny_config
+
+    config = tmp_path / "run.toml"
+    config.write_text(tiny_config("flux", tiny_set).replace('model_type = "flux"', 'model_type = "flux_kontext"'))
+    assert check_dataset.main(["--config_file", str(config), "--strict"]) == 1
+    assert "model_type flux_kontext is an edit model, but no training image has a reference" in capsys.readouterr().err
+
+
 def test_an_image_skipped_for_its_size_is_no_duplicate_of_its_copy(tmp_path):
     """Two copies of an image too small for its buckets, skipped (skip_bad_size_images): training never reads them,
     the check warned that one was the same file as the other."""

@@ -112,6 +112,11 @@ def main(argv=None) -> int:
         report = check_dataset(blueprint, limit, why, takes, vl_size=family.reference_vl_size if family else None,
                                largest=largest, control_bucket=family.control_bucket if family else None,
                                sample_control_bucket=family.sample_control_bucket if family else None)
+        if family is not None and family.edits_without_references_warn and report.subsets and not any(
+                s.control_directory for d in blueprint.datasets for s in d.subsets):  # training's warning too
+            from library.data.controls import no_references_line
+
+            report.subsets[0].add("warning", "reference", f"{dataset}: {no_references_line(family.name)}")
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(one_line(e), file=sys.stderr)
         return 2

@@ -99,10 +99,12 @@ def scan_controls(image_path: str, folder: str, files: dict[str, str], bucket: t
 def references_missing(items, model_type: str) -> str | None:
     """One line where an edit model type trains on images none of which has a reference (no control_directory):
     the LoRA then learns the model's text-to-image mode alone (DiffusionFamily.edits_without_references_warn)."""
-    if items and not any(item.control_paths for item in items):
-        return (f"model_type {model_type} is an edit model, but no training image has a reference image (no subset "
-                f"sets control_directory): this LoRA learns text-to-image; set control_directory for an edit LoRA")
-    return None
+    return no_references_line(model_type) if items and not any(item.control_paths for item in items) else None
+
+
+def no_references_line(model_type: str) -> str:
+    return (f"model_type {model_type} is an edit model, but no training image has a reference image (no subset "
+            f"sets control_directory): this LoRA learns text-to-image; set control_directory for an edit LoRA")
 
 
 def check_family_takes(items, model_type: str, max_controls: int, min_controls: int = 0,
