@@ -226,9 +226,12 @@ def test_an_image_skipped_for_its_size_is_no_duplicate_of_its_copy(tmp_path):
     subsets = [{"image_dir": str(tmp_path / f), "class_tokens": "x", "skip_bad_size_images": True} for f in "ab"]
     bp = parse_dataset_config({"datasets": [{"resolution": 64, "min_bucket_reso": 32, "enable_bucket": True,
                                              "subsets": subsets}]}, source="ds.toml")
+    truncated_jpeg(tmp_path / "a" / "thin.jpg", size=(16, 128))  # skipped by its header: training decodes none
     report = check.check_dataset(bp)
     assert not [p for p in report.problems() if "the same file" in p.line()], [p.line() for p in report.problems()]
-    assert any("skipped (skip_bad_size_images)" in p.line() for p in report.problems())
+    assert [p.line().split(": ")[1] for p in report.problems() if "skipped (skip_bad_size_images)" in p.line()] == [
+        str(tmp_path / "a" / name) for name in ("thin.jpg", "tiny.png")] + [str(tmp_path / "b" / "tiny.png")]
+    assert not [p for p in report.problems() if p.severity == "error"], [p.line() for p in report.problems()]
 
 
 def test_a_caption_path_that_is_a_folder_is_one_error_of_the_report(tmp_path, capsys):

@@ -361,6 +361,8 @@ def check_subset(report: SubsetReport, ds: DatasetSpec, subset: SubsetSpec, limi
     buckets, readable, targets = dataset_buckets(ds), [], target_stems(paths)
     placed, used = [], []  # the images given a bucket, for the upscale line; the images training uses
     for path in paths:
+        if subset.skip_bad_size_images and skipped_for_size(report, path, ds):  # training never decodes it
+            continue
         # With alpha_mask the alpha is the loss mask, with multiple_target it is trained: else it is dropped.
         size = check_pixels(report, path, alpha_dropped=not (subset.alpha_mask or subset.multiple_target))
         if size is None:
@@ -434,6 +436,18 @@ def subset_paths(report: SubsetReport, subset: SubsetSpec, read=()) -> tuple[lis
     for w in said:  # said before a collision stopped the scan too
         report.add("warning", "folder", str(w.message))
     return paths, layers
+
+
+def skipped_for_size(report: SubsetReport, path: str, ds: DatasetSpec) -> bool:
+    """An image skip_bad_size_images leaves out by its header's size (training's scan reads no more of it: a
+    truncated one of those was an error of the check alone): its warning, and True."""
+    try:
+        problem = bad_size(verified_image_size(path), ds)
+    except ValueError:  # unreadable: check_pixels names it, as training's scan does
+        return False
+    if problem:
+        report.add("warning", "size", f"{path}: {problem}; skipped (skip_bad_size_images)")
+    return bool(problem)
 
 
 def check_pixels(report: SubsetReport, path: str, alpha_dropped: bool = True) -> tuple[int, int] | None:
