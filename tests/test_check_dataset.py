@@ -217,6 +217,21 @@ def test_an_edit_model_type_without_any_reference_is_the_checks_warning_as_train
     assert "model_type flux_kontext is an edit model, but no training image has a reference" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("key, said", [
+    ("prior_loss_weight = 0.5", "key 'prior_loss_weight' = 0.5 does nothing: no subset has is_reg = true"),
+    ("validate_every_n_steps = 2", "validate_every_n_steps is set but no image is held out")])
+def test_the_configs_keys_the_data_cannot_serve_are_refused_by_the_check_as_by_training(tiny_set, tmp_path, capsys,
+                                                                                       key, said):
+    """check_dataset --config_file passed them (0 errors); training refuses them before caching."""
+    from tools.make_tiny_models import tiny_config
+
+    config = tmp_path / "run.toml"
+    config.write_text(tiny_config("flux", tiny_set) + f"\n{key}\n")
+    assert check_dataset.main(["--config_file", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and len(err.splitlines()) == 1, err
+
+
 def test_an_image_skipped_for_its_size_is_no_duplicate_of_its_copy(tmp_path):
     """Two copies of an image too small for its buckets, skipped (skip_bad_size_images): training never reads them,
     the check warned that one was the same file as the other."""

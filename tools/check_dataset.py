@@ -112,6 +112,11 @@ def main(argv=None) -> int:
         report = check_dataset(blueprint, limit, why, takes, vl_size=family.reference_vl_size if family else None,
                                largest=largest, control_bucket=family.control_bucket if family else None,
                                sample_control_bucket=family.sample_control_bucket if family else None)
+        if config is not None and family is not None:  # training's refusals of the config's keys against the data
+            from library.training.diffusion_task import check_config_against_data
+
+            check_config_against_data(config, any(s.held_out for s in report.subsets),
+                                      any(s.is_reg for d in blueprint.datasets for s in d.subsets))
         if family is not None and family.edits_without_references_warn and report.subsets and not any(
                 s.control_directory for d in blueprint.datasets for s in d.subsets):  # training's warning too
             from library.data.controls import no_references_line

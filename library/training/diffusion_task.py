@@ -139,6 +139,17 @@ def scan_family_images(blueprint, family, held_out_sets: bool = False) -> list:
                        control_resize=family.reference_resize)
 
 
+def check_config_against_data(args, held_out: bool, regularized: bool) -> None:
+    """The training config's keys that need something of the dataset (tools/check_dataset.py asks too)."""
+    if args.validate_every_n_steps and not held_out:
+        raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
+                          f"validation_split or add [[validation_datasets]]")
+    if args.prior_loss_weight != 1.0 and not regularized:
+        raise ConfigError(f"{where_set(args, 'prior_loss_weight')} and {args.dataset_config}: key "
+                          f"'prior_loss_weight' = {args.prior_loss_weight:g} does nothing: no subset has is_reg = "
+                          f"true (it weights the regularization images' loss)")
+
+
 def check_before_caching(args, family) -> tuple[str | None, str | None]:
     """What train_lora.py checks of a diffusion config first, from the config, the files' headers and the model
     built on the meta device (seconds): DiffusionTask, the web UI's config check (library/ui/config_check.py) and tools/plan_memory.py run this one
@@ -224,13 +235,8 @@ class DiffusionTask:
         limit = self.family.caption_token_limit(args)  # captions and sample prompts, as the text encoder counts them
         largest = self.family.largest_image()  # training images and sample prompts, as the transformer takes them
         self.dataset, self.validation_set = self._read_images(limit, largest)
-        if args.validate_every_n_steps and not self.validation_set:  # said before minutes of caching
-            raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
-                              f"validation_split or add [[validation_datasets]]")
-        if args.prior_loss_weight != 1.0 and not any(item.subset.is_reg for item in self.dataset.items):
-            raise ConfigError(f"{where_set(args, 'prior_loss_weight')} and {args.dataset_config}: key "
-                              f"'prior_loss_weight' = {args.prior_loss_weight:g} does nothing: no subset has is_reg = "
-                              f"true (it weights the regularization images' loss)")
+        check_config_against_data(args, bool(self.validation_set),
+                                  any(item.subset.is_reg for item in self.dataset.items))  # before minutes of caching
         self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
         self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
         check_planned_steps(args, plan_steps(args, self.batches_per_epoch(), state.progress if state else None))
