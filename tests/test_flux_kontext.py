@@ -213,11 +213,11 @@ def test_an_edit_model_type_trained_without_any_reference_is_warned(tiny_set, tm
     with pytest.warns(UserWarning, match=said), pytest.raises(BeforeCaching):
         train_lora.main(flux_args(tiny_set, tmp_path / "out", "--model_type", "flux_kontext"))
 
-    class Item:
-        def __init__(self, controls):
-            self.control_paths = controls
+    class Subset:
+        def __init__(self, control_directory):
+            self.control_directory = control_directory
 
-    assert references_missing([Item([]), Item(["a_0.png"])], "flux_kontext") is None
-    assert said in references_missing([Item([]), Item([])], "flux_kontext")
+    assert references_missing([Subset(None), Subset("ctrl")], "flux_kontext") is None
+    assert said in references_missing([Subset(None), Subset(None)], "flux_kontext")
     assert family_class("flux_kontext").edits_without_references_warn
     assert not family_class("flux").edits_without_references_warn

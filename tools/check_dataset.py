@@ -117,11 +117,11 @@ def main(argv=None) -> int:
 
             check_config_against_data(config, any(s.held_out for s in report.subsets),
                                       any(s.is_reg for d in blueprint.datasets for s in d.subsets))
-        if family is not None and family.edits_without_references_warn and report.subsets and not any(
-                s.control_directory for d in blueprint.datasets for s in d.subsets):  # training's warning too
-            from library.data.controls import no_references_line
+        if family is not None and family.edits_without_references_warn and report.subsets:  # training's warning too
+            from library.data.controls import references_missing
 
-            report.subsets[0].add("warning", "reference", f"{dataset}: {no_references_line(family.name)}")
+            if said := references_missing([s for d in blueprint.datasets for s in d.subsets], family.name):
+                report.subsets[0].add("warning", "reference", f"{dataset}: {said}")
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(one_line(e), file=sys.stderr)
         return 2

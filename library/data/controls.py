@@ -96,13 +96,12 @@ def scan_controls(image_path: str, folder: str, files: dict[str, str], bucket: t
     return paths, [tuple(control_bucket(bucket, s, resolution)) for s in sizes], crops
 
 
-def references_missing(items, model_type: str) -> str | None:
-    """One line where an edit model type trains on images none of which has a reference (no control_directory):
-    the LoRA then learns the model's text-to-image mode alone (DiffusionFamily.edits_without_references_warn)."""
-    return no_references_line(model_type) if items and not any(item.control_paths for item in items) else None
-
-
-def no_references_line(model_type: str) -> str:
+def references_missing(subsets, model_type: str) -> str | None:
+    """One line where an edit model type trains on subsets none of which sets control_directory (where one does,
+    each of its images has its references or the scan stops: find_controls): the LoRA then learns the model's
+    text-to-image mode alone (DiffusionFamily.edits_without_references_warn). Training and check_dataset ask."""
+    if not subsets or any(subset.control_directory for subset in subsets):
+        return None
     return (f"model_type {model_type} is an edit model, but no training image has a reference image (no subset "
             f"sets control_directory): this LoRA learns text-to-image; set control_directory for an edit LoRA")
 

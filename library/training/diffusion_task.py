@@ -302,7 +302,8 @@ class DiffusionTask:
         refuse_large_buckets(train + validation, largest, bp.source)
         if self.accelerator.is_main_process:  # once, before caching; the scan warned about image sizes itself
             warn(training_warnings(train, validation, limit))
-            if self.family.edits_without_references_warn and (said := references_missing(train, self.family.name)):
+            subsets = [item.subset for item in train]
+            if self.family.edits_without_references_warn and (said := references_missing(subsets, self.family.name)):
                 warnings.warn(f"{self.args.dataset_config}: {said}", stacklevel=2)
             enlarged = upscaled(train + validation)
             if enlarged:
