@@ -148,6 +148,8 @@ class DiffusionFamily:
     name: str  # the model_type of the training config: the name the family is registered under
     text_path_keys: tuple[str, ...] = ()  # config keys of the text encoder files
     optional_path_keys: tuple[str, ...] = ()  # config keys of files the family finds itself when unset
+    # Further config keys its __init__ takes by their names (None where the config gives none): from_args passes them
+    option_keys: tuple[str, ...] = ()
     sample_guidance: float = 4.0  # default --g of sample prompts
     sample_steps: int = 20  # default --s of sample prompts: each family's own, from its spec's sample_steps
     true_cfg = False  # samples run a negative prompt (classifier-free guidance)
@@ -210,7 +212,9 @@ class DiffusionFamily:
 
     @classmethod
     def from_args(cls, args) -> "DiffusionFamily":
-        return cls(args.pretrained_model_name_or_path, args.ae, **{k: getattr(args, k) for k in cls.text_path_keys})
+        options = {k: getattr(args, k, None) for k in cls.option_keys}
+        return cls(args.pretrained_model_name_or_path, args.ae, **options,
+                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     def model_files(self) -> list[ModelFile]:
         """The files besides the transformer and what each must be: the family's own facts."""

@@ -35,16 +35,12 @@ class AnimaFamily(DiffusionFamily):
     sample_guidance = SPEC.sample_guidance[RELEASE]  # the guider's scale, run with the (empty) negative prompt
     sample_steps = SPEC.sample_steps[RELEASE]
     true_cfg = True  # CFG above 1 (ClassifierFreeGuidance's test)
+    option_keys = ("t5_tokenizer",)
 
     def __init__(self, model_path: str, vae_path: str | None = None, t5_tokenizer: str | None = None, **text_paths):
         # a T5 tokenizer given apart is one of the text files (the text cache's key fingerprints its files)
         super().__init__(model_path, vae_path, **text_paths, **({"t5_tokenizer": t5_tokenizer} if t5_tokenizer else {}))
         self.t5_tokenizer = t5_tokenizer
-
-    @classmethod
-    def from_args(cls, args) -> "AnimaFamily":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "t5_tokenizer", None),
-                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     def model_version(self, model) -> str:
         return RELEASE

@@ -42,6 +42,7 @@ class Flux2Family(DiffusionFamily):
     latent_channels = 32
     max_controls = 4  # the pipelines take any number, each a further frame on the t axis; four as the other edit models
     plan_controls = 0  # a text-to-image model first: presets plan none, a dataset's references are counted
+    option_keys = ("model_version",)
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
@@ -49,11 +50,6 @@ class Flux2Family(DiffusionFamily):
             raise ValueError(f"model_version {model_version!r}: expected one of {', '.join(VERSIONS)} (musubi-tuner's "
                              f"names; the size is read from the checkpoint)")
         self._version = model_version
-
-    @classmethod
-    def from_args(cls, args) -> "Flux2Family":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
-                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     def model_files(self) -> list[ModelFile]:
         from library.models.vae import vae_markers

@@ -48,15 +48,11 @@ class HiDreamFamily(NamedReleases, DiffusionFamily):
     text_encoders_take_turns = True
     releases = (FULL, DEV, FAST)
     release_in_name = staticmethod(release_in_name)
+    option_keys = ("model_version",)
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
         self.set_release(model_version)
-
-    @classmethod
-    def from_args(cls, args) -> "HiDreamFamily":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
-                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     # -- the release (NamedReleases: model_version, else the path's name, else Full) ----------------
     def inference_sampling(self):

@@ -70,6 +70,7 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
     releases = (FULL, DEV)
     release_in_name = staticmethod(release_in_name)
     noise_given = (None, None, None)  # the config's NOISE_KEYS (None: the release's); a planner's preset sets none
+    option_keys = ("model_version", *NOISE_KEYS)  # the tokenizer is a text path key
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None,
                  tokenizer: str | None = None, noise_scale_start: float | None = None,
@@ -86,11 +87,6 @@ class HiDreamO1Family(NamedReleases, DiffusionFamily):
     @classmethod
     def required_paths(cls) -> tuple[str, ...]:
         return ("pretrained_model_name_or_path",)  # the tokenizer is found beside the model where not given
-
-    @classmethod
-    def from_args(cls, args) -> "HiDreamO1Family":
-        return cls(args.pretrained_model_name_or_path, None, getattr(args, "model_version", None),
-                   getattr(args, "tokenizer", None), *(getattr(args, key, None) for key in NOISE_KEYS))
 
     # -- the release (NamedReleases: model_version, else the path's name, else Full) ----------------
     def default_timestep_sampling(self, model) -> str:

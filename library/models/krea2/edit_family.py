@@ -55,18 +55,13 @@ class Krea2EditFamily(Krea2Family):
     text_sees_controls = True  # encode(captions, condition_images): ai-toolkit shows them to Qwen3-VL
     reference_resolution = REFERENCE_RESOLUTION  # an instance takes the config's (a planner preset keeps these)
     reference_kv_cache = False
+    option_keys = ("model_version", "reference_resolution", "reference_kv_cache")
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None,
                  reference_resolution: int | None = None, reference_kv_cache: bool = False, **text_paths):
         super().__init__(model_path, vae_path, model_version, **text_paths)
         self.reference_resolution = reference_resolution or REFERENCE_RESOLUTION
         self.reference_kv_cache = bool(reference_kv_cache)
-
-    @classmethod
-    def from_args(cls, args) -> "Krea2EditFamily":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
-                   getattr(args, "reference_resolution", None), getattr(args, "reference_kv_cache", False),
-                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     def check_model_files(self) -> None:
         """Also Qwen3-VL's image processor the references need: without this it is looked for at the first

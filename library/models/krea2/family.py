@@ -41,6 +41,7 @@ class Krea2Family(DiffusionFamily):
     sample_guidance, sample_steps = SAMPLE_DEFAULTS[RAW]
     true_cfg = True  # a negative prompt is encoded for samples; guided_velocity runs it when guidance > 0
     cfg_above = 0.0  # Krea2Pipeline: CFG when guidance_scale > 0
+    option_keys = ("model_version",)
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
@@ -48,11 +49,6 @@ class Krea2Family(DiffusionFamily):
             raise ValueError(f"model_version {model_version!r}: expected {RAW} or {TURBO}")
         self._version = model_version
         self.sample_guidance, self.sample_steps = SAMPLE_DEFAULTS[self.version]
-
-    @classmethod
-    def from_args(cls, args) -> "Krea2Family":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
-                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     # -- the release ---------------------------------------------------------------------------
     def pipeline_index(self) -> dict:

@@ -32,15 +32,11 @@ class Lumina2Family(DiffusionFamily):
     sample_guidance = SPEC.sample_guidance[RELEASE]
     sample_steps = SPEC.sample_steps[RELEASE]
     true_cfg = True  # Lumina2Pipeline: CFG above 1 (do_classifier_free_guidance)
+    option_keys = ("system_prompt",)
 
     def __init__(self, model_path: str, vae_path: str | None = None, system_prompt: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
         self.system_prompt = system_prompt
-
-    @classmethod
-    def from_args(cls, args) -> "Lumina2Family":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "system_prompt", None),
-                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     def model_version(self, model) -> str:
         return RELEASE

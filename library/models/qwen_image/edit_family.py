@@ -50,15 +50,11 @@ class QwenImageEditFamily(QwenImageFamily):
     text_encoder_kind = ("Qwen2.5-VL with its vision tower",
                          {**QwenImageFamily.text_encoder_kind[1], "patch_embed.proj.weight": None})
     text_tokenizer = None  # the tokenizer is the processor folder's (check_model_files finds it)
+    option_keys = ("model_version",)
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
         self._version = check_version(model_version) if model_version else None
-
-    @classmethod
-    def from_args(cls, args) -> "QwenImageEditFamily":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
-                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     @cached_property
     def version(self) -> str:

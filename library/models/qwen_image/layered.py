@@ -106,17 +106,13 @@ class QwenImageLayeredFamily(QwenImageFamily):
     # A sample's --ci is resized to its sample_size (VaeImageProcessor.resize), not cropped; training's condition
     # is the composite, fitted as its frames are (multiple_target takes no control_directory)
     stretches_references = True
+    option_keys = ("layers",)
 
     def __init__(self, model_path: str, vae_path: str | None = None, layers: int | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
         self.layers = int(layers or DEFAULT_LAYERS)
         if self.layers < 1:
             raise ValueError(f"layers must be >= 1 (the layers a sample decomposes into), got {self.layers}")
-
-    @classmethod
-    def from_args(cls, args) -> "QwenImageLayeredFamily":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "layers", None),
-                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     def model_version(self, model) -> str:
         return "qwen-image-layered"

@@ -75,17 +75,13 @@ class QwenImage21Family(DiffusionFamily):
     # and converts them to RGBA: the VAE reads all four channels (only the vision tower's copy is white-backed)
     reference_mode = "RGBA"
     reference_resolution = REFERENCE_RESOLUTION  # an instance takes the config's
+    option_keys = ("reference_resolution",)
 
     def __init__(self, model_path: str, vae_path: str | None = None, reference_resolution: int | None = None,
                  **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
         self.reference_resolution = reference_resolution or REFERENCE_RESOLUTION
         self.sample_steps = len(self.sample_sigmas) if self.sample_sigmas else SAMPLE_STEPS
-
-    @classmethod
-    def from_args(cls, args) -> "QwenImage21Family":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "reference_resolution", None),
-                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     def control_bucket(self, bucket: tuple[int, int], size: tuple[int, int],
                        resolution: tuple[int, int] | None = None) -> tuple[int, int]:

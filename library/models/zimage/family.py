@@ -37,17 +37,13 @@ class ZImageFamily(DiffusionFamily):
     text_path_keys = ("text_encoder",)
     true_cfg = True  # a negative prompt is encoded for samples; guided_velocity runs it when guidance > 0
     cfg_above = 0.0  # ZImagePipeline: do_classifier_free_guidance is guidance_scale > 0
+    option_keys = ("model_version",)
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None, **text_paths):
         super().__init__(model_path, vae_path, **text_paths)
         if model_version is not None and model_version not in VERSION_SHIFT:
             raise ValueError(f"model_version {model_version!r}: expected {TURBO} or {BASE}")
         self._version = model_version
-
-    @classmethod
-    def from_args(cls, args) -> "ZImageFamily":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
-                   **{k: getattr(args, k) for k in cls.text_path_keys})
 
     # -- the release ---------------------------------------------------------------------------
     def scheduler_shift(self) -> float | None:

@@ -44,6 +44,7 @@ class ZImageOmniFamily(ZImageFamily):
     plan_controls = 1
     text_sees_controls = True  # encode(captions, condition_images): segments + SigLIP features
     optional_path_keys = ("siglip",)  # the repo's siglip/ where unset
+    option_keys = ("model_version", "siglip")
 
     def __init__(self, model_path: str, vae_path: str | None = None, model_version: str | None = None,
                  siglip: str | None = None, **text_paths):
@@ -51,11 +52,6 @@ class ZImageOmniFamily(ZImageFamily):
             raise ValueError(f"model_version {model_version!r}: zimage_omni is {OMNI}")
         super().__init__(model_path, vae_path, None, **text_paths)
         self.siglip_path = siglip or model_path  # the repo's siglip/ (+ siglip_processor/) by default
-
-    @classmethod
-    def from_args(cls, args) -> "ZImageOmniFamily":
-        return cls(args.pretrained_model_name_or_path, args.ae, getattr(args, "model_version", None),
-                   getattr(args, "siglip", None), **{k: getattr(args, k) for k in cls.text_path_keys})
 
     @property
     def version(self) -> str:
