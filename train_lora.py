@@ -234,6 +234,9 @@ class Trainer:
         saves = resumed_saves(state.progress, args) if state else None
         epochs = planned_epochs(args, task.batches_per_epoch(), self.max_steps, self.step, self.epoch,
                                 self.batches_done)
+        if not args.max_train_epochs:  # the epochs it comes to, as sd-scripts prints them
+            accelerator.print(f"max_train_steps = {self.max_steps}: {epochs} epochs of "
+                              f"{epoch_steps(args, task.batches_per_epoch())} optimizer steps")
         self.saver = Saver(args, task, accelerator, self.started, self.max_steps, epochs, self.ema, saves, earlier,
                            self.modes.reading)
         self.last_save: tuple[int, str | None, str | None] = (-1, None, None)  # step, LoRA, state folder or None

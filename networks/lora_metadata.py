@@ -46,6 +46,9 @@ METADATA_KEYS = {
     "optimizer": "ss_optimizer",
     "lr": "ss_learning_rate",
     "lr_scheduler": "ss_lr_scheduler",
+    "lr_warmup_steps": "ss_lr_warmup_steps",  # as configured: steps, or a fraction of the run's below 1
+    "gradient_accumulation_steps": "ss_gradient_accumulation_steps",
+    "max_grad_norm": "ss_max_grad_norm",  # 0: no clipping
     "timestep_sampling": "ss_timestep_sampling",
     "timestep_bias": "ss_timestep_bias",  # high_noise / low_noise (written where it is not none)
     "shift": "ss_discrete_flow_shift",

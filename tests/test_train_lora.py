@@ -482,6 +482,9 @@ def test_epoch_save_with_save_state_writes_a_state_that_resumes(tiny_set, tmp_pa
         meta = f.metadata()
     assert meta["ss_num_epochs"] == "2" and meta["ss_total_batch_size"] == str(min(batch, 8) * 8), meta
     assert json.loads(meta["ss_dataset_dirs"]) and json.loads(meta["ss_tag_frequency"]), meta  # sd-scripts' folder keys
+    # sd-scripts' step keys (the old header had none: accumulation could not be read back from the total batch)
+    assert (meta["ss_gradient_accumulation_steps"], meta["ss_max_grad_norm"], meta["ss_lr_warmup_steps"]) == \
+        ("8", "1.0", "0"), meta
 
 
 def test_a_step_is_saved_once_when_its_step_save_ends_an_epoch_or_a_ctrl_c_follows(tiny_set, tmp_path, monkeypatch,

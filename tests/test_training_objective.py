@@ -374,6 +374,12 @@ def test_accumulation_stays_inside_epochs_and_the_last_partial_group_steps(tmp_p
     assert logged[0] == pytest.approx(sum(0.5 * (w * x - 1) ** 2 for x in (1.0, 2.0, 3.0)) / 3, rel=1e-6)
 
 
+def test_max_train_steps_says_the_epochs_it_comes_to(tmp_path, monkeypatch, capsys):
+    """4 batches an epoch, 3 to a step: 2 steps an epoch, 5 steps in 3 epochs (the old line said nothing)."""
+    fake_run(tmp_path, monkeypatch, FakeTask(4), "--gradient_accumulation_steps", "3", "--max_train_steps", "5")
+    assert "max_train_steps = 5: 3 epochs of 2 optimizer steps" in capsys.readouterr().out
+
+
 def test_a_step_follows_the_mean_gradient_of_its_micro_batches(tmp_path, monkeypatch):
     task = FakeTask(2, values=[1.0, 3.0])
     trainer = fake_run(tmp_path, monkeypatch, task, "--gradient_accumulation_steps", "2", "--max_train_steps", "1",

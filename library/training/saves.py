@@ -54,6 +54,8 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         batch_size=facts["batch_size"], optimizer=args.optimizer_type
         + (f" ({' '.join(args.optimizer_args)})" if args.optimizer_args else ""),
         lr=args.learning_rate, lr_scheduler=args.lr_scheduler, timestep_sampling=facts["timestep_sampling"],
+        **{key: getattr(args, key, None)  # sd-scripts' keys (an LLM's args have them too)
+           for key in ("lr_warmup_steps", "gradient_accumulation_steps", "max_grad_norm")},
         shift=args.discrete_flow_shift if facts["timestep_sampling"] == "shift" else None,  # read by that draw only
         guidance=facts.get("guidance"), seed=args.seed, dataset=facts["dataset"],
         **{key: facts.get(key) for key in ("dataset_dirs", "tag_frequency", "num_train_images", "num_reg_images")},
