@@ -26,9 +26,9 @@
 #                (--sdpa default: cuDNN first on sm90 / sm100, what users of all three trainers get; every line
 #                up to 2026-11-28 switched cuDNN off), each run saying which kernels each side ran
 #      candidates  code measured before it lands: each bench/candidates/*.diff applied to this copy of the tree
-#                (the device's; nothing here changes): fp8_dequant_fused, then its CUDA tests (tests/test_fp8*.py),
-#                its lever (bench_core_levers fp8_dequant, both families), the eager fp8 headline lines and the
-#                eager Qwen-Image block swap (an fp8_scaled base) with it
+#                (the device's; nothing here changes; none waits since fp8_dequant_fused was dropped on
+#                2026-12-04), then the fp8 CUDA tests (tests/test_fp8*.py), the eager fp8 headline lines and the
+#                eager Qwen-Image block swap (an fp8_scaled base) with them; a candidate's own lever goes in here
 #      swapprobe the eager Qwen-Image block swap (x1.12-x1.19 over no swap; copies 0.26 s of a step, ~60% exposed,
 #                host time level): one step of swap 0 and 20 (prefetch 2, then 4) as a timeline
 #                (bench_block_swap.py --trace, read by bench/trace_overlap.py: the compute stream's idle time
@@ -38,6 +38,8 @@
 #                against its CPU one (tests/test_cuda_families.py, fp32 and fp8_scaled), then the Nucleus-Image
 #                quickstart on the learned base in bf16 (caching, training over fp8_scaled experts, samples) and its
 #                concept demo (the CPU's figure: 0/18 -> 15/18)
+#      since     for a lease of one call (15 minutes in all): the CUDA tests of `families` and `checkpoint`, the eager
+#                headline lines (bf16, fp8), the eager_checkpoint lever, then compiled FLUX.1 under torch's attention
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -46,7 +48,7 @@
 # Settings as bench/gpu_bench.sh: 1024 px (4096 image + 512 text tokens), full-width blocks (FLUX.1 2 double
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
-plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|checkpoint|attention|candidates|swapprobe|fp8swap|families [SECONDS]}
+plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|checkpoint|attention|candidates|swapprobe|fp8swap|families|since [SECONDS]}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -180,8 +182,6 @@ case $plan in
             fi || { echo "$patch does not apply" | tee -a "$LOGS/session.log"; exit 1; }
         done
         step checks.log 120 $PY -m pytest -x -q -p no:cacheprovider -k cuda tests/test_fp8.py tests/test_fp8_compute.py
-        # fp8_dequant_fused: the eager fp8_scaled step's dequantization as one compiled kernel
-        step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --levers fp8_dequant
         step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP
         step peers_eager.log 100 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP
         step swap.log 100 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
@@ -203,6 +203,19 @@ case $plan in
         step quickstart.log 120 $PY tools/concept_demo.py $QS --lora /tmp/qs_nucleus/tiny_nucleus_image_lora.safetensors \
             --grid "$LOGS/nucleus_concept_grid.png"
         ;;
+    since)  # what landed since the last GPU call (2026-11-28), most wanted first, for a lease of one call: the CUDA
+        # tests of the newest families and of eager_checkpoint, the eager headline lines (eager_checkpoint's first
+        # GPU figures), its lever against torch's checkpoint, then compiled FLUX.1 under torch's attention choice
+        step checks.log 170 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_cuda_families.py \
+            tests/test_eager_checkpoint.py tests/test_saved_attention.py tests/test_residual_projection.py
+        step peers_eager.log 120 $PY bench/bench_peers.py $PEERS --precisions bf16 --save-projections $KEEP
+        step peers_eager.log 90 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP
+        step peers_eager.log 90 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections $KEEP
+        step levers.log 150 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
+            --levers eager_checkpoint,eager_checkpoint_kept
+        step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families flux --precisions bf16 \
+            --save-projections $KEEP --compile --sdpa default
+        ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do
             step fp8.log 100 $PY bench/bench_train_step.py --device "$DEVICE" --dtype bf16 --sizes mid --families $family \
@@ -212,7 +225,8 @@ case $plan in
         step swap.log 120 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2
         ;;
     *)
-        echo "unknown plan $plan (headline, rest, profile, verify, eager, checkpoint, attention, candidates, swapprobe, fp8swap)"
+        echo "unknown plan $plan (headline, rest, profile, verify, eager, checkpoint, attention, candidates, swapprobe, fp8swap,"
+        echo "families, since)"
         exit 2
         ;;
 esac
