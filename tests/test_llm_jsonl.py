@@ -585,7 +585,7 @@ def test_a_template_that_numbers_its_turns_falls_back_to_rendering_every_prefix(
     windows are not used (they are with ChatML, on the same 31 messages), and the mask is the old line's."""
     tok = chat_tokenizer
     template = ("{%- for m in messages %}{{- '<|im_start|>' + m.role + ' ' + loop.index|string + '\\n' + "
-                "(m.content or 'call') + '<|im_end|>\\n' }}{%- endfor %}"
+                "(m.content or m.tool_calls[0].function.name) + '<|im_end|>\\n' }}{%- endfor %}"
                 "{%- if add_generation_prompt %}{{- '<|im_start|>assistant ' + (messages|length + 1)|string + '\\n' }}{%- endif %}")
     chat = many_turn_chat(10, system=True)
     render = lambda m, g=False: tok.apply_chat_template(m, tokenize=False, add_generation_prompt=g)  # noqa: E731

@@ -182,3 +182,38 @@ def test_tools_a_chat_template_does_not_render_are_refused_naming_the_record(cha
     assert str(e.value) == (f"{path}:1: the record gives \"tools\", but the tokenizer's chat template renders none of "
                             f"them (it reads no `tools`), so they would be dropped; use a template that renders tools "
                             f"(Qwen2.5's, Llama 3.1's) or leave \"tools\" out")
+
+
+# ChatML as Llama 3 Instruct's and Gemma's templates render a turn: its content alone, no tool_calls branch
+NO_CALLS_TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] or '' }}<|im_end|>\n"
+                     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+@pytest.mark.parametrize("all_tokens", [False, True])
+def test_tool_calls_a_chat_template_does_not_render_are_refused_naming_the_record(chat_tokenizer, tmp_path,
+                                                                                 all_tokens):
+    """A template that reads no `tool_calls` rendered a call-only assistant turn as an empty reply, trained as
+    such (the LoRA learns to answer nothing where the data calls a tool): refused in one line naming file:line,
+    for OpenAI's tool_calls and a ShareGPT function_call turn alike. A call the template renders passes."""
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}
+    openai = {"messages": [{"role": "user", "content": "Weather in Paris?"},
+                           {"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "content": "18 C"}, {"role": "assistant", "content": "It is 18 C."}]}
+    sharegpt = {"conversations": [{"from": "human", "value": "Weather in Paris?"},
+                                  {"from": "function_call", "value": json.dumps(CALL)},
+                                  {"from": "observation", "value": "18 C"}, {"from": "gpt", "value": "It is 18 C."}]}
+    assert len(conversations([write_jsonl(tmp_path / "ok.jsonl", [openai])], chat_tokenizer, all_tokens).ids) > 0
+    old, chat_tokenizer.chat_template = chat_tokenizer.chat_template, NO_CALLS_TEMPLATE
+    try:
+        for name, record in (("o.jsonl", openai), ("s.jsonl", sharegpt)):
+            path = write_jsonl(tmp_path / name, [{"text": "fine"}, record])
+            with pytest.raises(ConfigError) as e:
+                conversations([path], chat_tokenizer, all_tokens)
+            assert str(e.value) == (
+                f"{path}:2: an assistant turn calls a tool (\"tool_calls\", or a ShareGPT function_call turn), but "
+                f"the tokenizer's chat template renders no tool_calls, so the call would train as an empty reply; "
+                f"use a template that renders them (Qwen2.5's, Llama 3.1's) or leave the call out")
+        plain = write_jsonl(tmp_path / "p.jsonl", [{"messages": openai["messages"][:1] + openai["messages"][3:]}])
+        assert len(conversations([plain], chat_tokenizer, all_tokens).ids) > 0
+    finally:
+        chat_tokenizer.chat_template = old

@@ -388,6 +388,7 @@ def chat_encoder(tokenizer, all_tokens: bool) -> ChatEncoder:
         render = lambda m, g=False: render_chat(tokenizer, m, where, g, tools)  # noqa: E731
         if tools:
             refuse_unrendered_tools(render(messages), render_chat(tokenizer, messages, where), where)
+        refuse_unrendered_calls(render, messages, where)
         if all_tokens:
             return tokenizer(render(messages), add_special_tokens=False)["input_ids"], True
         text, spans = assistant_spans(render, messages, where)
@@ -404,6 +405,26 @@ def refuse_unrendered_tools(with_tools: str, without: str, where: str):
         raise ConfigError(f"{where}: the record gives \"tools\", but the tokenizer's chat template renders none of "
                           f"them (it reads no `tools`), so they would be dropped; use a template that renders tools "
                           f"(Qwen2.5's, Llama 3.1's) or leave \"tools\" out")
+
+
+def refuse_unrendered_calls(render: Callable[..., str], messages: list, where: str):
+    """A template that reads no `tool_calls` (Llama 3 Instruct's, Mistral v0.1 / v0.2's, Gemma's) renders an
+    assistant turn that only calls a tool as an empty reply: the LoRA would learn to answer with nothing where
+    the data calls a tool. The conversation up to its first call is rendered with and without that call (a
+    template renders all calls or none); the same text is refused, naming the record."""
+    first = next((i for i, m in enumerate(messages) if m.get("role") == "assistant" and m.get("tool_calls")), None)
+    if first is None:
+        return
+    call = messages[first]
+    without = {**{k: v for k, v in call.items() if k != "tool_calls"}, "content": call.get("content") or ""}
+    try:
+        if render(messages[:first + 1]) != render([*messages[:first], without]):
+            return
+    except ConfigError:  # a template that needs the calls (or content) to render them is one that reads them
+        return
+    raise ConfigError(f"{where}: an assistant turn calls a tool (\"tool_calls\", or a ShareGPT function_call turn), "
+                      f"but the tokenizer's chat template renders no tool_calls, so the call would train as an empty "
+                      f"reply; use a template that renders them (Qwen2.5's, Llama 3.1's) or leave the call out")
 
 
 def starts_inside(offsets: list[tuple[int, int]], spans: list[tuple[int, int]]) -> list[bool]:
