@@ -90,6 +90,18 @@ def temporary_name(name: str) -> str:
     return f".{name}.{'x' * 8}.tmp"
 
 
+def name_limit(folder: str) -> int:
+    """The longest file name (bytes) the file system holding `folder` (or its nearest existing parent)
+    takes; 255 (ext4, XFS, btrfs, NTFS) where it does not say."""
+    folder = os.path.abspath(folder)
+    while not os.path.exists(folder):
+        folder = os.path.dirname(folder)
+    try:
+        return os.pathconf(folder, "PC_NAME_MAX")
+    except (OSError, ValueError):
+        return 255
+
+
 def atomic_target(name: str) -> str | None:
     """The file name an atomic_path temporary named `name` (`.<name>.<random>.tmp`) was written for;
     None where `name` is no such temporary."""

@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from library.text_files import read_utf8  # noqa: F401  (re-exported: the loaders import it from here)
 from library.atomic_files import (  # noqa: F401  (re-exported: written files live there, torch-free)
     NO_SPACE, DiskFullError, atomic_folder, atomic_path, atomic_target, left_behind, make_parent_folder,
-    naming_a_full_disk, recover_folder, umask_mode, write_text)
+    name_limit, naming_a_full_disk, recover_folder, temporary_name, umask_mode, write_text)
 
 
 class CheckpointError(ValueError):

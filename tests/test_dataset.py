@@ -434,6 +434,26 @@ def cached_dataset(tmp_path, enc, model_key="flux", **kw):
     return ds, n_lat, n_txt
 
 
+def test_an_image_named_in_65_cjk_characters_gets_cache_files_its_file_system_takes(tmp_path):
+    """A 195-byte stem (65 CJK characters) fits ext4's 255 bytes as an image name, not as its text cache's
+    temporary (`.<stem>_flux_<tag>_te.safetensors.<8>.tmp`): 'File name too long' after the whole VAE pass. Such a
+    stem keeps its first bytes and a hash of the whole; two stems alike in their first bytes keep two files; a
+    re-run reuses both; a short stem keeps its plain name."""
+    long_a, long_b = "猫" * 65, "猫" * 64 + "犬"
+    for stem, color in ((long_a, (255, 0, 0)), (long_b, (0, 255, 0)), ("short", (0, 0, 255))):
+        make_image(tmp_path / "img" / f"{stem}.png", 32, 32, color)
+        write(tmp_path / "img" / f"{stem}.txt", f"caption {color}")
+    key = "flux1_0123456789_abcdef0123"  # as long as a real text cache key: <family>_<10 hex>_<10 hex>
+    _, n_lat, n_txt = cached_dataset(tmp_path, CountingEncoder(), key)
+    names = cache_files(tmp_path / "img")
+    limit = os.pathconf(tmp_path, "PC_NAME_MAX")
+    assert (n_lat, n_txt, len(names)) == (3, 3, 6)
+    assert all(len(f".{n}.xxxxxxxx.tmp".encode()) <= limit for n in names)
+    assert {f"short_{key}_TAG_64x64.safetensors", f"short_{key}_TAG_te.safetensors"} <= set(names)
+    assert sum(n.startswith("猫") and "~" in n for n in names) == 4
+    assert cached_dataset(tmp_path, CountingEncoder(), key)[1:] == (0, 0)
+
+
 def test_caches_are_reused_and_exactly_the_changed_entries_are_recomputed(tmp_path):
     colors = [(255, 0, 0), (0, 255, 0), (0, 0, 255)]
     for i, c in enumerate(colors):

@@ -28,7 +28,7 @@ from library.data.image_folders import ImageItem, largest_bucket, reference_coun
 from library.data.images import load_image
 from library.data.masks import load_mask, mask_source_hash
 from library.data.prompts import NegativePrompt
-from library.io import CheckpointReader, SharedLock, atomic_target, save_safetensors
+from library.io import CheckpointReader, SharedLock, atomic_target, name_limit, save_safetensors, temporary_name
 
 # Part of every latent cache hash: bump it when resize/crop changes so old caches are redone.
 PREPROCESS_VERSION = "resize-crop-v1"
@@ -74,9 +74,19 @@ def hold_cache_folders(items: list[ImageItem], held: contextlib.ExitStack) -> di
 
 
 def cache_path(item: ImageItem, suffix: str) -> str:
-    """`<stem>_<suffix>.safetensors` in cache_folder: beside the image, or in cache_dir."""
+    """`<stem>_<suffix>.safetensors` in cache_folder: beside the image, or in cache_dir. A stem too long for
+    that name in the folder's file system (its atomic temporary counted: an image named in 65 CJK characters
+    on ext4) keeps its first bytes and a hash of the whole stem, `<start>~<12 hex>`: the name failed with
+    'File name too long' at the first write, after the whole VAE pass."""
+    folder = cache_folder(item)
     stem = os.path.splitext(os.path.basename(item.image_path))[0]
-    return os.path.join(cache_folder(item), f"{stem}_{suffix}.safetensors")
+    name = f"{stem}_{suffix}.safetensors"
+    limit = name_limit(folder)
+    if len(temporary_name(name).encode()) > limit:
+        tag = "~" + hashlib.sha256(stem.encode()).hexdigest()[:12]
+        room = max(limit - len(temporary_name(f"{tag}_{suffix}.safetensors").encode()), 0)
+        name = f"{stem.encode()[:room].decode(errors='ignore')}{tag}_{suffix}.safetensors"
+    return os.path.join(folder, name)
 
 
 def _hash_file(h, path: str, tag: bytes = b"") -> None:

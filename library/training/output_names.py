@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 
-from library.atomic_files import temporary_name
+from library.atomic_files import name_limit, temporary_name
 from library.data.prompts import sample_file_name
 from library.errors import ConfigError
 
@@ -66,13 +66,3 @@ def longest_written_name(args, formats: list[str]) -> str:
     return temporary_name(max(names, key=lambda n: len(n.encode())))
 
 
-def name_limit(folder: str) -> int:
-    """The longest file name (bytes) the file system holding `folder` (or its nearest existing parent)
-    takes; 255 (ext4, XFS, btrfs, NTFS) where it does not say."""
-    folder = os.path.abspath(folder)
-    while not os.path.exists(folder):
-        folder = os.path.dirname(folder)
-    try:
-        return os.pathconf(folder, "PC_NAME_MAX")
-    except (OSError, ValueError):
-        return 255
