@@ -77,6 +77,13 @@ def test_an_sd_scripts_toml_is_converted_beside_it_and_the_editor_gets_ours_whic
     assert checked_ui.load_config(ours)[2] == ""  # ours, loaded again: no conversion
     # picked, then Load beside the picker: the same report (old: "converted before", the lost keys never shown)
     assert checked_ui.load_config(path) == (text, fields, note)
+    # the peer's config edited since (ours not): converted again (old: the stale conversion, network_dim 4)
+    with open(path) as f:
+        peer = f.read()
+    with open(path, "w") as f:
+        f.write(peer.replace("network_dim = 4", "network_dim = 16"))
+    text, fields, again = checked_ui.load_config(path)
+    assert fields["network_dim"] == "16" and text == open(ours).read() and again == note
     # the peer's config picked again: the earlier conversion, edited since, is loaded, not written over (old: lost)
     with open(ours, "a") as f:
         f.write("# my edit\n")

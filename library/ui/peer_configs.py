@@ -96,10 +96,12 @@ def convert(roots: Roots, real: str, text: str, python: str, helper=None) -> tup
     source = source if not source.startswith("-") else os.path.join(os.curdir, source)
     out = os.path.splitext(source)[0] + "_converted.toml"  # the tool's default, given: the UI says where it writes
     earlier = roots.resolve(out, "converted config")
-    if os.path.exists(earlier):  # converted before, and maybe edited since: loaded, never written over
-        written = _NOTES.get(earlier)
-        if written and written[0] == _stamp(earlier):  # this process wrote it and no one since: its report still holds
-            return earlier, written[1]
+    written = _NOTES.get(earlier)
+    if written and os.path.exists(earlier) and written[0] == _stamp(earlier):  # this process wrote it, no one since
+        if written[1] == _stamp(real):  # and the peer's config is as it was: its report still holds
+            return earlier, written[2]
+        # the peer's config was edited since: converted again (ours is this process's own, unedited output)
+    elif os.path.exists(earlier):  # converted before, and maybe edited since: loaded, never written over
         return earlier, (f"`{out}` was converted from `{source}` before (and may hold your edits since): loaded as it "
                          f"is; delete it, or rename it, to convert `{source}` again")
     result = commands.run_tool("convert_config.py", [source, "--out", out], roots.workdir, python, timeout=120,
@@ -109,14 +111,15 @@ def convert(roots: Roots, real: str, text: str, python: str, helper=None) -> tup
         raise ValueError(errors[-1][len("error: "):] if errors
                          else f"convert_config.py {source}: {' '.join(result.output.split())[-300:]}")
     written, note = roots.resolve(out, "converted config"), conversion_note(result.stdout)
-    _NOTES[written] = (_stamp(written), note)
+    _NOTES[written] = (_stamp(written), _stamp(real), note)
     return written, note
 
 
-# The note of each config this process converted, with the file's stamp then: picking a peer's config converts it
-# and Load beside the picker converts again; the second found the file and said "converted before (and may hold your
-# edits since)" in place of the report, whose lost keys the user had not read yet.
-_NOTES: dict[str, tuple[tuple[int, int], str]] = {}
+# The note of each config this process converted, with the stamps then of ours and of the peer's config: picking a
+# peer's config converts it and Load beside the picker converts again; the second found the file and said "converted
+# before (and may hold your edits since)" in place of the report, whose lost keys the user had not read yet. The
+# peer's stamp: a peer's config edited after its conversion was loaded as the stale conversion.
+_NOTES: dict[str, tuple[tuple[int, int], tuple[int, int], str]] = {}
 
 
 def _stamp(path: str) -> tuple[int, int]:
