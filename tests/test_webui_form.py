@@ -62,8 +62,11 @@ def test_a_loaded_config_saved_back_is_the_same_file_and_a_changed_field_is_set_
     assert open(copy).read() == ('# my run\nbase_precision = "bf16"\n\n[model]\nmodel_type = "flux"\n'
                                  'ae = "vae.safetensors"  # a literal string\n\n[precision]\n'
                                  '[network]\nnetwork_dim = 16  # rank\nnetwork_alpha = 8\n')
+    job = ui.store.create("mine", {"model_type": "flux"}, 2, queue=False)
     for path, expected in (("/etc/x.toml", "save to '/etc/x.toml' is outside the folders"),
-                           (str(tmp_path / "data" / "x.txt"), "give a .toml file under the roots")):
+                           (str(tmp_path / "data" / "x.txt"), "give a .toml file under the roots"),
+                           # accepted, then written over by the job's own config at its launch
+                           (job.config_path, "that is in the jobs folder, whose files the UI writes")):
         with pytest.raises(ValueError, match=expected):
             ui.save_config(path, loaded_text, fields)
 

@@ -316,6 +316,10 @@ class WebUI:
         if not str(path or "").strip().endswith(".toml"):
             raise ValueError(f"save to {path!r}: give a .toml file under the roots")
         real = self.roots.resolve(path.strip(), "save to")
+        if os.path.commonpath([real, self.store.root]) == self.store.root:  # it was written, then lost at launch
+            raise ValueError(f"save to {path!r}: that is in the jobs folder, whose files the UI writes (a job's "
+                             f"config.toml again at each launch; a deleted job takes its folder): save under another "
+                             f"folder")
         if loaded and loaded[0] == real and os.path.isfile(real) and read_utf8(real, "config file") != loaded[1]:
             raise ValueError(f"save to {path!r}: the file changed since this page loaded it (another tab or program "
                              f"saved it): Load it again to see its text, or save to another file")
