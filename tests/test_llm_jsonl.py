@@ -399,7 +399,8 @@ def test_a_lora_trains_on_a_messages_file_with_the_loss_on_replies_only(tiny_set
 
 def test_conversations_longer_than_a_window_are_counted_in_one_warning(tiny_set, chat_llm, tmp_path):
     """3 of 33 conversations do not fit a window of max_length 96 + 1 tokens: the windows cut each into pieces
-    trained apart, which nothing said. One warning now gives how many, the longest and the windows at least."""
+    trained apart, which nothing said. One warning now gives how many, the longest (its file:line) and the
+    windows at least."""
     import warnings
 
     from library.training.config import load_config
@@ -417,8 +418,8 @@ def test_conversations_longer_than_a_window_are_counted_in_one_warning(tiny_set,
     said = [str(w.message) for w in caught if "conversations are longer than a window" in str(w.message)]
     longest = len(task.tokenizer.apply_chat_template(long, tokenize=True, return_dict=False))
     assert said == [f"train_data: 3 of 33 conversations are longer than a window of max_length 96 + 1 tokens (the "
-                    f"longest {longest}): they are split into at least {3 * -(-(longest - 1) // 96)} windows, trained "
-                    f"apart (raise max_length, or shorten them)"], said
+                    f"longest {longest}, {path}:31): they are split into at least {3 * -(-(longest - 1) // 96)} "
+                    f"windows, trained apart (raise max_length, or shorten them)"], said
     assert longest > 97
 
 

@@ -63,7 +63,8 @@ def test_the_trainer_masks_plain_prompts_by_train_on_all_tokens_and_samples_them
     args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data",
                         write_jsonl(tmp_path / "pc.jsonl", records), "--output_dir", str(tmp_path / "out"),
                         "--mixed_precision", "no", "--max_length", "32", "--val_fraction", "0",
-                        "--train_on_all_tokens", all_tokens, "--sample_prompt", "Question 1:"])
+                        "--train_on_all_tokens", all_tokens, "--sample_prompt", "Question 1:",
+                        "--packing", "stream"])  # windows without padding: a -100 is a border or a prompt's
     task = LLMTask(args, train_lora.make_accelerator(args))
     im_start = task.tokenizer.convert_tokens_to_ids("<|im_start|>")
     targets = [task.train_set[i][1] for i in range(len(task.train_set))]

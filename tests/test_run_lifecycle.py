@@ -427,12 +427,34 @@ def test_a_state_that_attended_across_documents_resumes_only_with_that_setting(t
     with pytest.raises(ValueError, match="written with attend_across_documents = True, this run has False"):
         load_state(str(state), args())
     before_key = json.loads(json.dumps(run_digest(args()), default=str))
-    del before_key["attend_across_documents"]
+    del before_key["attend_across_documents"], before_key["packing"]  # it came later
     write_llm_state(state, before_key)
     with pytest.raises(ValueError, match="written with attend_across_documents = True, this run has False"):
         load_state(str(state), args())
     with pytest.raises(ValueError, match="trainable.safetensors"):  # past the settings: the files are read
         load_state(str(state), args("--attend_across_documents"))
+
+
+def test_a_state_of_the_streams_windows_resumes_only_with_them(tmp_path):
+    """packing changes which windows there are: a state written before the key (the stream's windows) is refused
+    with packing unset (best_fit since 2026-12-04), naming the key, and resumes with packing = "stream"."""
+    import json
+
+    import pytest
+
+    from library.training.state import load_state, run_digest
+
+    def args(*extra):
+        return llm_state_args(tmp_path, *extra)
+
+    state = tmp_path / "state"
+    before_key = json.loads(json.dumps(run_digest(args()), default=str))
+    assert before_key.pop("packing") == "best_fit"
+    write_llm_state(state, before_key)
+    with pytest.raises(ValueError, match="written with packing = 'stream', this run has 'best_fit'"):
+        load_state(str(state), args())
+    with pytest.raises(ValueError, match="trainable.safetensors"):  # past the settings: the files are read
+        load_state(str(state), args("--packing", "stream"))
 
 
 def test_a_state_trained_on_replies_only_resumes_only_with_that_setting(tmp_path):

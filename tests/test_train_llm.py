@@ -546,7 +546,8 @@ def test_an_unset_stride_follows_max_length(tiny_set, tmp_path):
     from library.training.config import load_config
     from library.training.llm_task import LLMTask
 
-    argv = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--max_train_steps", "1")
+    argv = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--max_train_steps", "1",
+                    "--packing", "stream")  # the stream's windows (best_fit, the default, has no stride)
     del argv[argv.index("--stride") : argv.index("--stride") + 2]
     args = load_config(argv)
     task = LLMTask(args, train_lora.make_accelerator(args))

@@ -296,27 +296,29 @@ def prompt_completion_ids(prompt: str, completion: str, encode: Callable[[str], 
     return ids, [i >= n for i in range(len(ids))]
 
 
-def measured(chat: ChatEncoder, lengths: list[int]) -> ChatEncoder:
-    """chat, appending each conversation's token count to `lengths` (what warn_long_conversations reads)."""
+def measured(chat: ChatEncoder, lengths: list[tuple[int, str]]) -> ChatEncoder:
+    """chat, appending each conversation's (token count, file:line) to `lengths` (what warn_long_conversations
+    reads)."""
 
     def encode(messages: list, where: str, tools: list | None = None):
         ids, trained = chat(messages, where, tools)
-        lengths.append(len(ids))
+        lengths.append((len(ids), where))
         return ids, trained
 
     return encode
 
 
-def warn_long_conversations(lengths: list[int], max_length: int) -> None:
-    """One warning for the conversations longer than a window (max_length inputs + the last target): the
-    stream's windows cut each into pieces trained apart, none seeing its start with its end, which went unsaid.
-    Counted as windows of stride max_length: overlapping windows (a smaller stride) make more."""
-    long = [n for n in lengths if n > max_length + 1]
+def warn_long_conversations(lengths: list[tuple[int, str]], max_length: int) -> None:
+    """One warning for the conversations longer than a window (max_length inputs + the last target), naming the
+    longest's file:line: the windows cut each into pieces trained apart, none seeing its start with its end, which
+    went unsaid. Counted as windows of stride max_length: overlapping windows (a smaller stride) make more."""
+    long = [(n, where) for n, where in lengths if n > max_length + 1]
     if long:
-        pieces = sum(-(-(n - 1) // max_length) for n in long)
+        pieces = sum(-(-(n - 1) // max_length) for n, _ in long)
+        longest, where = max(long, key=lambda nw: nw[0])
         warnings.warn(f"train_data: {len(long)} of {len(lengths)} conversations are longer than a window of max_length "
-                      f"{max_length} + 1 tokens (the longest {max(long)}): they are split into at least {pieces} "
-                      f"windows, trained apart (raise max_length, or shorten them)", stacklevel=3)
+                      f"{max_length} + 1 tokens (the longest {longest}, {where}): they are split into at least "
+                      f"{pieces} windows, trained apart (raise max_length, or shorten them)", stacklevel=3)
 
 
 def train_val_split(ids: torch.Tensor, val_fraction: float) -> tuple[torch.Tensor, torch.Tensor]:

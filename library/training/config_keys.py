@@ -11,7 +11,8 @@ from typing import Any
 from library.errors import ConfigError, blame
 from library.models.registry import FAMILIES, arch_specs, spec_of
 
-LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max_length", "stride", "val_fraction",
+LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max_length", "stride", "packing",
+            "val_fraction",
             "eval_every_n_steps", "sample_prompt", "sample_chat_template", "sample_max_new_tokens", "temperature",
             "top_k", "batch_size", "pretrain", "scaled_residual_init")
 LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "network_weights", "network_dropout",
@@ -116,6 +117,13 @@ def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where:
         raise ConfigError(f"{blame(origins, where, 'stride', 'max_length')}: key 'stride' ({args.stride}) must be <= "
                           f"max_length ({args.max_length}): each window would skip the {args.stride - args.max_length} "
                           f"tokens after it, never trained on or evaluated; for longer windows raise max_length")
+    if args.model_type == "llm" and args.packing == "best_fit":  # windows of whole documents: no stride, no stream
+        for key, idle in (("attend_across_documents", args.attend_across_documents),
+                          ("stride", args.stride not in (None, args.max_length))):
+            if idle:
+                raise ConfigError(f"{blame(origins, where, 'packing', key)}: packing = \"best_fit\" puts whole "
+                                  f"documents into windows, which '{key}' = {getattr(args, key)} would cut as a "
+                                  f"stream; unset one of them (packing = \"stream\" is the stream's windows)")
     if args.lr_warmup_steps and args.lr_scheduler == "constant":  # diffusers' constant ignores it (sd-scripts refuses)
         raise ConfigError(f"{blame(origins, where, 'lr_warmup_steps', 'lr_scheduler')}: key 'lr_warmup_steps' does "
                           f"nothing with lr_scheduler = \"constant\"; use \"constant_with_warmup\" (or another schedule)")

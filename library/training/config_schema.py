@@ -221,6 +221,11 @@ SCHEMA: dict[str, Arg] = {
                                               "not trained; true: the window is one sequence (as before the key)"),
     "max_length": A(int, 256, "llm: tokens per window"),
     "stride": A(int, None, "llm: window stride, <= max_length (unset: max_length, windows that neither overlap nor skip text)"),
+    "packing": A(str, None, "llm: how windows hold the documents: best_fit puts each whole document (conversation, "
+                            "record, .txt file) into a window, longest first, none cut unless longer than a window "
+                            "(TRL's default packing); stream cuts the token stream every stride tokens, wherever a "
+                            "conversation is (before 2026-12-04); unset: best_fit, stream with stride or "
+                            "attend_across_documents", ("best_fit", "stream")),
     "val_fraction": A(float, 0.1, "llm: share of tokens held out (0: evals give the sample alone, no val loss)"),
     "eval_every_n_steps": A(int, 50, "llm: val loss / perplexity / sample interval"),
     "sample_prompt": A(str, "The", "llm: prompt for the sample at each eval"),

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 
 from library.data.chat_records import chat_encoder, end_of_turn_id, user_turn_ids
 from library.data.dataset import process_share
+from library.data.packing import PackedWindowDataset, packing_of
 from library.data.text_corpus import (IGNORE, TextWindowDataset, batch_documents, check_corpus, corpus_files,
                                       document_borders, kept_windows, measured, split_starts, tokenize_corpus,
                                       train_val_split, warn_long_conversations, window_documents, window_targets)
@@ -303,7 +304,10 @@ class LLMTask:
             held = f" after val_fraction {args.val_fraction:g} holds out {len(val_ids)}" if len(val_ids) else ""
             raise ConfigError(f"train_data {', '.join(args.train_data)}: {len(ids)} tokens{held} leave {len(train_ids)} "
                               f"to train on, fewer than max_length + 1 = {args.max_length + 1}")
-        train = TextWindowDataset(train_ids, args.max_length, args.stride, train_trained, train_starts)
+        if packing_of(args) == "best_fit":
+            train = PackedWindowDataset(train_ids, args.max_length, train_trained, train_starts)
+        else:
+            train = TextWindowDataset(train_ids, args.max_length, args.stride, train_trained, train_starts)
         # TOKEN_DTYPE [N]: evaluate() scores all of it (its trained tokens: val_trained, less val_starts' borders)
         self.val_ids = val_ids
         if len(val_ids) > 1 and not self.scores_held_out():
@@ -315,7 +319,9 @@ class LLMTask:
             raise ConfigError(f"train_data: {len(train_ids)} training tokens give no window of max_length "
                               f"{args.max_length}{what}")
         counted = f" ({int(trained.sum())} trained on: assistant / completion tokens)" if trained is not None else ""
-        self.accelerator.print(f"text: {len(ids)} tokens{counted}, {len(train)} train windows, "
+        packed = (f" of whole documents (packing best_fit: {train.filled():.0%} of their tokens filled)"
+                  if isinstance(train, PackedWindowDataset) else "")
+        self.accelerator.print(f"text: {len(ids)} tokens{counted}, {len(train)} train windows{packed}, "
                                f"{self.held_out_windows()} val windows ({len(val_ids)} tokens held out)")
         return train
 

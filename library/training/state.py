@@ -21,6 +21,7 @@ from typing import NamedTuple
 
 import torch
 
+from library.data.packing import packing_of
 from library.io import CheckpointError, CheckpointReader, atomic_folder, save_safetensors
 from library.models.registry import LOWBIT_PRECISIONS
 from library.training.base_loras import base_loras_metadata
@@ -51,7 +52,8 @@ SCHEDULE_IDENTITY = ("lr_warmup_steps", "lr_scheduler_num_cycles", "lr_scheduler
 LLM_DATA_IDENTITY = ("max_length", "stride", "val_fraction", "batch_size", "train_on_all_tokens")
 # An LLM's data settings that change which targets are trained (and so which windows are kept), each with the
 # value a state written before the key ran with: such a state resumes only with that value.
-LLM_TRAINED_BEFORE_KEY = {"attend_across_documents": True}  # border targets were trained, attention crossed
+LLM_TRAINED_BEFORE_KEY = {"attend_across_documents": True,  # border targets were trained, attention crossed
+                          "packing": "stream"}  # the stream's windows (2026-12-04)
 
 EMA_IDENTITY = ("ema_decay", "ema_warmup", "ema_start_step")
 EMA_WARMUP_IDENTITY = ("ema_inv_gamma", "ema_power")
@@ -66,6 +68,7 @@ def run_digest(args) -> dict:
     identity["network_weights"] = file_name(args.network_weights)  # the same file moved or copied elsewhere resumes
     if args.model_type == "llm":
         identity.update({k: getattr(args, k) for k in (*LLM_DATA_IDENTITY, *LLM_TRAINED_BEFORE_KEY)})
+        identity["packing"] = packing_of(args)
     identity["base_model"] = base_model_name(args.pretrained_model_name_or_path)
     if getattr(args, "base_precision", None) in LOWBIT_PRECISIONS:  # fp8 and bf16 are in fp8_base / fp8_scaled
         identity["base_precision"] = args.base_precision  # (so states written before the key still resume)
