@@ -1,7 +1,8 @@
 """Best-fit packing (library/data/packing.py, `packing` unset or "best_fit"): each conversation / record that fits
-a window is trained whole in one window, never cut at a window border as the stream's windows cut it (12.5% of a
-chat corpus's assistant tokens trained without their prompt at max_length 256); every trained target of the
-stream is trained exactly once; a packed window gives each document's logits as if run alone."""
+a window is trained whole in one window, never cut at a window border as the stream's windows cut it (20.1% of
+the reply tokens of 20,000 conversations trained without their prompt at max_length 1024:
+bench/bench_llm_packing.py); every trained target of the stream is trained exactly once; a packed window gives
+each document's logits as if run alone."""
 
 import random
 
