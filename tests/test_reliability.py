@@ -741,6 +741,20 @@ def test_edited_caption_and_replaced_image_re_encode_exactly_those_entries(tiny_
     assert rewritten[1].startswith("004_") and not rewritten[1].endswith("_te.safetensors"), rewritten
 
 
+def test_an_image_in_two_datasets_is_one_file_encoded_not_reused_from_disk(tiny_set, tmp_path, capsys):
+    """The same folder as two datasets at one resolution: 16 items, 8 files of each kind, all encoded by this run.
+    The count was of items: "8 encoded, 8 reused from disk" on a first run with no cache on disk."""
+    cfg = copy_dataset(tiny_set, tmp_path / "data")
+    with open(cfg, "a") as f:
+        f.write(f'[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{tmp_path / "data" / "images"}"\n')
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--dataset_config", cfg)) == 0
+    out = capsys.readouterr().out
+    assert "latents: 8 encoded, 0 reused from disk" in out and "captions: 8 encoded, 0 reused from disk" in out, out
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--dataset_config", cfg,
+                                     "--cache_latents_to_disk", "false")) == 0
+    assert "latents: 16 encoded (kept in memory)" in capsys.readouterr().out
+
+
 def test_a_pre_quantized_fp8_checkpoint_trains_as_it_is(tiny_set, tmp_path):
     extra, _ = fp8_checkpoint(tiny_set, tmp_path, "true")
     out = tmp_path / "out"

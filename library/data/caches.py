@@ -89,6 +89,14 @@ def cache_path(item: ImageItem, suffix: str) -> str:
     return os.path.join(folder, name)
 
 
+def cache_summary(kind: str, encoded: int, items: list, attr: str, to_disk: bool) -> str:
+    """`latents: 3 encoded, 5 reused from disk`: the files, not the items (one image in two datasets or subsets
+    shares its file: counted as reused from disk though this run encoded it); in memory, nothing is reused."""
+    if not to_disk:
+        return f"{kind}: {encoded} encoded (kept in memory)"
+    return f"{kind}: {encoded} encoded, {len({getattr(item, attr) for item in items}) - encoded} reused from disk"
+
+
 def _hash_file(h, path: str, tag: bytes = b"") -> None:
     """Feed `tag` and then the bytes of the file at `path` into the hash `h`."""
     with open(path, "rb") as f:

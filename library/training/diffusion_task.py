@@ -18,8 +18,8 @@ import torch
 import torch.nn as nn
 
 from library.data.captions import drops_captions, tag_frequency
-from library.data.caches import (cache_empty_caption, cache_folder, cache_latents, cache_prompts, cache_text,
-                                 hold_cache_folders, loaded_on_first_call, remove_unused_caches)
+from library.data.caches import (cache_empty_caption, cache_folder, cache_latents, cache_prompts, cache_summary,
+                                 cache_text, hold_cache_folders, loaded_on_first_call, remove_unused_caches)
 from library.data.check import (TokenLimit, references_sized_apart, refuse_long_captions, training_warnings, upscaled,
                                 warn)
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
@@ -398,7 +398,7 @@ class DiffusionTask:
                              with_references=sees, share=cache_share(self.accelerator))
         encoded = encoded_by_all(self.accelerator, encoded, to_disk)
         variants = sum(len(item.caption_variants) for item in items)
-        self.accelerator.print(f"captions: {encoded} encoded, {len(items) - encoded} reused from disk"
+        self.accelerator.print(cache_summary("captions", encoded, items, "text_cache", to_disk)
                                + (f"; {variants} augmented variants cached with them" if variants else ""))
         with self.accelerator.main_process_first() if to_disk else contextlib.nullcontext():
             prompt_files = self._cache_prompt_texts(encode_text, text_key, sees)
@@ -472,7 +472,7 @@ class DiffusionTask:
         encoded = cache_latents(items, loaded_on_first_call(load), latent_key, batch_size=self.args.vae_batch_size,
                                 to_disk=to_disk, share=cache_share(self.accelerator))
         encoded = encoded_by_all(self.accelerator, encoded, to_disk)
-        self.accelerator.print(f"latents: {encoded} encoded, {len(items) - encoded} reused from disk")
+        self.accelerator.print(cache_summary("latents", encoded, items, "latent_cache", to_disk))
 
     def _load_base(self) -> nn.Module:
         """The frozen transformer, on the CPU: LoRA goes on it there, then _to_device moves it."""
