@@ -181,6 +181,19 @@ def test_a_warmup_of_steps_and_a_fraction_is_refused(tmp_path):
     assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "20"]).lr_warmup_steps == 20
 
 
+def test_a_warmup_as_a_percentage_is_its_fraction_on_the_command_line_and_in_the_toml(tmp_path):
+    """sd-scripts takes --lr_warmup_steps 10% (its int_or_float): ours refused it ('must be float'). The TOML's
+    "10%" too; a percentage of 100 or more, or no number, is one line naming the key."""
+    cfg = write(tmp_path, BASE + 'lr_scheduler = "linear"\nlr_warmup_steps = "10%"\n')
+    assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path)]).lr_warmup_steps == 0.1
+    assert load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", "5%"]
+                       ).lr_warmup_steps == 0.05
+    for value in ("100%", "x%"):
+        with pytest.raises(ConfigError, match=f"^command line: key 'lr_warmup_steps' must be steps, a fraction of "
+                                              f"max_train_steps \\(< 1\\) or a percentage of it .*got '{value}'"):
+            load_config(["--config_file", cfg, "--output_dir", str(tmp_path), "--lr_warmup_steps", value])
+
+
 def test_network_dropout_and_a_network_args_dropout_are_not_both_taken(tmp_path):
     """The old line kept network_args' dropout = 0.1 and dropped network_dropout = 0.3 without a word."""
     cfg = write(tmp_path, BASE + 'network_dropout = 0.3\nnetwork_args = ["dropout=0.1"]\n')

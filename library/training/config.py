@@ -125,8 +125,27 @@ def _validate_base_precision(args, origins: dict[str, str], where: str) -> None:
         args.fp8_base = False
 
 
+# Steps or a fraction of max_train_steps, also written as a percentage (sd-scripts' --lr_warmup_steps 10%)
+PERCENT_KEYS = ("lr_warmup_steps", "lr_decay_steps")
+
+
+def _percentage(key: str, value: Any, where: str) -> Any:
+    """"10%" as 0.1 for PERCENT_KEYS; other values as given."""
+    if key not in PERCENT_KEYS or not isinstance(value, str) or not value.strip().endswith("%"):
+        return value
+    try:
+        fraction = float(value.strip()[:-1]) / 100
+    except ValueError:
+        fraction = -1.0
+    if not 0 <= fraction < 1:
+        raise ConfigError(f"{where}: key '{key}' must be steps, a fraction of max_train_steps (< 1) or a percentage "
+                          f"of it (0% to under 100%), got {value!r}")
+    return fraction
+
+
 def _coerce(key: str, value: Any, where: str) -> Any:
     spec = SCHEMA[key]
+    value = _percentage(key, value, where)
     if value is None:
         return None
     ok = {
@@ -207,6 +226,8 @@ def _parse_cli_value(key: str, text: str) -> Any:
         if text.lower() not in ("true", "false"):
             raise ConfigError(f"command line: --{key} takes true or false, got {text!r}")
         return text.lower() == "true"
+    if key in PERCENT_KEYS and text.strip().endswith("%"):
+        return _percentage(key, text, "command line")
     try:
         return spec.type(text) if spec.type is not list else text
     except ValueError:
@@ -230,12 +251,13 @@ def build_parser() -> argparse.ArgumentParser:
                                 allow_abbrev=False)
     p.add_argument("--config_file", help="training TOML; command-line values override it")
     for key, spec in SCHEMA.items():
+        text = spec.help.replace("%", "%%")  # argparse formats help with %: a "10%" ended --help in a ValueError
         if spec.type is bool:
-            p.add_argument(f"--{key}", nargs="?", const="true", help=f"{spec.help} (default {spec.default})")
+            p.add_argument(f"--{key}", nargs="?", const="true", help=f"{text} (default {spec.default})")
         elif spec.type is list:
-            p.add_argument(f"--{key}", nargs="*", help=spec.help)
+            p.add_argument(f"--{key}", nargs="*", help=text)
         else:
-            p.add_argument(f"--{key}", help=f"{spec.help} (default {spec.default})")
+            p.add_argument(f"--{key}", help=f"{text} (default {spec.default})")
     return p
 
 

@@ -99,7 +99,7 @@ SCHEMA: dict[str, Arg] = {
                                        "offer (cosine_with_min_lr, warmup_stable_decay, inverse_sqrt)",
                       ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
                        "cosine_with_min_lr", "warmup_stable_decay", "inverse_sqrt")),
-    "lr_warmup_steps": A(float, 0, "warmup: steps if >= 1, a fraction of max_train_steps if < 1"),
+    "lr_warmup_steps": A(float, 0, "warmup: steps if >= 1, a fraction of max_train_steps if < 1 (or '10%')"),
     "lr_scheduler_num_cycles": A(int, 1, "cycles for cosine_with_restarts; half-waves of the cosine for "
                                          "cosine_with_min_lr and warmup_stable_decay's decay (1: down once)"),
     "lr_scheduler_power": A(float, 1.0, "power for polynomial"),
