@@ -394,6 +394,26 @@ def test_generate_passes_ae_only_where_the_job_has_one(tmp_path):
         assert build_parser().parse_args([str(a) for a in args]).ae == expected, args
 
 
+def test_generate_draws_with_the_jobs_base_loras_before_its_lora(tmp_path):
+    """A job trained over base_loras (merged into the frozen base, its samples rendered with them): the Generate
+    button drew without them, another base than the LoRA learned on and the samples showed."""
+    from library.ui.handlers import WebUI
+    from tools.generate import build_parser
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "mine.safetensors").write_bytes(b"")
+    ui = WebUI(str(tmp_path / "jobs"), str(tmp_path), [str(tmp_path / "data")])
+    job = ui.store.create("g", {"model_type": "flux", "pretrained_model_name_or_path": "m.safetensors",
+                                "ae": "ae.safetensors", "clip_l": "clip", "t5xxl": "t5", "output_name": "lora",
+                                "base_loras": ["data/dedistill.safetensors:0.5"]}, 10)
+    for lora, expected in ((None, ["data/dedistill.safetensors:0.5"]),
+                           ("data/mine.safetensors", ["data/dedistill.safetensors:0.5",
+                                                      f"{tmp_path / 'data' / 'mine.safetensors'}:0.8"])):
+        args, _ = ui._tool_args("generate", {"job_id": job.id, "prompt": "a cat", "width": 64, "steps": 2, "seed": 1,
+                                             "lora": lora, "weight": 0.8})
+        assert build_parser().parse_args([str(a) for a in args]).lora == expected, args
+
+
 def test_generate_renders_as_the_job_trained(tmp_path):
     """Old: the Generate button passed --dtype fp32 (the form sends no dtype) and none of the job's memory
     settings: a full-size base trained in bf16 with blocks swapped drew in float32, every block resident."""

@@ -661,6 +661,8 @@ class WebUI:
                 args += ["--seed", whole_number(v["seed"], "seed", 0)]
             for path in parse_prompt_line(v["prompt"], "prompt").control_images:  # an edit model draws them
                 self.roots.resolve(path, "--ci image")
+            # the base the job trained on had its base_loras merged (its samples rendered with them): drawn with them
+            args += [arg for entry in config.get("base_loras") or [] for arg in ("--lora", entry)]
             if v.get("lora"):
                 args += ["--lora", f"{lora()}:{finite_number(v['weight'], 'LoRA weight')}"]
             return args, out
