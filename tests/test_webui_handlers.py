@@ -654,3 +654,20 @@ def test_the_live_view_empties_when_its_job_is_deleted(ui):
     run(live, shown)
     assert shown[status] == "Pick a job in the Jobs tab." and shown[block(app, "log-tail")._id] == ""
     assert shown[block(app, "samples")._id] == [] and len(shown[block(app, "plot-loss")._id]) == 0
+
+
+def test_a_relative_path_outside_the_roots_says_where_it_was_read_from(tmp_path):
+    """`cat/train.toml` meant under the root data/ is read from the folder the UI runs in: the refusal said only
+    "start tools/webui.py with --root FOLDER", the root being given already. It says where the path led."""
+    from library.ui.files import OutsideRoots, Roots
+
+    (tmp_path / "data").mkdir()
+    (tmp_path / "repo").mkdir()
+    roots = Roots([str(tmp_path / "data")], str(tmp_path / "repo"))
+    repo = os.path.realpath(tmp_path / "repo")
+    with pytest.raises(OutsideRoots) as e:
+        roots.resolve("cat/train.toml", "config")
+    assert str(e.value).startswith(f"config 'cat/train.toml' (relative: read from {repo}, so {repo}/cat/train.toml) "
+                                   f"is outside the folders this UI may open"), str(e.value)
+    with pytest.raises(OutsideRoots, match=f"^config '{tmp_path}/x.toml' is outside"):  # absolute: as it was
+        roots.resolve(str(tmp_path / "x.toml"), "config")

@@ -35,7 +35,7 @@ import tempfile
 import threading
 
 from library.errors import exit_without_collecting, printed_warnings
-from library.ui.files import within
+from library.ui.files import read_from, within
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 KEY_IN_ERROR = re.compile(r"key '([A-Za-z0-9_]+)'|--([A-Za-z0-9_]+)")
@@ -99,8 +99,8 @@ def outside_roots(args, roots: list[str]) -> dict | None:
     values += [("train_data", entry) for entry in args.train_data]
     for key, path in values:
         if not inside(path, roots):
-            return refusal(key, f"{path!r} is outside the folders this UI may open; start tools/webui.py with "
-                                f"--root FOLDER to add one")
+            return refusal(key, f"{path!r}{read_from(path, os.getcwd())} is outside the folders this UI may open; "
+                                f"start tools/webui.py with --root FOLDER to add one")
     return None
 
 

@@ -31,6 +31,14 @@ def _modified(path: str) -> float:
         return 0.0
 
 
+def read_from(path: str, base: str) -> str:
+    """Where a relative path was read from, for a refusal: the folder the UI runs in (the repository), not a
+    root (the refusal said only "--root FOLDER": a path relative to a root was refused unexplained)."""
+    if os.path.isabs(os.path.expanduser(path)):
+        return ""
+    return f" (relative: read from {base}, so {os.path.realpath(os.path.join(base, os.path.expanduser(path)))})"
+
+
 class OutsideRoots(ValueError):
     """A path outside the configured roots; the message names it and the roots."""
 
@@ -47,8 +55,8 @@ class Roots:
             raise OutsideRoots(f"{what}: no path given")
         real = os.path.realpath(os.path.join(self.workdir, os.path.expanduser(path)))
         if not any(within(real, root) for root in self.roots):
-            raise OutsideRoots(f"{what} {path!r} is outside the folders this UI may open ({', '.join(self.roots)}); "
-                               f"start tools/webui.py with --root FOLDER to add one")
+            raise OutsideRoots(f"{what} {path!r}{read_from(path, self.workdir)} is outside the folders this UI may open "
+                               f"({', '.join(self.roots)}); start tools/webui.py with --root FOLDER to add one")
         return real
 
     def listing(self, suffixes: tuple[str, ...] = (), folders: bool = False, limit: int = 400,
