@@ -55,8 +55,8 @@ class Roots:
             raise OutsideRoots(f"{what}: no path given")
         real = os.path.realpath(os.path.join(self.workdir, os.path.expanduser(path)))
         if not any(within(real, root) for root in self.roots):
-            raise OutsideRoots(f"{what} {path!r}{read_from(path, self.workdir)} is outside the folders this UI may open "
-                               f"({', '.join(self.roots)}); start tools/webui.py with --root FOLDER to add one")
+            raise OutsideRoots(f"{what} {path!r}{read_from(path, self.workdir)} is outside the folders this UI may "
+                               f"open ({', '.join(self.roots)}); start tools/webui.py with --root FOLDER to add one")
         return real
 
     def listing(self, suffixes: tuple[str, ...] = (), folders: bool = False, limit: int = 400,
