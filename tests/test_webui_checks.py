@@ -154,16 +154,20 @@ def test_a_base_lora_under_a_folder_with_a_colon_is_checked_as_the_trainer_reads
 
 def test_a_dataset_whose_image_dir_is_not_a_folder_is_refused_with_the_trainers_line(checked, tiny_set, tmp_path):
     """Old: Validate answered ok and the job was queued, to fail after launch with this line; now it is
-    refused before, under the dataset field."""
+    refused before, under the dataset field. A folder with no image too (it passed Validate)."""
     (tmp_path / "a_file").write_text("")
-    for image_dir in (str(tmp_path / "nope"), str(tmp_path / "a_file")):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_text("a caption without its image")
+    for image_dir, why in ((str(tmp_path / "nope"), "image_dir does not exist or is not a folder"),
+                           (str(tmp_path / "a_file"), "image_dir does not exist or is not a folder"),
+                           (str(tmp_path / "empty"), "image_dir holds no images (")):
         changed = toml.load(tiny_set["dataset_config"])
         changed["datasets"][0]["subsets"][0]["image_dir"] = image_dir
         path = tmp_path / "dataset.toml"
         path.write_text(toml.dumps(changed))
-        assert checked(dataset_config=str(path)) == {
-            "ok": False, "key": "dataset_config",
-            "error": f"{path}: {image_dir}: image_dir does not exist or is not a folder"}
+        answer = checked(dataset_config=str(path))
+        assert answer["ok"] is False and answer["key"] == "dataset_config", answer
+        assert answer["error"].startswith(f"{path}: {image_dir}: {why}"), answer
 
 
 def test_optimizer_args_that_do_not_fit_the_optimizer_are_refused_under_the_optimizer_field(checked):

@@ -160,18 +160,23 @@ def dataset_outside_roots(args, roots: list[str]) -> dict | None:
 
 
 def missing_image_dir(args) -> dict | None:
-    """The dataset TOML's first image_dir that is not a folder, as an error answer under dataset_config with
-    the line train_lora.py fails with (None: no dataset, or every image_dir there)."""
+    """The dataset TOML's first image_dir that is not a folder or holds no image, as an error answer under
+    dataset_config with the line train_lora.py fails with (None: no dataset, or every image_dir has images). An
+    empty folder passed Validate and failed the queued job at its scan."""
     if not args.dataset_config:
         return None
+    import warnings
+
     from library.data.dataset_config import load_dataset_config
-    from library.data.image_folders import check_image_dir
+    from library.data.image_folders import subset_images
 
     blueprint = load_dataset_config(args.dataset_config)
     for spec in [*blueprint.datasets, *blueprint.validation_datasets]:
         for subset in spec.subsets:
             try:
-                check_image_dir(subset.image_dir)
+                with warnings.catch_warnings():  # the scan's warnings are the job's to print
+                    warnings.simplefilter("ignore")
+                    subset_images(subset)
             except ValueError as e:
                 return {"ok": False, "key": "dataset_config", "error": f"{blueprint.source}: {e}"}
     return None
