@@ -400,7 +400,7 @@ def test_a_lora_trains_on_a_messages_file_with_the_loss_on_replies_only(tiny_set
 def test_conversations_longer_than_a_window_are_counted_in_one_warning(tiny_set, chat_llm, tmp_path):
     """3 of 33 conversations do not fit a window of max_length 96 + 1 tokens: the windows cut each into pieces
     trained apart, which nothing said. One warning now gives how many, the longest (its file:line) and the
-    windows at least."""
+    windows at least; prompt / completion records too."""
     import warnings
 
     from library.training.config import load_config
@@ -415,12 +415,23 @@ def test_conversations_longer_than_a_window_are_counted_in_one_warning(tiny_set,
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         task = LLMTask(args, train_lora.make_accelerator(args))
-    said = [str(w.message) for w in caught if "conversations are longer than a window" in str(w.message)]
+    said = [str(w.message) for w in caught if "are longer than a window" in str(w.message)]
     longest = len(task.tokenizer.apply_chat_template(long, tokenize=True, return_dict=False))
-    assert said == [f"train_data: 3 of 33 conversations are longer than a window of max_length 96 + 1 tokens (the "
+    assert said == [f"train_data: 3 of 33 records (conversations, prompt / completion) are longer than a window of "
+                    f"max_length 96 + 1 tokens (the "
                     f"longest {longest}, {path}:31): they are split into at least {3 * -(-(longest - 1) // 96)} "
                     f"windows, trained apart (raise max_length, or shorten them)"], said
     assert longest > 97
+    # a plain-text prompt / completion record longer than a window: counted and named too (it went unsaid)
+    record = {"prompt": "Count to 60:", "completion": " " + " ".join(map(str, range(1, 61)))}
+    path = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "Count to 3:", "completion": " 1 2 3"}] * 30 + [record])
+    args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data", path,
+                        "--output_dir", str(tmp_path / "out"), "--mixed_precision", "no", "--max_length", "96"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        LLMTask(args, train_lora.make_accelerator(args))
+    said = [str(w.message) for w in caught if "are longer than a window" in str(w.message)]
+    assert len(said) == 1 and said[0].startswith("train_data: 1 of 31 records") and f"{path}:31)" in said[0], said
 
 
 def test_the_held_out_loss_averages_over_the_trained_tokens_only():

@@ -256,14 +256,16 @@ class Corpus(NamedTuple):
 
 
 def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode_more: Callable[[str], list[int]],
-                    eos_id: int | None, chat: ChatEncoder | None = None, all_tokens: bool = False) -> Corpus:
+                    eos_id: int | None, chat: ChatEncoder | None = None, all_tokens: bool = False,
+                    record_lengths: list[tuple[int, str]] | None = None) -> Corpus:
     """The token stream of train_data's files (corpus_files), read a file piece or a .jsonl line at a time:
     only the ids (and the trained mask) are kept. A .txt file and a .jsonl "text" record are documents
     (tokenize_documents' pieces and eos_id); a plain-text "prompt" / "completion" record is raw text too, ended by
     eos_id, trained on its completion unless all_tokens (prompt_completion_ids); a conversation record (its
     "messages", record_as_messages) is what `chat` renders, its own template's tokens its borders (no eos_id added),
     trained where `chat` says. Returns a Corpus: the ids, the trained mask (None when every token is trained) and
-    the document starts."""
+    the document starts. record_lengths: each prompt / completion record's (tokens, file:line) is appended
+    (a conversation's: `chat` measured)."""
     split = pieces_keep_tokens(encode, encode_more)
     end, stream = [eos_id] if eos_id is not None else [], TokenStream()
     for path in files:
@@ -276,7 +278,10 @@ def tokenize_corpus(files: list[str], encode: Callable[[str], list[int]], encode
                     add_text(stream, text_pieces(record["text"]) if split else [record["text"]], encode, encode_more, end)
             elif "prompt" in record:
                 stream.start_document()
-                stream.add(*prompt_completion_ids(record["prompt"], record["completion"], encode, end, all_tokens))
+                ids, trained = prompt_completion_ids(record["prompt"], record["completion"], encode, end, all_tokens)
+                stream.add(ids, trained)
+                if record_lengths is not None:
+                    record_lengths.append((len(ids), where))
             else:
                 stream.start_document()
                 stream.add(*chat(record["messages"], where, record.get("tools")))
@@ -316,7 +321,8 @@ def warn_long_conversations(lengths: list[tuple[int, str]], max_length: int) -> 
     if long:
         pieces = sum(-(-(n - 1) // max_length) for n, _ in long)
         longest, where = max(long, key=lambda nw: nw[0])
-        warnings.warn(f"train_data: {len(long)} of {len(lengths)} conversations are longer than a window of max_length "
+        warnings.warn(f"train_data: {len(long)} of {len(lengths)} records (conversations, prompt / completion) are "
+                      f"longer than a window of max_length "
                       f"{max_length} + 1 tokens (the longest {longest}, {where}): they are split into at least "
                       f"{pieces} windows, trained apart (raise max_length, or shorten them)", stacklevel=3)
 

@@ -285,11 +285,11 @@ class LLMTask:
                           f"documents of train_data (.txt files, \"text\" and plain-text \"prompt\" / \"completion\" "
                           f"records) run together with no border between them (set eos_token in its "
                           f"tokenizer_config.json)", stacklevel=2)
-        chat_lengths = []  # each conversation's tokens
-        chat = measured(chat_encoder(self.tokenizer, args.train_on_all_tokens), chat_lengths)
+        record_lengths = []  # each conversation's and prompt / completion record's (tokens, file:line)
+        chat = measured(chat_encoder(self.tokenizer, args.train_on_all_tokens), record_lengths)
         ids, trained, starts = tokenize_corpus(files, self.encode, self.encode_more, eos, chat,
-                                               args.train_on_all_tokens)
-        warn_long_conversations(chat_lengths, args.max_length)
+                                               args.train_on_all_tokens, record_lengths)
+        warn_long_conversations(record_lengths, args.max_length)
         if len(ids) and int(ids.max()) >= vocab:  # else an IndexError at the first batch holding it, maybe hours in
             top = int(ids.max())
             raise ConfigError(f"{args.pretrained_model_name_or_path}: the tokenizer gives train_data token id {top} "
