@@ -127,7 +127,7 @@ def test_held_out_loss_scores_each_document_alone():
     docs = [torch.randint(1, 40, (n,)) for n in (9, 12, 6)]  # 27 tokens: windows of 16 targets, then 10
     starts = torch.tensor([0, 9, 21])
     ids = torch.cat(docs)
-    task = SimpleNamespace(val_ids=ids, val_trained=None,  # the border targets: from val_starts
+    task = SimpleNamespace(val_ids=ids, val_trained=None, val_packed=None,  # the border targets: from val_starts
                            val_starts=starts, args=SimpleNamespace(max_length=16, batch_size=2), model=model, device="cpu")
     with torch.no_grad():  # window 0 holds A and B's first 7 tokens; window 1 the rest of B (positions from 0) and C
         pieces = [docs[0], docs[1][:8], docs[1][7:], docs[2]]
@@ -199,7 +199,7 @@ def test_the_windows_from_the_starts_equal_the_mask_over_the_stream():
                 counts = seen["plain" if trained is None else "masked"]
                 counts[0] += len(kept)
                 counts[1] += len(range(0, len(ids) - max_length, stride)) - len(kept)
-        task = SimpleNamespace(val_ids=ids, val_trained=trained, val_starts=starts)
+        task = SimpleNamespace(val_ids=ids, val_trained=trained, val_starts=starts, val_packed=None)
         old_mask = old_border_rule(ids, 1, 1, trained, starts)[2]
         assert LLMTask.scores_held_out(task) == (old_mask is None or bool(old_mask[1:].any()))
     assert min(seen["plain"] + seen["masked"]) > 2000, seen  # kept and dropped windows of both kinds checked

@@ -447,8 +447,8 @@ def test_the_held_out_loss_averages_over_the_trained_tokens_only():
     model = LLM(LLMConfig(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
                           qkv_bias=False, max_position_embeddings=32)).eval()
     ids, trained = torch.randint(0, 40, (70,)), torch.arange(70) % 3 == 1
-    task = SimpleNamespace(val_ids=ids, val_trained=trained, val_starts=None, args=SimpleNamespace(max_length=16, batch_size=3),
-                           model=model, device="cpu")
+    task = SimpleNamespace(val_ids=ids, val_trained=trained, val_starts=None, val_packed=None,  # stream windows
+                           args=SimpleNamespace(max_length=16, batch_size=3), model=model, device="cpu")
     total, count = 0.0, 0
     for s in range(0, 69, 16):
         window, keep = ids[s : s + 17][None], trained[s + 1 : s + 17]

@@ -13,6 +13,7 @@ from library.data import packing
 from library.data.packing import PackedWindowDataset, best_fit, document_pieces
 from library.data.text_corpus import IGNORE, TextWindowDataset
 from tests.test_llm_document_borders import tiny_llm
+from tests.test_llm_jsonl import chat_llm, chat_tokenizer  # noqa: F401 (fixtures)
 
 
 def corpus(lengths: list[int], seed: int = 0):
@@ -107,3 +108,51 @@ def test_best_fit_with_a_stride_is_refused_naming_both_keys(tmp_path):
                                           "= 16 would cut as a stream"):
         load_config(["--model_type", "llm", "--pretrained_model_name_or_path", str(tmp_path), "--train_data",
                      str(tmp_path), "--max_length", "32", "--stride", "16", "--packing", "best_fit"])
+
+
+def test_the_held_out_loss_with_best_fit_is_each_documents_own_over_its_packed_windows():
+    """With best-fit packing the held-out split is scored in training's layout: the token-weighted mean of each
+    document's cross-entropy run alone (its trained targets after its first token). The stream's windows cut 25% of
+    a chat split's replies from their prompt (20,000 conversations at max_length 1024), which training never asks."""
+    from types import SimpleNamespace
+
+    import torch.nn.functional as F
+
+    from library.training.llm_task import LLMTask
+
+    torch.manual_seed(0)
+    ids, trained, starts = corpus([9, 7, 5, 12, 3])
+    model = tiny_llm()
+    task = SimpleNamespace(val_packed=PackedWindowDataset(ids, 16, trained, starts), model=model, device="cpu",
+                           args=SimpleNamespace(batch_size=2))
+    total, count = 0.0, 0
+    with torch.no_grad():
+        for s, n in zip(starts.tolist(), [9, 7, 5, 12, 3]):
+            logits = model(ids[s : s + n - 1][None])[0]
+            targets = torch.where(trained[s + 1 : s + n], ids[s + 1 : s + n], IGNORE)
+            total += float(F.cross_entropy(logits.float(), targets, reduction="sum"))
+            count += int((targets != IGNORE).sum())
+        loss = LLMTask._packed_held_out_loss(task)
+    assert abs(loss - total / count) < 1e-5, (loss, total / count)
+
+
+def test_the_trainer_scores_its_held_out_split_in_the_layout_it_trains(chat_llm, tmp_path):
+    """Default (best_fit): the held-out split's own packed windows; packing = "stream": the stream's windows."""
+    import train_lora
+    from library.training.config import load_config
+    from library.training.llm_task import LLMTask
+    from tests.test_llm_jsonl import write_jsonl
+
+    records = [{"messages": [{"role": "user", "content": f"Count to {n}."},
+                             {"role": "assistant", "content": " ".join(map(str, range(1, n + 1)))}]}
+               for n in range(2, 30)]
+    path = write_jsonl(tmp_path / "chat.jsonl", records)
+    for extra, packed in (([], True), (["--packing", "stream"], False)):
+        args = load_config(["--model_type", "llm", "--pretrained_model_name_or_path", chat_llm, "--train_data", path,
+                            "--output_dir", str(tmp_path / "out"), "--mixed_precision", "no", "--max_length", "64",
+                            "--val_fraction", "0.3", *extra])
+        task = LLMTask(args, train_lora.make_accelerator(args))
+        assert (task.val_packed is not None) is packed and isinstance(task.train_set, PackedWindowDataset) is packed
+        assert task.held_out_windows() > 0 and task.held_out_loss() > 0
+        if packed:
+            assert task.held_out_windows() == len(task.val_packed)

@@ -330,8 +330,8 @@ def test_held_out_loss_is_token_weighted_over_the_whole_split():
     model = LLM(LLMConfig(vocab_size=40, hidden_size=16, num_layers=1, num_heads=2, num_kv_heads=1, intermediate_size=32,
                           qkv_bias=False, max_position_embeddings=32)).eval()
     ids = torch.randint(0, 40, (70,))
-    task = SimpleNamespace(val_ids=ids, val_trained=None, val_starts=None, args=SimpleNamespace(max_length=16, batch_size=3),
-                           model=model, device="cpu")
+    task = SimpleNamespace(val_ids=ids, val_trained=None, val_starts=None, val_packed=None,  # stream windows
+                           args=SimpleNamespace(max_length=16, batch_size=3), model=model, device="cpu")
     weighted, count = 0.0, 0
     for s in range(0, 69, 16):
         window = ids[s : s + 17][None]
@@ -433,13 +433,18 @@ def test_a_new_run_starts_its_own_eval_csv(tiny_set, tmp_path):
 
 
 def test_a_corpus_too_short_for_one_window_names_the_files_and_the_split(tiny_set, tmp_path, capsys):
-    """The old line: 'text has 5 tokens, fewer than max_length + 1 = 33', naming neither file nor key."""
+    """The old line: 'text has 5 tokens, fewer than max_length + 1 = 33', naming neither file nor key. That is the
+    stream's windows; best-fit packing (the default) trains it as one padded window (it refused it too)."""
     short = tmp_path / "short.txt"
     short.write_text("two words")
-    args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", str(short))
-    assert train_lora.main(args) == 2
+    args = llm_args(tiny_set, tmp_path, "--pretrained_model_name_or_path", tiny_set["llm"], "--train_data", str(short),
+                    "--val_fraction", "0", "--max_train_steps", "1", "--eval_every_n_steps", "1",
+                    "--sample_max_new_tokens", "1")
+    assert train_lora.main([*args, "--packing", "stream"]) == 2
     err = capsys.readouterr().err
     assert f"train_data {short}: " in err and "fewer than max_length + 1 = 33" in err, err
+    assert train_lora.main(args) == 0
+    assert "1 train windows of whole documents" in capsys.readouterr().out
 
 
 def test_val_fraction_0_logs_no_val_loss(tiny_set, tmp_path, capsys):

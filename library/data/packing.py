@@ -103,9 +103,9 @@ class PackedWindowDataset(torch.utils.data.Dataset):
         self.ids = torch.as_tensor(token_ids).to(TOKEN_DTYPE).flatten()
         self.max_length, self.trained = max_length, trained
         first, sizes = document_pieces(torch.as_tensor(document_starts, dtype=torch.int64), len(self.ids), max_length)
-        if trained is not None:  # trained targets: tokens 1 .. size - 1 of the piece
-            counts = torch.cat([torch.zeros(1, dtype=torch.int64), trained.cumsum(0)])
-            useful = counts[first + sizes] - counts[first + 1] > 0
+        if trained is not None:  # trained targets: tokens 1 .. size - 1 of the piece; int32 counts below 2^31
+            counts = trained.cumsum(0, dtype=torch.int32 if len(trained) < 2**31 else torch.int64)  # (no int64 copy)
+            useful = counts[first + sizes - 1] - counts[first] > 0
             first, sizes = first[useful], sizes[useful]
         bins = best_fit(sizes.tolist(), max_length + 1)
         order = torch.tensor([p for b in bins for p in b], dtype=torch.int64)

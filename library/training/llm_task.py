@@ -300,16 +300,21 @@ class LLMTask:
         # Document borders (None: one stream, attended across): the windows' `documents`, and held_out_loss's
         train_starts, self.val_starts = (None, None) if args.attend_across_documents else split_starts(starts,
                                                                                                        len(train_ids))
-        if len(train_ids) < args.max_length + 1:  # named here: the dataset's own error knows no file or key
+        best_fit = packing_of(args) == "best_fit"
+        if len(train_ids) < args.max_length + 1 and not best_fit:  # named here: the dataset's error knows no key
             held = f" after val_fraction {args.val_fraction:g} holds out {len(val_ids)}" if len(val_ids) else ""
             raise ConfigError(f"train_data {', '.join(args.train_data)}: {len(ids)} tokens{held} leave {len(train_ids)} "
                               f"to train on, fewer than max_length + 1 = {args.max_length + 1}")
-        if packing_of(args) == "best_fit":
+        if best_fit:  # a split shorter than a window is one padded window
             train = PackedWindowDataset(train_ids, args.max_length, train_trained, train_starts)
         else:
             train = TextWindowDataset(train_ids, args.max_length, args.stride, train_trained, train_starts)
         # TOKEN_DTYPE [N]: evaluate() scores all of it (its trained tokens: val_trained, less val_starts' borders)
         self.val_ids = val_ids
+        # scored in training's layout: stream windows cut 25% of a held-out chat split's replies from their prompt
+        # (20,000 conversations at max_length 1024), which best-fit training never asks of the model
+        self.val_packed = PackedWindowDataset(val_ids, args.max_length, self.val_trained, self.val_starts) \
+            if best_fit and len(val_ids) > 1 else None
         if len(val_ids) > 1 and not self.scores_held_out():
             warnings.warn(f"train_data: val_fraction {args.val_fraction:g} holds out the last {len(val_ids)} tokens, "
                           f"none of them an assistant token or a completion's: no held-out loss is reported (raise "
@@ -467,12 +472,16 @@ class LLMTask:
     def scores_held_out(self) -> bool:
         """Whether the held-out split has a target to score: a token after its first, trained (every token,
         or with the loss on the replies only, an assistant token) and, with val_starts, no document's first."""
+        if self.val_packed is not None:
+            return len(self.val_packed) > 0
         n = len(self.val_ids)  # one window of all n - 1 targets, kept as training keeps its windows
         return n > 1 and len(kept_windows(n, n - 1, 1, self.val_trained, document_borders(self.val_starts, n))) > 0
 
     def held_out_windows(self) -> int:
         """The windows held_out_loss scores (0: no val loss), its last the shorter rest. The count was of full
         windows alone, so a held-out split shorter than max_length + 1 said "0 val windows" beside its val loss."""
+        if self.val_packed is not None:
+            return len(self.val_packed)
         return -(-(len(self.val_ids) - 1) // self.args.max_length) if self.scores_held_out() else 0
 
     @torch.no_grad()
@@ -481,7 +490,10 @@ class LLMTask:
         when it has none): windows of max_length targets, stride max_length, so each
         token is predicted once with the context reset per window; the last window is the shorter
         rest. Full windows run batch_size at a time. With val_starts, a window that packs several documents
-        attends within each alone, and its border targets are not scored, as training's windows do."""
+        attends within each alone, and its border targets are not scored, as training's windows do. With best-fit
+        packing, the held-out split's own packed windows (the same targets, each document whole)."""
+        if self.val_packed is not None:
+            return self._packed_held_out_loss()
         ids, trained, length, doc_starts = self.val_ids, self.val_trained, self.args.max_length, self.val_starts
         borders = document_borders(doc_starts, len(ids))  # int64 [B] or None
         starts = list(range(0, len(ids) - 1, length))
@@ -496,6 +508,18 @@ class LLMTask:
                                    for s in batch]).to(self.device)  # int64 [B, n]
             documents = None if doc_starts is None else batch_documents(
                 [window_documents(doc_starts, s, n) for s in batch])
+            logits = self.model(inputs, documents=None if documents is None else documents.to(self.device))
+            total += float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
+            count += int((targets != IGNORE).sum())
+        return total / count if count else float("nan")
+
+    def _packed_held_out_loss(self) -> float:
+        """held_out_loss over the held-out split's packed windows, batch_size at a time."""
+        val, size = self.val_packed, self.args.batch_size
+        total, count = 0.0, 0
+        for batch in (list(range(i, min(i + size, len(val)))) for i in range(0, len(val), size)):
+            inputs, targets = (torch.stack(t).to(self.device) for t in zip(*(val[i] for i in batch)))
+            documents = val.documents(batch)
             logits = self.model(inputs, documents=None if documents is None else documents.to(self.device))
             total += float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
             count += int((targets != IGNORE).sum())
