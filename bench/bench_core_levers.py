@@ -59,6 +59,10 @@ memory (bench_train_step.PeakMemory) are printed.
              non-reentrant checkpoint (its forward builds every op's node and packs each saved tensor)
   eager_checkpoint_kept  the same with checkpoint_saves_projections and _attention both on (CUDA's
              default where the plan fits)
+  dequantized  an fp8_scaled base, eager: checkpoint_saves_dequantized (the recompute keeps each base Linear's
+             dequantized weight for its backward: two dequantizations a step instead of three); before: plain
+             checkpointing
+  dequantized_nf4  the same on an nf4 base (bitsandbytes' dequantization)
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -100,13 +104,16 @@ from tools.devices import device_or_exit  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
           "lora_factor", "lora_rows", "lora_addmm", "lora_addmm_compiled", "rms_weight", "rms_fused", "quantized_compiled", "fp8_linear", "nf4_linear", "fp8_function",
-          "nf4_function", "eager_checkpoint", "eager_checkpoint_kept")
+          "nf4_function", "eager_checkpoint", "eager_checkpoint_kept", "dequantized", "dequantized_nf4")
 # the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
 KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
            "attention": core.checkpointing(True, save_attention=True),
            "attention_compiled": core.checkpointing(True, save_attention=True),
-           "eager_checkpoint_kept": core.Checkpointing(True, True)}
-FP8 = {"fp8_linear": "fp8_scaled", "nf4_linear": "nf4", "fp8_function": "fp8_scaled", "nf4_function": "nf4"}  # a
+           "eager_checkpoint_kept": core.Checkpointing(True, True),
+           "dequantized": core.checkpointing(True, save_dequantized=True),
+           "dequantized_nf4": core.checkpointing(True, save_dequantized=True)}
+FP8 = {"fp8_linear": "fp8_scaled", "nf4_linear": "nf4", "fp8_function": "fp8_scaled", "nf4_function": "nf4",
+       "dequantized": "fp8_scaled", "dequantized_nf4": "nf4"}  # a
 # lever's quantized base
 
 

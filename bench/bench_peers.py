@@ -280,7 +280,8 @@ def build_pair(family: str, size: str, precision: str, args, peer):
     for model in (ours, theirs):  # frozen base, as both trainers load it; train mode: sd-scripts and
         model.requires_grad_(False).train()  # musubi checkpoint only while training
     if args.checkpointing:
-        ours.gradient_checkpointing = checkpointing(True, args.save_projections, args.save_attention)
+        ours.gradient_checkpointing = checkpointing(True, args.save_projections, args.save_attention,
+                                                    args.save_dequantized)
         theirs.enable_gradient_checkpointing()
     return ours, theirs
 
@@ -316,7 +317,8 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     kept_attention = args.checkpointing and args.save_attention
     flops = counted(tail_skipped=args.save_projections or None, attention_kept=kept_attention)["total"]  # ours as run
     kept = counted(tail_skipped=args.save_projections or None)["total"] < counted(tail_skipped=None)["total"]
-    keys = [k for k, on in (("checkpoint_saves_projections", kept), ("checkpoint_saves_attention", kept_attention)) if on]
+    keys = [k for k, on in (("checkpoint_saves_projections", kept), ("checkpoint_saves_attention", kept_attention),
+                            ("checkpoint_saves_dequantized", args.checkpointing and args.save_dequantized)) if on]
     flops_t = counted(tail_skipped=False)["total"]  # theirs recompute every GEMM in full
     n_o, n_t = sum(p.numel() for p in our_params), sum(p.numel() for p in their_params)
     print(f"[{family} {size} {precision}] {PEER[family]}; LoRA params ours {n_o:,} ({len(our_params) // 2}), "
@@ -437,6 +439,9 @@ def add_pair_arguments(p: argparse.ArgumentParser, blocks: tuple[int, int, int],
                    help="ours with checkpoint_saves_projections (the recompute skips the tails the trained gates need)")
     p.add_argument("--save-attention", action="store_true",
                    help="ours with checkpoint_saves_attention (the recompute runs no attention)")
+    p.add_argument("--save-dequantized", action="store_true",
+                   help="ours with checkpoint_saves_dequantized (a low-bit base: backward reuses the recompute's "
+                        "weights)")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile both sides as their trainers do (see compile_both); the warm-up steps compile")
     p.add_argument("--our-compile-mode", default=None, help="with --compile: a torch.compile mode for ours only "
@@ -501,6 +506,7 @@ def main(argv=None):
           f"checkpointing {'on' if args.checkpointing else 'off'}"
           f"{' (ours: checkpoint_saves_projections)' if args.checkpointing and args.save_projections else ''}"
           f"{' (ours: checkpoint_saves_attention)' if args.checkpointing and args.save_attention else ''}"
+          f"{' (ours: checkpoint_saves_dequantized)' if args.checkpointing and args.save_dequantized else ''}"
           f"{'; SDPA: ' + args.sdpa if args.device.type == 'cuda' else ''}")
     peaks = measure_peaks(args)
     summary, headlines, start, reps, threads = [], [], time.time(), args.reps, torch.get_num_threads()

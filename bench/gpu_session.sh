@@ -40,6 +40,10 @@
 #                concept demo (the CPU's figure: 0/18 -> 15/18)
 #      since     for a lease of one call (15 minutes in all): the CUDA tests of `families` and `checkpoint`, the eager
 #                headline lines (bf16, fp8), the eager_checkpoint lever, then compiled FLUX.1 under torch's attention
+#      dequantized  checkpoint_saves_dequantized (2026-12-04, untimed on a GPU: the eager recompute keeps each low-bit
+#                Linear's dequantized weight for its backward): its lever on both families (fp8_scaled, nf4), the eager
+#                fp8 headline lines with it (Qwen-Image fp8_scaled: 0.85, the target 0.80), then the eager Qwen-Image
+#                block swap on landed code (x1.028 on 2026-12-04 with a since-dropped candidate applied: to confirm)
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -48,7 +52,8 @@
 # Settings as bench/gpu_bench.sh: 1024 px (4096 image + 512 text tokens), full-width blocks (FLUX.1 2 double
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
-plan=${1:?usage: bash bench/gpu_session.sh headline|rest|profile|verify|eager|checkpoint|attention|candidates|swapprobe|fp8swap|families|since [SECONDS]}
+plan=${1:?usage: bash bench/gpu_session.sh PLAN [SECONDS], PLAN one of headline rest profile verify eager checkpoint \
+attention candidates swapprobe fp8swap families since dequantized}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -216,6 +221,16 @@ case $plan in
         step peers_compiled.log 200 $PY bench/bench_peers.py $PEERS --families flux --precisions bf16 \
             --save-projections $KEEP --compile --sdpa default
         ;;
+    dequantized)  # the eager fp8 step dequantized each weight three times (forward, recompute, backward),
+        # the peers twice
+        step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
+            --levers dequantized,dequantized_nf4
+        step peers_eager.log 90 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP \
+            --save-dequantized
+        step peers_eager.log 90 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections \
+            $KEEP --save-dequantized
+        step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --steps 3
+        ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do
             step fp8.log 100 $PY bench/bench_train_step.py --device "$DEVICE" --dtype bf16 --sizes mid --families $family \
@@ -226,7 +241,7 @@ case $plan in
         ;;
     *)
         echo "unknown plan $plan (headline, rest, profile, verify, eager, checkpoint, attention, candidates, swapprobe, fp8swap,"
-        echo "families, since)"
+        echo "families, since, dequantized)"
         exit 2
         ;;
 esac

@@ -17,7 +17,8 @@ BIG = 12 * 10**9  # FLUX.1-dev's transformer
 
 def lora_args(**kw):
     base = dict(network_module="networks.lora", network_args=[], network_dropout=None, base_precision=None,
-                fp8_base=False, fp8_scaled=False, fp8_compute=False, torch_compile=None, config_file="x.toml")
+                fp8_base=False, fp8_scaled=False, fp8_compute=False, checkpoint_saves_dequantized=False,
+                torch_compile=None, config_file="x.toml")
     return SimpleNamespace(**{**base, **kw})
 
 

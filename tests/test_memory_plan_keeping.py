@@ -78,7 +78,7 @@ def test_unset_keeping_keys_are_off_on_the_cpu_without_a_plan(monkeypatch):
 
     monkeypatch.setattr(memory_plan, "settle_keeping_keys", None)  # never planned: no card
     task = SimpleNamespace(args=SimpleNamespace(checkpoint_saves_attention=None, checkpoint_saves_projections=True,
-                                               gradient_checkpointing=True),
+                                               checkpoint_saves_dequantized=False, gradient_checkpointing=True),
                            accelerator=SimpleNamespace(distributed_type=DistributedType.NO), device=torch.device("cpu"))
     DiffusionTask._settle_keeping_keys(task)
     assert task.args.checkpoint_saves_attention is False and task.args.checkpoint_saves_projections is True

@@ -400,7 +400,8 @@ def test_train_lora_with_saved_projections_trains_the_same_lora(tiny_set, tmp_pa
         assert all(torch.equal(lora["plain"][k], lora[name][k]) for k in lora["plain"])
 
 
-@pytest.mark.parametrize("key", ["checkpoint_saves_projections", "checkpoint_saves_attention"])
+@pytest.mark.parametrize("key", ["checkpoint_saves_projections", "checkpoint_saves_attention",
+                                 "checkpoint_saves_dequantized"])
 def test_config_refuses_saved_projections_without_checkpointing(key, tiny_set, tmp_path, capsys):
     import train_lora
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import dataclasses
 import functools
 import logging
 import math
@@ -31,6 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from library.models import eager_checkpoint
 from library.precision.autocast import autocast_off
+from library.precision.dequantized_linear import keeping_dequantized_weights
 
 # ----------------------------------------------------------------------------------------------
 # Norms
@@ -536,19 +538,23 @@ class Checkpointing:
     tensors from the forward instead of recomputing them. projections: the outputs of the blocks' last
     projections into the residual where a trained gate needs them (residual_projection); attention: each
     attention kernel's outputs (out and its log-sum-exp, [tokens, width] and [heads, tokens] per call), so
-    the recompute runs no attention kernel (its q, k, v are still recomputed: its backward reads them)."""
+    the recompute runs no attention kernel (its q, k, v are still recomputed: its backward reads them);
+    dequantized: a low-bit base Linear's weight as the eager recompute dequantized it, kept for its backward
+    (dequantized_linear.keeping_dequantized_weights; compiled regions leave it to their partitioner)."""
 
     projections: bool = False
     attention: bool = False
+    dequantized: bool = False
 
 
 SAVE_PROJECTIONS = Checkpointing(projections=True)
 
 
-def checkpointing(enabled: bool, save_projections: bool = False, save_attention: bool = False) -> bool | Checkpointing:
+def checkpointing(enabled: bool, save_projections: bool = False, save_attention: bool = False,
+                  save_dequantized: bool = False) -> bool | Checkpointing:
     """A model's gradient_checkpointing value for the config's keys."""
-    if enabled and (save_projections or save_attention):
-        return Checkpointing(save_projections, save_attention)
+    if enabled and (save_projections or save_attention or save_dequantized):
+        return Checkpointing(bool(save_projections), bool(save_attention), bool(save_dequantized))
     return enabled
 
 
@@ -667,12 +673,16 @@ def recompute_graph() -> bool:
 
 
 @contextlib.contextmanager
-def _checkpoint_pass(recompute: bool, stash, attention: collections.deque | None, graph: bool = False):
+def _checkpoint_pass(recompute: bool, stash, attention: collections.deque | None, graph: bool = False,
+                     dequantized: bool = False):
+    """dequantized: the recompute's low-bit Linears keep their dequantized weights for the backward that runs
+    through its graph (graph: eager_checkpoint's; torch's recompute only refills the forward's saved tensors)."""
     previous = (recomputing(), getattr(_recompute, "stash", None), getattr(_recompute, "attention", None),
                 recompute_graph())
     _recompute.active, _recompute.stash, _recompute.attention, _recompute.graph = recompute, stash, attention, graph
     try:
-        yield
+        with keeping_dequantized_weights(dequantized) if dequantized else contextlib.nullcontext():
+            yield
     finally:
         _recompute.active, _recompute.stash, _recompute.attention, _recompute.graph = previous
 
@@ -683,7 +693,8 @@ def _checkpoint_contexts(keep: Checkpointing = Checkpointing(), needs: dict | No
     graph: backward runs through the recompute's graph (eager_checkpoint)."""
     stash = _ProjectionStash({} if needs is None else needs) if keep.projections else None
     attention = collections.deque() if keep.attention else None
-    return _checkpoint_pass(False, stash, attention), _checkpoint_pass(True, stash, attention, graph)
+    return (_checkpoint_pass(False, stash, attention),
+            _checkpoint_pass(True, stash, attention, graph, dequantized=graph and keep.dequantized))
 
 
 def on_one_token(forward, h: torch.Tensor) -> torch.Tensor:
@@ -816,7 +827,7 @@ def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: i
     elif use_checkpoint and torch.is_grad_enabled():
         keep = use_checkpoint if isinstance(use_checkpoint, Checkpointing) else Checkpointing()
         if hasattr(block, "_compiled_checkpoints"):  # compile_block's
-            out = block._compiled_checkpoints[keep](*args, **kwargs)
+            out = block._compiled_checkpoints[dataclasses.replace(keep, dequantized=False)](*args, **kwargs)
         elif eager_checkpoint.usable() and (not keep.projections or "_projections_needed" in vars(block)):
             # the forward records no graph (the eager step's host time); keeping projections, once a
             # forward with grad on has said which are needed (_ProjectionStash)

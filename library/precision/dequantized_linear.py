@@ -9,6 +9,9 @@ imported by two of them."""
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 import torch.nn.functional as F
 
@@ -56,6 +59,37 @@ def input_gradient(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return layout_matmul(rows, weight).reshape(*grad_out.shape[:-1], weight.shape[1])
 
 
+# .on: a forward whose graph backward runs at once (eager checkpointing's recompute: keeping_dequantized_weights)
+_keeping = threading.local()
+
+
+@contextlib.contextmanager
+def keeping_dequantized_weights(on: bool = True):
+    """While on, the Functions below keep the weight their forward dequantized for their backward instead of
+    dequantizing it again there: for a forward whose backward follows at once (eager checkpointing's recompute, one
+    block: core._checkpoint_contexts), so the step dequantizes each weight twice (forward, recompute) rather than
+    three times, for the block's dequantized weights held from its recompute through their own backward (each
+    freed once its node has run). checkpoint_saves_dequantized; elsewhere the weights would stay for the step."""
+    previous = getattr(_keeping, "on", False)
+    _keeping.on = on
+    try:
+        yield
+    finally:
+        _keeping.on = previous
+
+
+def _keeps() -> bool:
+    """Whether a forward keeps its dequantized weight now; never in a compiled graph (its partitioner decides)."""
+    return not torch.compiler.is_compiling() and getattr(_keeping, "on", False)
+
+
+def _kept_or_dequantized(ctx) -> torch.Tensor:
+    """The weight the forward kept (released here: a node runs its backward once) or dequantized again."""
+    w = ctx.weight
+    ctx.weight = None
+    return ctx.dequantize(*ctx.args) if w is None else w
+
+
 def needs_backward(x: torch.Tensor) -> bool:
     """True where a frozen quantized Linear's input will get a gradient: only then does its weight
     need dequantizing again in backward (DequantizedLinearFunction); otherwise plain ops save nothing."""
@@ -65,7 +99,8 @@ def needs_backward(x: torch.Tensor) -> bool:
 class DequantizedLinearFunction(torch.autograd.Function):
     """y = x @ dequantize(*args)^T + b whose backward dequantizes again instead of keeping the weight:
     autograd would otherwise save every layer's dequantized copy until backward, holding the whole base
-    in the compute dtype during a step and undoing the format's memory saving. The base gets no gradient.
+    in the compute dtype during a step and undoing the format's memory saving (except where the forward's
+    backward follows at once: keeping_dequantized_weights). The base gets no gradient.
 
     The stored tensors in `args` are held on ctx, not passed through save_for_backward: they are the
     layer's own buffers, resident anyway and never written in place (block swap moves their storage
@@ -76,14 +111,17 @@ class DequantizedLinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, bias, dequantize, *args):
+        w = dequantize(*args)
         ctx.dequantize, ctx.args = dequantize, args
-        return F.linear(x, dequantize(*args), bias)
+        ctx.weight = w if _keeps() else None
+        return F.linear(x, w, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_x = None
         if ctx.needs_input_grad[0]:
-            grad_x = input_gradient(grad_out, ctx.dequantize(*ctx.args))
+            grad_x = input_gradient(grad_out, _kept_or_dequantized(ctx))
+        ctx.weight = None
         return (grad_x, None, None) + (None,) * len(ctx.args)
 
 
@@ -104,15 +142,18 @@ class DequantizedBmmFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, dequantize, *args):
+        w = dequantize(*args)
         ctx.dequantize, ctx.args = dequantize, args
-        return layout_matmul(x, dequantize(*args))
+        ctx.weight = w if _keeps() else None
+        return layout_matmul(x, w)
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_x = None
         if ctx.needs_input_grad[0]:
-            w = ctx.dequantize(*ctx.args)
+            w = _kept_or_dequantized(ctx)
             grad_x = torch.bmm(grad_out.to(w.dtype), w.transpose(1, 2))
+        ctx.weight = None
         return (grad_x, None) + (None,) * len(ctx.args)
 
 

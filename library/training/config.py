@@ -497,6 +497,10 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
         if getattr(args, key) and not args.gradient_checkpointing:
             raise ConfigError(f"{origins.get(key, where)}: key '{key}' needs gradient_checkpointing = true "
                               f"(it changes what the recompute runs)")
+    if args.checkpoint_saves_dequantized and args.torch_compile:
+        raise ConfigError(f"{blame(origins, where, 'checkpoint_saves_dequantized', 'torch_compile')}: "
+                          f"checkpoint_saves_dequantized is an eager lever (a compiled region plans its own "
+                          f"recompute); set torch_compile = false or leave it unset")
     _validate_base_loras(args, origins, where)
     from library.training.tracking import check_trackers
 

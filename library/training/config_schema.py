@@ -136,6 +136,11 @@ SCHEMA: dict[str, Arg] = {
                                                  "attention: one [tokens, width] activation per attention call and "
                                                  "block (the planner counts it); eager or torch_compile. Unset: on a "
                                                  "CUDA card, on where the planned step fits with it"),
+    "checkpoint_saves_dequantized": A(bool, False, "with gradient_checkpointing and a low-bit base (fp8, nf4, int8, "
+                                                   "GGUF, ...), eager: the recompute keeps each base Linear's "
+                                                   "dequantized weight for its backward instead of dequantizing it a "
+                                                   "third time: one block's base weights in the compute dtype held "
+                                                   "through its backward (the planner counts it); no effect compiled"),
     "blocks_to_swap": A(int, 0, "keep the last N transformer blocks' frozen weights in CPU memory, copied in per use "
                                 "(each block counts one, unlike sd-scripts' count for double-stream models: docs/configuration.md)"),
     "block_swap_prefetch": A(int, 1, "swapped blocks copied ahead of their use (each one more block of device memory; "
@@ -241,6 +246,8 @@ SCHEMA: dict[str, Arg] = {
 # The gradient-checkpointing keys that keep tensors from the forward for less recompute (each needs
 # gradient_checkpointing), in the order train_lora.py plans the unset ones against the card
 # (memory_plan.settle_keeping_keys: attention keeps tensors in every family, projections only where a
-# gate trains), each with what it buys (tools/plan_memory.py says it).
+# gate trains; dequantized defaults to false, an eager low-bit lever not yet timed on a GPU), each with
+# what it buys (tools/plan_memory.py says it).
 KEEPING_KEYS = {"checkpoint_saves_attention": "no attention in the recompute",
-                "checkpoint_saves_projections": "less recompute"}
+                "checkpoint_saves_projections": "less recompute",
+                "checkpoint_saves_dequantized": "no dequantization in backward"}

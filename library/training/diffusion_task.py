@@ -111,6 +111,8 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
         return False, f"a {stored_precision or precision} base: measured on {', '.join(COMPILED_BASES)}"
     if args.fp8_compute:
         return False, "fp8_compute: measured eager only"
+    if args.checkpoint_saves_dequantized:
+        return False, "checkpoint_saves_dequantized: an eager lever (a compiled region plans its own recompute)"
     return True, "each transformer block compiled on CUDA; the first steps take a minute or two longer"
 
 
@@ -252,7 +254,8 @@ class DiffusionTask:
         if args.fp8_compute:
             self._enable_fp8_compute()
         self.base.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
-                                                         args.checkpoint_saves_attention)
+                                                         args.checkpoint_saves_attention,
+                                                         args.checkpoint_saves_dequantized)
         self.network = self._make_network()  # on the CPU base: DoRA's norms read the weights
         self._to_device(self.base)
         if self._compiles():

@@ -192,7 +192,8 @@ class LLMTask:
             check_resumed_fit(args.resume, state.progress, args, self.batches_per_epoch(), self.data_items())
         self.model = self._load_model(path, config, prepare)
         self.model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
-                                                          args.checkpoint_saves_attention)
+                                                          args.checkpoint_saves_attention,
+                                                          args.checkpoint_saves_dequantized)
         self.network = None
         if args.pretrain:
             self.model.requires_grad_(True).train()

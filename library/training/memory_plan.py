@@ -337,7 +337,8 @@ def training_plan(family, args, width: int, height: int, batch: int, text_tokens
     reference_size (planned_reference); layers: a layered target's (the dataset's; None: the family's own)."""
     model, network = meta_model_and_network(family, args)
     model.gradient_checkpointing = checkpointing(args.gradient_checkpointing, args.checkpoint_saves_projections,
-                                                 args.checkpoint_saves_attention)
+                                                 args.checkpoint_saves_attention,
+                                                 args.checkpoint_saves_dequantized)
     network.train()
     lora = [p for p in network.parameters() if p.requires_grad]
     optimizer, ema = _optimizer_bytes(network, args), _ema_bytes(network, args)
