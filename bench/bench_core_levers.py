@@ -63,6 +63,9 @@ memory (bench_train_step.PeakMemory) are printed.
              dequantized weight for its backward: two dequantizations a step instead of three); before: plain
              checkpointing
   dequantized_nf4  the same on an nf4 base (bitsandbytes' dequantization)
+  stand_in   an fp8_scaled base, eager: in the recompute the block's last projection, whose output nothing reads
+             where its gate does not train (Qwen-Image), stands in as zeros; before: its base on one token, which
+             dequantized the whole weight (FLUX.1's gates train: a control)
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -104,7 +107,8 @@ from tools.devices import device_or_exit  # noqa: E402
 
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
           "lora_factor", "lora_rows", "lora_addmm", "lora_addmm_compiled", "rms_weight", "rms_fused", "quantized_compiled", "fp8_linear", "nf4_linear", "fp8_function",
-          "nf4_function", "eager_checkpoint", "eager_checkpoint_kept", "dequantized", "dequantized_nf4")
+          "nf4_function", "eager_checkpoint", "eager_checkpoint_kept", "dequantized", "dequantized_nf4",
+          "stand_in")
 # the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
 KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
            "attention": core.checkpointing(True, save_attention=True),
@@ -113,7 +117,7 @@ KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS
            "dequantized": core.checkpointing(True, save_dequantized=True),
            "dequantized_nf4": core.checkpointing(True, save_dequantized=True)}
 FP8 = {"fp8_linear": "fp8_scaled", "nf4_linear": "nf4", "fp8_function": "fp8_scaled", "nf4_function": "nf4",
-       "dequantized": "fp8_scaled", "dequantized_nf4": "nf4"}  # a
+       "dequantized": "fp8_scaled", "dequantized_nf4": "nf4", "stand_in": "fp8_scaled"}  # a
 # lever's quantized base
 
 
@@ -251,11 +255,20 @@ def layer_forward(model, layer_type, forward):
             a._original_forward = f
 
 
+def stand_in_on_one_token(forward, h: torch.Tensor) -> torch.Tensor:
+    """core._stand_in before: the base run on one token under no_grad for every layer."""
+    with torch.no_grad():
+        out = core.on_one_token(forward, h)
+    return eager_checkpoint.output_given(h, out, forward)
+
+
 def before(lever: str, model):
     """The old path of `lever`, patched in for one run (rope, layernorm, tail, save, lora_*, rms_*,
     fp8_linear, nf4_linear, fp8_function, nf4_function, eager_checkpoint*)."""
     if lever in ("eager_checkpoint", "eager_checkpoint_kept"):
         return patched(eager_checkpoint, "usable", lambda: False)
+    if lever == "stand_in":
+        return patched(core, "_stand_in", stand_in_on_one_token)
     if lever == "fp8_linear":
         return layer_forward(model, fp8.FP8Linear, fp8_forward_saving_codes)
     if lever == "nf4_linear":

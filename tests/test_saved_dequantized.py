@@ -177,3 +177,39 @@ def plan_defaults():
     from tools import plan_memory
 
     return plan_memory.default_args("flux")
+
+
+@pytest.mark.parametrize("family,base", [("flux", "fp8_scaled"), ("qwen_image", "fp8_scaled"), ("flux", "nf4")])
+def test_a_low_bit_eager_step_trains_the_bits_of_torch_checkpoint(family, base, monkeypatch):
+    """The oracle for both cuts (the kept weights, and the tail's stand-in without its one-token call): eager
+    checkpointing with and without the key gives torch's non-reentrant checkpoint's prediction and gradients."""
+    model, network, step = _trainer(monkeypatch, family, base)
+    runs = {}
+    for name, usable, keep in (("torch", False, PLAIN), ("eager", True, PLAIN), ("kept", True, KEPT)):
+        monkeypatch.setattr(core.eager_checkpoint, "usable", lambda usable=usable: usable)
+        model.gradient_checkpointing = keep
+        runs[name] = step(True)
+    for name in ("eager", "kept"):
+        assert torch.equal(runs["torch"][0], runs[name][0]), name
+        for key, g in runs["torch"][1].items():
+            assert (g is None) == (runs[name][1][key] is None), key
+            assert g is None or torch.equal(g, runs[name][1][key]), (name, key)
+
+
+def test_a_low_bit_tail_stand_in_dequantizes_nothing(monkeypatch):
+    """The block's last projection, whose output nothing reads in the recompute: a low-bit layer's stand-in
+    dequantized its whole weight for a one-token GEMM; now zeros of the output's dtype and shape."""
+    model, network, step = _trainer(monkeypatch, "qwen_image", "fp8_scaled")  # its gates do not train
+    calls = _counting(monkeypatch, fp8, "dequantize_weight")
+    during, real = [], core._stand_in
+
+    def stand_in(forward, h):
+        before = calls[0]
+        out = real(forward, h)
+        during.append((calls[0] - before, out.dtype))
+        return out
+
+    monkeypatch.setattr(core, "_stand_in", stand_in)
+    model.gradient_checkpointing = PLAIN
+    step(True)
+    assert during and all(n == 0 and dtype == torch.bfloat16 for n, dtype in during), during

@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_leaves, tree_map_only
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from library.models import eager_checkpoint
-from library.precision.autocast import autocast_off
+from library.precision.autocast import autocast_off, matmul_input
 from library.precision.dequantized_linear import keeping_dequantized_weights
 
 # ----------------------------------------------------------------------------------------------
@@ -745,10 +745,16 @@ class _ProjectionStash:
 
 
 def _stand_in(forward, h: torch.Tensor) -> torch.Tensor:
-    """A base output nothing reads, in a recompute whose graph backward runs through: on_one_token's
-    value without its graph, and the base's input gradient for h (eager_checkpoint.output_given)."""
-    with torch.no_grad():
-        out = on_one_token(forward, h)
+    """A base output nothing reads, in a recompute whose graph backward runs through, and the base's input
+    gradient for h (eager_checkpoint.output_given): zeros of the output's dtype and shape for a low-bit
+    layer (its one-token call would dequantize the whole weight for them), else on_one_token's value."""
+    layer = forward.__self__ if isinstance(forward, types.MethodType) else forward
+    if hasattr(layer, "dequantized_weight") and hasattr(layer, "compute_dtype"):
+        dtype = matmul_input(h, layer.compute_dtype)[1]  # the dtype the layer's matmul returns
+        out = torch.zeros((), dtype=dtype, device=h.device).expand(*h.shape[:-1], layer.out_features)
+    else:
+        with torch.no_grad():
+            out = on_one_token(forward, h)
     return eager_checkpoint.output_given(h, out, forward)
 
 
