@@ -20,7 +20,7 @@ from tests.test_memory_plan import tiny_flux
 PLAIN, KEPT = True, core.checkpointing(True, save_dequantized=True)
 
 
-def _trainer(monkeypatch, family: str, base: str):
+def _trainer(monkeypatch, family: str, base: str, device: str = "cpu"):
     """test_eager_checkpoint's (model, network, step) on a `base` (fp8_scaled, nf4) base, quantized before the LoRA."""
     def quantize(model, mode, rules):
         return bnb_weights.prepare_bnb(model, base, rules) if base in bnb_weights.MODES else quantize_module(
@@ -28,7 +28,7 @@ def _trainer(monkeypatch, family: str, base: str):
 
     monkeypatch.setattr(test_eager_checkpoint, "quantize_module", quantize)
     monkeypatch.setattr(test_eager_checkpoint, "enable_fp8_compute", lambda model: 1)
-    return test_eager_checkpoint._trainer(family, fp8_compute=True)
+    return test_eager_checkpoint._trainer(family, device=device, fp8_compute=True)
 
 
 def _counting(monkeypatch, module, name: str) -> list:
@@ -179,11 +179,19 @@ def plan_defaults():
     return plan_memory.default_args("flux")
 
 
-@pytest.mark.parametrize("family,base", [("flux", "fp8_scaled"), ("qwen_image", "fp8_scaled"), ("flux", "nf4")])
-def test_a_low_bit_eager_step_trains_the_bits_of_torch_checkpoint(family, base, monkeypatch):
+CASES = [("flux", "fp8_scaled", "cpu"), ("qwen_image", "fp8_scaled", "cpu"), ("flux", "nf4", "cpu"),
+         pytest.param("flux", "fp8_scaled", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                              reason="no CUDA device")),
+         pytest.param("qwen_image", "fp8_scaled", "cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),
+                                                                                   reason="no CUDA device"))]
+
+
+@pytest.mark.parametrize("family,base,device", CASES)
+def test_a_low_bit_eager_step_trains_the_bits_of_torch_checkpoint(family, base, device, monkeypatch):
     """The oracle for both cuts (the kept weights, and the tail's stand-in without its one-token call): eager
-    checkpointing with and without the key gives torch's non-reentrant checkpoint's prediction and gradients."""
-    model, network, step = _trainer(monkeypatch, family, base)
+    checkpointing with and without the key gives torch's non-reentrant checkpoint's prediction and gradients
+    (on CUDA too: `-k cuda`)."""
+    model, network, step = _trainer(monkeypatch, family, base, device)
     runs = {}
     for name, usable, keep in (("torch", False, PLAIN), ("eager", True, PLAIN), ("kept", True, KEPT)):
         monkeypatch.setattr(core.eager_checkpoint, "usable", lambda usable=usable: usable)
