@@ -43,8 +43,8 @@
 #      dequantized  checkpoint_saves_dequantized (2026-12-04, untimed on a GPU: the eager recompute keeps each low-bit
 #                Linear's dequantized weight for its backward): its CUDA tests, its lever on both families (fp8_scaled,
 #                nf4), the eager fp8 headline lines with it (Qwen-Image fp8_scaled: 0.85, the target 0.80), then the
-#                eager Qwen-Image
-#                block swap on landed code (x1.028 on 2026-12-04 with a since-dropped candidate applied: to confirm)
+#                eager Qwen-Image block swap on landed code (x1.028 on 2026-12-04 with a since-dropped candidate
+#                applied: to confirm)
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
