@@ -66,6 +66,9 @@ memory (bench_train_step.PeakMemory) are printed.
   stand_in   an fp8_scaled base, eager: in the recompute the block's last projection, whose output nothing reads
              where its gate does not train (Qwen-Image), stands in as zeros; before: its base on one token, which
              dequantized the whole weight (FLUX.1's gates train: a control)
+  per_sample an fp8_scaled base, eager: the forward keeps the outputs of the Linears on a per-sample input needing
+             no gradient (the modulation) and the recompute takes them back (eager_checkpoint.OutputStash); before:
+             the recompute runs them again, dequantizing their weights
 
 "Before" is the old code path patched in for that run only; the same model serves both sides of rope and
 layernorm, whose step-0 losses (no step taken) are printed for both sides: equal up to rounding, the
@@ -108,7 +111,7 @@ from tools.devices import device_or_exit  # noqa: E402
 LEVERS = ("rope", "layernorm", "compile", "tail", "save", "save_compiled", "attention", "attention_compiled",
           "lora_factor", "lora_rows", "lora_addmm", "lora_addmm_compiled", "rms_weight", "rms_fused", "quantized_compiled", "fp8_linear", "nf4_linear", "fp8_function",
           "nf4_function", "eager_checkpoint", "eager_checkpoint_kept", "dequantized", "dequantized_nf4",
-          "stand_in")
+          "stand_in", "per_sample")
 # the checkpointing each checkpointing lever's "now" side runs (its "before": plain checkpointing)
 KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS,
            "attention": core.checkpointing(True, save_attention=True),
@@ -117,7 +120,8 @@ KEEPING = {"save": core.SAVE_PROJECTIONS, "save_compiled": core.SAVE_PROJECTIONS
            "dequantized": core.checkpointing(True, save_dequantized=True),
            "dequantized_nf4": core.checkpointing(True, save_dequantized=True)}
 FP8 = {"fp8_linear": "fp8_scaled", "nf4_linear": "nf4", "fp8_function": "fp8_scaled", "nf4_function": "nf4",
-       "dequantized": "fp8_scaled", "dequantized_nf4": "nf4", "stand_in": "fp8_scaled"}  # a
+       "dequantized": "fp8_scaled", "dequantized_nf4": "nf4", "stand_in": "fp8_scaled",
+       "per_sample": "fp8_scaled"}  # a
 # lever's quantized base
 
 
@@ -269,6 +273,8 @@ def before(lever: str, model):
         return patched(eager_checkpoint, "usable", lambda: False)
     if lever == "stand_in":
         return patched(core, "_stand_in", stand_in_on_one_token)
+    if lever == "per_sample":
+        return patched(eager_checkpoint.OutputStash, "call", lambda self, recompute, x, compute: compute())
     if lever == "fp8_linear":
         return layer_forward(model, fp8.FP8Linear, fp8_forward_saving_codes)
     if lever == "nf4_linear":

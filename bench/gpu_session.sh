@@ -42,9 +42,9 @@
 #                headline lines (bf16, fp8), the eager_checkpoint lever, then compiled FLUX.1 under torch's attention
 #      dequantized  checkpoint_saves_dequantized (2026-12-04, untimed on a GPU: the eager recompute keeps each low-bit
 #                Linear's dequantized weight for its backward): its CUDA tests, its lever on both families (fp8_scaled,
-#                nf4), the eager fp8 headline lines with it (Qwen-Image fp8_scaled: 0.85, the target 0.80), then the
-#                eager Qwen-Image block swap on landed code (x1.028 on 2026-12-04 with a since-dropped candidate
-#                applied: to confirm)
+#                nf4) and the two always-on cuts of 2026-12-04 (stand_in, per_sample), the eager fp8 headline
+#                lines with it (Qwen-Image fp8_scaled: 0.85, the target 0.80), then the eager Qwen-Image block swap
+#                on landed code (x1.028 on 2026-12-04 with a since-dropped candidate applied: to confirm)
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -225,8 +225,8 @@ case $plan in
     dequantized)  # the eager fp8 step dequantized each weight three times (forward, recompute, backward),
         # the peers twice
         step checks.log 90 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_saved_dequantized.py
-        step levers.log 200 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
-            --levers dequantized,dequantized_nf4
+        step levers.log 240 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 \
+            --levers dequantized,stand_in,per_sample,dequantized_nf4
         step peers_eager.log 90 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP \
             --save-dequantized
         step peers_eager.log 90 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections \

@@ -196,12 +196,13 @@ def test_a_low_bit_eager_step_trains_the_bits_of_torch_checkpoint(family, base, 
     for name, usable, keep in (("torch", False, PLAIN), ("eager", True, PLAIN), ("kept", True, KEPT)):
         monkeypatch.setattr(core.eager_checkpoint, "usable", lambda usable=usable: usable)
         model.gradient_checkpointing = keep
-        runs[name] = step(True)
+        runs[name] = (step(True), step(True))  # the second: the forward keeps the per-sample outputs
     for name in ("eager", "kept"):
-        assert torch.equal(runs["torch"][0], runs[name][0]), name
-        for key, g in runs["torch"][1].items():
-            assert (g is None) == (runs[name][1][key] is None), key
-            assert g is None or torch.equal(g, runs[name][1][key]), (name, key)
+        for run, oracle in zip(runs[name], runs["torch"]):
+            assert torch.equal(oracle[0], run[0]), name
+            for key, g in oracle[1].items():
+                assert (g is None) == (run[1][key] is None), key
+                assert g is None or torch.equal(g, run[1][key]), (name, key)
 
 
 def test_a_low_bit_tail_stand_in_dequantizes_nothing(monkeypatch):
@@ -221,3 +222,21 @@ def test_a_low_bit_tail_stand_in_dequantizes_nothing(monkeypatch):
     model.gradient_checkpointing = PLAIN
     step(True)
     assert during and all(n == 0 and dtype == torch.bfloat16 for n, dtype in during), during
+
+
+@pytest.mark.parametrize("family", ["flux", "qwen_image"])
+def test_the_recompute_takes_the_modulation_outputs_from_the_forward(family, monkeypatch):
+    """A low-bit Linear on a per-sample input that needs no gradient (the blocks' modulation on the timestep
+    embedding) is run once a step, not again in the recompute: from a block's second checkpointed call on, the
+    forward keeps its output (eager_checkpoint.OutputStash). Tokens' Linears are never kept."""
+    model, network, step = _trainer(monkeypatch, family, "fp8_scaled")
+    model.gradient_checkpointing = PLAIN
+    calls = _counting(monkeypatch, fp8, "dequantize_weight")
+    counts = []
+    for _ in range(3):
+        calls[0] = 0
+        step(True)
+        counts.append(calls[0])
+    kept = sum(sum(vars(b)["_per_sample_calls"].values()) for b in model.swappable_blocks())
+    assert kept >= len(model.swappable_blocks())  # a modulation Linear at least in every block
+    assert counts[1] == counts[2] == counts[0] - kept, (counts, kept)

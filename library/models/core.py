@@ -32,7 +32,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from library.models import eager_checkpoint
 from library.precision.autocast import autocast_off, matmul_input
-from library.precision.dequantized_linear import keeping_dequantized_weights
+from library.precision.dequantized_linear import keeping_dequantized_weights, keeping_outputs
 
 # ----------------------------------------------------------------------------------------------
 # Norms
@@ -674,27 +674,36 @@ def recompute_graph() -> bool:
 
 @contextlib.contextmanager
 def _checkpoint_pass(recompute: bool, stash, attention: collections.deque | None, graph: bool = False,
-                     dequantized: bool = False):
+                     dequantized: bool = False, outputs=None):
     """dequantized: the recompute's low-bit Linears keep their dequantized weights for the backward that runs
-    through its graph (graph: eager_checkpoint's; torch's recompute only refills the forward's saved tensors)."""
+    through its graph (graph: eager_checkpoint's; torch's recompute only refills the forward's saved tensors);
+    outputs: this pass's eager_checkpoint.OutputStash call for the low-bit Linears' outputs."""
     previous = (recomputing(), getattr(_recompute, "stash", None), getattr(_recompute, "attention", None),
                 recompute_graph())
     _recompute.active, _recompute.stash, _recompute.attention, _recompute.graph = recompute, stash, attention, graph
     try:
-        with keeping_dequantized_weights(dequantized) if dequantized else contextlib.nullcontext():
+        with contextlib.ExitStack() as passes:
+            if dequantized:
+                passes.enter_context(keeping_dequantized_weights())
+            if outputs is not None:
+                passes.enter_context(keeping_outputs(outputs))
             yield
     finally:
         _recompute.active, _recompute.stash, _recompute.attention, _recompute.graph = previous
 
 
-def _checkpoint_contexts(keep: Checkpointing = Checkpointing(), needs: dict | None = None, graph: bool = False):
+def _checkpoint_contexts(keep: Checkpointing = Checkpointing(), needs: dict | None = None, graph: bool = False,
+                         per_sample: dict | None = None):
     """(original forward, recompute) contexts of one checkpointed call; both passes share its stashes.
     needs: the block's record of which projections its recompute found needed (_ProjectionStash);
-    graph: backward runs through the recompute's graph (eager_checkpoint)."""
+    graph: backward runs through the recompute's graph (eager_checkpoint); per_sample: the block's record of
+    which low-bit Linear calls take a per-sample input needing no gradient (eager_checkpoint.OutputStash)."""
     stash = _ProjectionStash({} if needs is None else needs) if keep.projections else None
     attention = collections.deque() if keep.attention else None
-    return (_checkpoint_pass(False, stash, attention),
-            _checkpoint_pass(True, stash, attention, graph, dequantized=graph and keep.dequantized))
+    outputs = eager_checkpoint.OutputStash(per_sample) if graph and per_sample is not None else None
+    return (_checkpoint_pass(False, stash, attention, outputs=outputs and functools.partial(outputs.call, False)),
+            _checkpoint_pass(True, stash, attention, graph, dequantized=graph and keep.dequantized,
+                             outputs=outputs and functools.partial(outputs.call, True)))
 
 
 def on_one_token(forward, h: torch.Tensor) -> torch.Tensor:
@@ -837,8 +846,9 @@ def run_block(block: nn.Module, use_checkpoint: bool, *args, swap=None, index: i
         elif eager_checkpoint.usable() and (not keep.projections or "_projections_needed" in vars(block)):
             # the forward records no graph (the eager step's host time); keeping projections, once a
             # forward with grad on has said which are needed (_ProjectionStash)
-            needs = vars(block).get("_projections_needed")
-            out = eager_checkpoint.checkpoint_block(block, _checkpoint_contexts(keep, needs, graph=True), args, kwargs)
+            needs, per_sample = vars(block).get("_projections_needed"), vars(block).setdefault("_per_sample_calls", {})
+            contexts = _checkpoint_contexts(keep, needs, graph=True, per_sample=per_sample)
+            out = eager_checkpoint.checkpoint_block(block, contexts, args, kwargs)
         else:
             needs = vars(block).setdefault("_projections_needed", {}) if keep.projections else None
             contexts = functools.partial(_checkpoint_contexts, keep, needs)

@@ -110,6 +110,32 @@ def _device_type(devices: list) -> str:
     return torch.accelerator.current_accelerator().type if devices and torch.accelerator.is_available() else "cuda"
 
 
+class OutputStash:
+    """The outputs of one checkpointed call's low-bit Linears (dequantized_linear.keeping_outputs) whose input is
+    per-sample ([batch, ..., 1 token, in]) and needs no gradient, a modulation Linear's on the timestep embedding:
+    the forward keeps them and the recompute takes them back, dequantizing no weight for them (the forward's bits:
+    the recompute runs under the forward's autocast). Only the recompute knows which inputs need no gradient (the
+    forward runs under no_grad): it records that in `per_sample` (kept on the block across steps, as
+    core._ProjectionStash's needs), so the forward keeps them from a block's second checkpointed call on. Calls are
+    matched by their order in the block, checked by the input's shape."""
+
+    def __init__(self, per_sample: dict):
+        self.per_sample, self.kept, self.calls = per_sample, {}, [0, 0]  # calls so far: forward, recompute
+
+    def call(self, recompute: bool, x: torch.Tensor, compute):
+        i = self.calls[recompute]
+        self.calls[recompute] += 1
+        if not recompute:
+            out = compute()
+            if self.per_sample.get(i):
+                self.kept[i] = (x.shape, out)
+            return out
+        per_sample = not x.requires_grad and x.dim() > 1 and x.numel() == x.shape[0] * x.shape[-1]
+        self.per_sample[i] = per_sample
+        kept = self.kept.pop(i, None)
+        return kept[1] if per_sample and kept is not None and kept[0] == x.shape else compute()
+
+
 def output_given(h: torch.Tensor, out: torch.Tensor, forward) -> torch.Tensor:
     """A base projection's call in this recompute (whose graph backward runs) with its output given
     instead of computed: kept from the forward, or a stand-in nothing reads (core.residual_projection).

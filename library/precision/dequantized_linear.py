@@ -130,9 +130,29 @@ def dequantized_linear(x: torch.Tensor, bias: torch.Tensor | None, dequantize, *
     DequantizedLinearFunction where x needs a gradient, else as plain ops (a modulation Linear's
     timestep embedding, sampling), which save nothing and give the same bits. x and bias are in the
     matmul's dtype, the one dequantize returns."""
+    outputs = None if torch.compiler.is_compiling() else getattr(_keeping, "outputs", None)
+    if outputs is not None:  # in an eager checkpointed block: a per-sample output may be kept (keeping_outputs)
+        return outputs(x, lambda: _linear(x, bias, dequantize, args))
+    return _linear(x, bias, dequantize, args)
+
+
+def _linear(x: torch.Tensor, bias: torch.Tensor | None, dequantize, args: tuple) -> torch.Tensor:
     if not needs_backward(x):
         return F.linear(x, dequantize(*args), bias)
     return DequantizedLinearFunction.apply(x, bias, dequantize, *args)
+
+
+@contextlib.contextmanager
+def keeping_outputs(outputs):
+    """While set, every dequantized_linear call goes through outputs(x, compute) (eager_checkpoint.OutputStash: eager
+    checkpointing keeps the outputs of calls whose input needs no gradient, a modulation Linear's, from the forward
+    for the recompute, which then dequantizes no weight for them)."""
+    previous = getattr(_keeping, "outputs", None)
+    _keeping.outputs = outputs
+    try:
+        yield
+    finally:
+        _keeping.outputs = previous
 
 
 class DequantizedBmmFunction(torch.autograd.Function):
