@@ -13,7 +13,7 @@ import torch
 from library.models import core
 from library.precision import bnb_weights, dequantized_linear, fp8
 from library.precision.fp8 import quantize_module
-from library.models.registry import arch_spec
+from library.models.registry import arch_spec, arch_specs
 from tests import test_eager_checkpoint
 from tests.test_memory_plan import tiny_flux
 
@@ -240,3 +240,29 @@ def test_the_recompute_takes_the_modulation_outputs_from_the_forward(family, mon
     kept = sum(sum(vars(b)["_per_sample_calls"].values()) for b in model.swappable_blocks())
     assert kept >= len(model.swappable_blocks())  # a modulation Linear at least in every block
     assert counts[1] == counts[2] == counts[0] - kept, (counts, kept)
+
+
+@pytest.mark.parametrize("arch", sorted({spec.arch for spec in arch_specs().values()} - {"llm"}))
+def test_every_family_on_an_fp8_base_trains_the_bits_of_torch_checkpoint(arch, tiny_set, monkeypatch):
+    """Every family's tiny transformer on an fp8_scaled base with the key, two steps (the second keeps the
+    modulation's outputs from the forward: a family writing one in place would change the recompute), eager
+    checkpointing against torch's non-reentrant checkpoint."""
+    from tests.test_residual_projection import assert_same, tiny_model, with_lora
+
+    model, kwargs = tiny_model(arch, tiny_set)
+    model = quantize_module(model, "fp8_scaled", arch_spec(arch).fp8)
+    model.gradient_checkpointing = KEPT
+    net = with_lora(model, arch)
+
+    def two_steps(usable: bool) -> list:
+        monkeypatch.setattr(core.eager_checkpoint, "usable", lambda: usable)
+        grads = []
+        for _ in range(2):
+            net.zero_grad(set_to_none=True)
+            model(**kwargs).float().square().mean().backward()
+            grads.append({n: p.grad for n, p in net.named_parameters()})
+        return grads
+
+    eager, oracle = two_steps(True), two_steps(False)
+    for a, b in zip(eager, oracle):
+        assert_same(a, b)
