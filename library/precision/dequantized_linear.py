@@ -59,28 +59,34 @@ def input_gradient(grad_out: torch.Tensor, weight: torch.Tensor) -> torch.Tensor
     return layout_matmul(rows, weight).reshape(*grad_out.shape[:-1], weight.shape[1])
 
 
-# .on: a forward whose graph backward runs at once (eager checkpointing's recompute: keeping_dequantized_weights)
+# .on: a forward whose graph backward runs at once (eager checkpointing's recompute: keeping_dequantized_weights);
+# .outputs: eager checkpointing's stash of per-sample outputs (keeping_outputs)
 _keeping = threading.local()
 
 
 @contextlib.contextmanager
+def _kept(name: str, value):
+    """_keeping.name = value for the block, then back to what it was."""
+    previous = getattr(_keeping, name, None)
+    setattr(_keeping, name, value)
+    try:
+        yield
+    finally:
+        setattr(_keeping, name, previous)
+
+
 def keeping_dequantized_weights(on: bool = True):
     """While on, the Functions below keep the weight their forward dequantized for their backward instead of
     dequantizing it again there: for a forward whose backward follows at once (eager checkpointing's recompute, one
     block: core._checkpoint_contexts), so the step dequantizes each weight twice (forward, recompute) rather than
     three times, for the block's dequantized weights held from its recompute through their own backward (each
     freed once its node has run). checkpoint_saves_dequantized; elsewhere the weights would stay for the step."""
-    previous = getattr(_keeping, "on", False)
-    _keeping.on = on
-    try:
-        yield
-    finally:
-        _keeping.on = previous
+    return _kept("on", on)
 
 
 def _keeps() -> bool:
     """Whether a forward keeps its dequantized weight now; never in a compiled graph (its partitioner decides)."""
-    return not torch.compiler.is_compiling() and getattr(_keeping, "on", False)
+    return not torch.compiler.is_compiling() and bool(getattr(_keeping, "on", False))
 
 
 def _kept_or_dequantized(ctx) -> torch.Tensor:
@@ -142,17 +148,11 @@ def _linear(x: torch.Tensor, bias: torch.Tensor | None, dequantize, args: tuple)
     return DequantizedLinearFunction.apply(x, bias, dequantize, *args)
 
 
-@contextlib.contextmanager
 def keeping_outputs(outputs):
     """While set, every dequantized_linear call goes through outputs(x, compute) (eager_checkpoint.OutputStash: eager
     checkpointing keeps the outputs of calls whose input needs no gradient, a modulation Linear's, from the forward
     for the recompute, which then dequantizes no weight for them)."""
-    previous = getattr(_keeping, "outputs", None)
-    _keeping.outputs = outputs
-    try:
-        yield
-    finally:
-        _keeping.outputs = previous
+    return _kept("outputs", outputs)
 
 
 class DequantizedBmmFunction(torch.autograd.Function):
