@@ -274,7 +274,7 @@ def before(lever: str, model):
     if lever == "stand_in":
         return patched(core, "_stand_in", stand_in_on_one_token)
     if lever == "per_sample":
-        return patched(eager_checkpoint.OutputStash, "call", lambda self, recompute, x, compute: compute())
+        return patched(eager_checkpoint.OutputStash, "call", lambda self, recompute, x, stored, compute: compute())
     if lever == "fp8_linear":
         return layer_forward(model, fp8.FP8Linear, fp8_forward_saving_codes)
     if lever == "nf4_linear":

@@ -244,25 +244,45 @@ def test_the_recompute_takes_the_modulation_outputs_from_the_forward(family, mon
 
 @pytest.mark.parametrize("arch", sorted({spec.arch for spec in arch_specs().values()} - {"llm"}))
 def test_every_family_on_an_fp8_base_trains_the_bits_of_torch_checkpoint(arch, tiny_set, monkeypatch):
-    """Every family's tiny transformer on an fp8_scaled base with the key, two steps (the second keeps the
-    modulation's outputs from the forward: a family writing one in place would change the recompute), eager
+    """Every family's tiny transformer on an fp8_scaled base with every keeping key, three steps (keeping
+    projections, the first runs torch's checkpoint; from the third the forward keeps the modulation's outputs: a
+    family writing one in place, or a kept call matched to another, would change the recompute), eager
     checkpointing against torch's non-reentrant checkpoint."""
     from tests.test_residual_projection import assert_same, tiny_model, with_lora
 
     model, kwargs = tiny_model(arch, tiny_set)
     model = quantize_module(model, "fp8_scaled", arch_spec(arch).fp8)
-    model.gradient_checkpointing = KEPT
+    model.gradient_checkpointing = core.Checkpointing(True, True, True)
     net = with_lora(model, arch)
 
-    def two_steps(usable: bool) -> list:
+    def three_steps(usable: bool) -> list:
         monkeypatch.setattr(core.eager_checkpoint, "usable", lambda: usable)
         grads = []
-        for _ in range(2):
+        for _ in range(3):
             net.zero_grad(set_to_none=True)
             model(**kwargs).float().square().mean().backward()
             grads.append({n: p.grad for n, p in net.named_parameters()})
         return grads
 
-    eager, oracle = two_steps(True), two_steps(False)
+    eager, oracle = three_steps(True), three_steps(False)
     for a, b in zip(eager, oracle):
         assert_same(a, b)
+
+
+def test_a_call_the_recompute_skips_shifts_no_kept_output():
+    """OutputStash names a call by its layer and that layer's count, not by its order: a call the forward made and
+    the recompute skips (a kept projection, a stand-in) takes no other call's kept output, even of the same shape."""
+    from library.models.eager_checkpoint import OutputStash
+
+    layers = {name: (torch.zeros(1),) for name in "atb"}  # each layer's stored tensors
+    x = torch.ones(2, 8)
+    per_sample = {}
+    for step in range(2):
+        stash, computed = OutputStash(per_sample), []
+        outs = {name: stash.call(False, x, layers[name], lambda name=name: torch.full((2, 4), float("atb".index(name))))
+                for name in "atb"}
+        for name in "ab":  # the recompute skips t
+            got = stash.call(True, x, layers[name], lambda name=name: computed.append(name) or outs[name].clone())
+            assert torch.equal(got, outs[name]), (step, name)
+            assert (got is outs[name]) == (step == 1)  # kept from the second call on
+        assert computed == ([] if step else ["a", "b"])

@@ -116,15 +116,18 @@ class OutputStash:
     the forward keeps them and the recompute takes them back, dequantizing no weight for them (the forward's bits:
     the recompute runs under the forward's autocast). Only the recompute knows which inputs need no gradient (the
     forward runs under no_grad): it records that in `per_sample` (kept on the block across steps, as
-    core._ProjectionStash's needs), so the forward keeps them from a block's second checkpointed call on. Calls are
-    matched by their order in the block, checked by the input's shape."""
+    core._ProjectionStash's needs), so the forward keeps them from a block's second checkpointed call on. A call
+    is named by its layer's stored tensors and how often the pass has called that layer, not by its order in the
+    block: the recompute skips calls the forward made (kept projections, stand-ins); the input's shape is checked."""
 
     def __init__(self, per_sample: dict):
-        self.per_sample, self.kept, self.calls = per_sample, {}, [0, 0]  # calls so far: forward, recompute
+        self.per_sample, self.kept, self.calls = per_sample, {}, ({}, {})  # per pass: layer -> calls so far
 
-    def call(self, recompute: bool, x: torch.Tensor, compute):
-        i = self.calls[recompute]
-        self.calls[recompute] += 1
+    def call(self, recompute: bool, x: torch.Tensor, stored: tuple, compute):
+        layer = tuple(id(t) for t in stored if isinstance(t, torch.Tensor))
+        n = self.calls[recompute].get(layer, 0)
+        self.calls[recompute][layer] = n + 1
+        i = (layer, n)
         if not recompute:
             out = compute()
             if self.per_sample.get(i):

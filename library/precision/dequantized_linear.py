@@ -138,7 +138,7 @@ def dequantized_linear(x: torch.Tensor, bias: torch.Tensor | None, dequantize, *
     matmul's dtype, the one dequantize returns."""
     outputs = None if torch.compiler.is_compiling() else getattr(_keeping, "outputs", None)
     if outputs is not None:  # in an eager checkpointed block: a per-sample output may be kept (keeping_outputs)
-        return outputs(x, lambda: _linear(x, bias, dequantize, args))
+        return outputs(x, args, lambda: _linear(x, bias, dequantize, args))
     return _linear(x, bias, dequantize, args)
 
 
@@ -149,9 +149,9 @@ def _linear(x: torch.Tensor, bias: torch.Tensor | None, dequantize, args: tuple)
 
 
 def keeping_outputs(outputs):
-    """While set, every dequantized_linear call goes through outputs(x, compute) (eager_checkpoint.OutputStash: eager
-    checkpointing keeps the outputs of calls whose input needs no gradient, a modulation Linear's, from the forward
-    for the recompute, which then dequantizes no weight for them)."""
+    """While set, every dequantized_linear call goes through outputs(x, stored, compute) (eager_checkpoint.OutputStash:
+    eager checkpointing keeps the outputs of calls whose per-sample input needs no gradient, a modulation Linear's,
+    from the forward for the recompute, which then dequantizes no weight for them; stored: the layer's arguments)."""
     return _kept("outputs", outputs)
 
 
