@@ -20,6 +20,7 @@ import torch
 
 from library.data.text_corpus import IGNORE, TOKEN_DTYPE, batch_documents
 
+
 def packing_of(args) -> str:
     """The config's packing, unset resolved: best_fit, but stream where stride is set (overlapping windows are
     the stream's) or attend_across_documents (no documents to keep whole)."""

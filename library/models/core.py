@@ -682,11 +682,7 @@ def _checkpoint_pass(recompute: bool, stash, attention: collections.deque | None
                 recompute_graph())
     _recompute.active, _recompute.stash, _recompute.attention, _recompute.graph = recompute, stash, attention, graph
     try:
-        with contextlib.ExitStack() as passes:
-            if dequantized:
-                passes.enter_context(keeping_dequantized_weights())
-            if outputs is not None:
-                passes.enter_context(keeping_outputs(outputs))
+        with keeping_dequantized_weights(dequantized), keeping_outputs(outputs):
             yield
     finally:
         _recompute.active, _recompute.stash, _recompute.attention, _recompute.graph = previous
@@ -757,7 +753,7 @@ def _stand_in(forward, h: torch.Tensor) -> torch.Tensor:
     """A base output nothing reads, in a recompute whose graph backward runs through, and the base's input
     gradient for h (eager_checkpoint.output_given): zeros of the output's dtype and shape for a low-bit
     layer (its one-token call would dequantize the whole weight for them), else on_one_token's value."""
-    layer = forward.__self__ if isinstance(forward, types.MethodType) else forward
+    layer = eager_checkpoint.layer_of(forward)
     if hasattr(layer, "dequantized_weight") and hasattr(layer, "compute_dtype"):
         dtype = matmul_input(h, layer.compute_dtype)[1]  # the dtype the layer's matmul returns
         out = torch.zeros((), dtype=dtype, device=h.device).expand(*h.shape[:-1], layer.out_features)

@@ -144,8 +144,12 @@ def output_given(h: torch.Tensor, out: torch.Tensor, forward) -> torch.Tensor:
     instead of computed: kept from the forward, or a stand-in nothing reads (core.residual_projection).
     forward: the layer, or its bound forward. The GEMM is skipped; backward is the layer's own input
     gradient. Only for a layer whose backward reads no input (core.saves_only_weights)."""
-    layer = forward.__self__ if isinstance(forward, types.MethodType) else forward
-    return _OutputGiven.apply(h, out, layer)
+    return _OutputGiven.apply(h, out, layer_of(forward))
+
+
+def layer_of(forward) -> torch.nn.Module:
+    """The layer a base call runs: a bound forward's owner, or the layer itself."""
+    return forward.__self__ if isinstance(forward, types.MethodType) else forward
 
 
 class _OutputGiven(torch.autograd.Function):

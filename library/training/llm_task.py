@@ -152,6 +152,14 @@ def check_before_loading(args) -> None:
         check_lora_inputs(args, "llm")  # network_weights: its header, before the model loads
 
 
+def summed_loss(model, inputs: torch.Tensor, targets: torch.Tensor, documents: torch.Tensor | None) -> tuple:
+    """(summed cross-entropy in float32, scored targets) of one held-out batch: int64 [B, n] inputs and targets on
+    the model's device, documents int64 [B, n] or None."""
+    logits = model(inputs, documents=None if documents is None else documents.to(inputs.device))
+    return (float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum")),
+            int((targets != IGNORE).sum()))
+
+
 class LLMTask:
     def __init__(self, args, accelerator, state: SavedState | None = None):
         """state: the one a resumed run loaded (None: a new run), checked against the data once it is read."""
@@ -509,9 +517,8 @@ class LLMTask:
                                    for s in batch]).to(self.device)  # int64 [B, n]
             documents = None if doc_starts is None else batch_documents(
                 [window_documents(doc_starts, s, n) for s in batch])
-            logits = self.model(inputs, documents=None if documents is None else documents.to(self.device))
-            total += float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
-            count += int((targets != IGNORE).sum())
+            loss, scored = summed_loss(self.model, inputs, targets, documents)
+            total, count = total + loss, count + scored
         return total / count if count else float("nan")
 
     def _packed_held_out_loss(self) -> float:
@@ -520,10 +527,8 @@ class LLMTask:
         total, count = 0.0, 0
         for batch in (list(range(i, min(i + size, len(val)))) for i in range(0, len(val), size)):
             inputs, targets = (torch.stack(t).to(self.device) for t in zip(*(val[i] for i in batch)))
-            documents = val.documents(batch)
-            logits = self.model(inputs, documents=None if documents is None else documents.to(self.device))
-            total += float(F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum"))
-            count += int((targets != IGNORE).sum())
+            loss, scored = summed_loss(self.model, inputs, targets, val.documents(batch))
+            total, count = total + loss, count + scored
         return total / count if count else float("nan")
 
     def after_step(self, step: int, output_dir: str):
