@@ -99,7 +99,7 @@ from bench_train_step import (  # noqa: E402
     MiB, add_our_lora, alternate, build_ours, fp8_twin, machine_summary, make_inputs, make_step, median, our_forward,
     pin_malloc_threshold,
 )
-from library.models import core, eager_checkpoint  # noqa: E402
+from library.models import block_checkpoint, core, eager_checkpoint  # noqa: E402
 from library.models.registry import arch_spec  # noqa: E402
 from library.precision import bnb_weights as bnb, fp8  # noqa: E402
 from library.precision.autocast import autocast_off, matmul_input  # noqa: E402
@@ -260,9 +260,9 @@ def layer_forward(model, layer_type, forward):
 
 
 def stand_in_on_one_token(forward, h: torch.Tensor) -> torch.Tensor:
-    """core._stand_in before: the base run on one token under no_grad for every layer."""
+    """block_checkpoint._stand_in before: the base run on one token under no_grad for every layer."""
     with torch.no_grad():
-        out = core.on_one_token(forward, h)
+        out = block_checkpoint.on_one_token(forward, h)
     return eager_checkpoint.output_given(h, out, forward)
 
 
@@ -272,7 +272,7 @@ def before(lever: str, model):
     if lever in ("eager_checkpoint", "eager_checkpoint_kept"):
         return patched(eager_checkpoint, "usable", lambda: False)
     if lever == "stand_in":
-        return patched(core, "_stand_in", stand_in_on_one_token)
+        return patched(block_checkpoint, "_stand_in", stand_in_on_one_token)
     if lever == "per_sample":
         return patched(eager_checkpoint.OutputStash, "call", lambda self, recompute, x, stored, compute: compute())
     if lever == "fp8_linear":
@@ -288,7 +288,7 @@ def before(lever: str, model):
     if lever == "rope":
         return patched(core, "_complex_rotation", lambda x32: False)
     if lever == "tail":
-        return patched(core, "recomputing", lambda: False)
+        return patched(block_checkpoint, "recomputing", lambda: False)
     if lever == "lora_factor":
         return patched(LoRAModule, "_add_up", add_up_multiplying)
     if lever in ("lora_addmm", "lora_addmm_compiled"):  # before: the other form of the sum on this device
@@ -340,7 +340,7 @@ def compare(family: str, lever: str, args) -> float:
     elif lever == "quantized_compiled":
         step_before, _, old = trained_model(family, args, False, "fp8_scaled")
         step_now, _, new = trained_model(family, args, False, "fp8_scaled")
-        with patched(core, "_keeping_weights_quantized", lambda compiled: compiled):
+        with patched(block_checkpoint, "_keeping_weights_quantized", lambda compiled: compiled):
             for block in old.swappable_blocks():  # (an option at its default: dynamo would otherwise reuse
                 core.compile_block(block, options={"epilogue_fusion": True})  # one model's code for both)
         for block in new.swappable_blocks():

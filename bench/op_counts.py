@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from library.models.core import ATTENTION_KERNELS
+from library.models.block_checkpoint import ATTENTION_KERNELS
 
 PHASES = ("forward", "backward", "optimizer")
 # ops that make no kernel launch on a GPU (a new view of the same storage, or metadata)

@@ -92,7 +92,7 @@ def test_unset_on_cuda_says_what_it_chose(monkeypatch, capsys):
 def test_a_recompile_limit_hit_is_said_once_a_run(monkeypatch):
     """Past dynamo's recompile_limit the blocks' new variants run eager, slower than no compile at all
     (a full-size step 1.55x eager's on an H200 until 2026-11-27): the run says it in one warning, once,
-    at the step it happened by (core.compile_limit_hits reads dynamo's counters: tests/test_block_swap.py
+    at the step it happened by (block_checkpoint.compile_limit_hits reads dynamo's counters: tests/test_block_swap.py
     makes a real hit); a hit of an earlier run in the same process (the web UI's) is not this run's."""
     from torch._dynamo.utils import counters
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from library.models import core, eager_checkpoint
+from library.models import block_checkpoint, core, eager_checkpoint
 from library.models.flux1.family import FluxFamily
 from library.models.flux1.model import Flux, FluxConfig
 from library.models.qwen_image.family import QwenImageFamily
@@ -119,7 +119,7 @@ def test_eager_checkpoint_trains_the_bits_of_torch_checkpoint(family, keep, auto
 def test_eager_checkpoint_on_cuda_trains_the_bits_of_torch_checkpoint(family, backend, monkeypatch):
     """On CUDA SDPA's kernels differ (flash, memory-efficient, cuDNN; torch's default puts cuDNN first on
     Hopper): the no_grad forward keeping attention asks the memory-efficient and cuDNN ones for the
-    log-sum-exp, and a recompute whose kernel differs from the kept one runs it (core._AttentionStash).
+    log-sum-exp, and a recompute whose kernel differs from the kept one runs it (block_checkpoint._AttentionStash).
     Each kernel alone, and torch's choice; bf16 autocast, each way of keeping, against torch's checkpoint and
     against no checkpointing (what a stash shared by both paths could get wrong)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -208,11 +208,11 @@ def test_the_attention_stash_runs_a_kernel_call_unlike_the_kept_one():
     q, k, v = (torch.randn(1, 2, 8, 16, generator=torch.Generator().manual_seed(i)) for i in range(3))
     for scale, kept in ((None, True), (0.5, False)):
         stash = collections.deque()
-        with torch.no_grad(), core._AttentionStash(stash, False):
+        with torch.no_grad(), block_checkpoint._AttentionStash(stash, False):
             F.scaled_dot_product_attention(q, k, v)
         entry = stash[0]
         assert len(entry) == 1
         entry[0] = (*entry[0][:2], tuple(torch.zeros_like(t) for t in entry[0][2]))  # marks the kept output
-        with core._AttentionStash(stash, True):
+        with block_checkpoint._AttentionStash(stash, True):
             out = F.scaled_dot_product_attention(q, k, v, scale=scale)
         assert torch.equal(out, torch.zeros_like(out) if kept else F.scaled_dot_product_attention(q, k, v, scale=scale))

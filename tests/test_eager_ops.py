@@ -153,7 +153,7 @@ def test_fp8_linear_host_cuts_are_bit_identical(monkeypatch, dtype, autocast):
     assert ops == old_ops  # the cut is host work only: no aten op more or less
     # the recompute: the Function where the input needs a gradient, 12 quantized Linears a block but 6 in
     # the first (its q / k / v projections read the frozen embedders' output), less the 2 MLP outputs a
-    # block (their stand-in runs on one token under no_grad: core._stand_in); plain ops for img_mod and
+    # block (their stand-in runs on one token under no_grad: block_checkpoint._stand_in); plain ops for img_mod and
     # txt_mod (the frozen timestep embedding), for those, and in the forward (eager_checkpoint's runs
     # under no_grad)
     assert len(calls) == 12 + 6 - 2 * 2

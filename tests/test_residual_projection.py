@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.flop_counter import FlopCounterMode
 
-from library.models import core, eager_checkpoint
+from library.models import block_checkpoint, core, eager_checkpoint
 from library.models.registry import FAMILIES, arch_specs
 from library.models.spec import load_symbol
 from library.precision.fp8 import quantize_module
@@ -55,8 +55,8 @@ def with_lora(model, arch: str, network_args=None, seed: int = 0):
 def lora_grads(model, net, kwargs, skip: bool, autocast: bool = False, monkeypatch=None):
     """(LoRA gradients, base GEMMs skipped) of one checkpointed step, with the skip on or patched off."""
     skipped = []
-    real, real_stand_in = core.on_one_token, core._stand_in
-    monkeypatch.setattr(core, "on_one_token", lambda f, h: skipped.append(h.shape) or real(f, h))
+    real, real_stand_in = block_checkpoint.on_one_token, block_checkpoint._stand_in
+    monkeypatch.setattr(block_checkpoint, "on_one_token", lambda f, h: skipped.append(h.shape) or real(f, h))
 
     def stand_in(f, h):  # a low-bit layer's stand-in runs no base at all: a skip too
         before = len(skipped)
@@ -65,9 +65,9 @@ def lora_grads(model, net, kwargs, skip: bool, autocast: bool = False, monkeypat
             skipped.append(h.shape)
         return out
 
-    monkeypatch.setattr(core, "_stand_in", stand_in)
+    monkeypatch.setattr(block_checkpoint, "_stand_in", stand_in)
     if not skip:
-        monkeypatch.setattr(core, "recomputing", lambda: False)
+        monkeypatch.setattr(block_checkpoint, "recomputing", lambda: False)
     net.zero_grad(set_to_none=True)
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
         out = model(**kwargs)
@@ -151,13 +151,13 @@ def test_the_recompute_no_longer_runs_the_tail_gemm(tiny_set):
 
     def backward_flops(skip: bool) -> int:
         out = model(**kwargs).float().square().mean()
-        saved = core.recomputing
-        core.recomputing = saved if skip else (lambda: False)
+        saved = block_checkpoint.recomputing
+        block_checkpoint.recomputing = saved if skip else (lambda: False)
         try:
             with FlopCounterMode(display=False) as counter:
                 out.backward()
         finally:
-            core.recomputing = saved
+            block_checkpoint.recomputing = saved
         return counter.get_total_flops()
 
     tails = [m for name, m in model.named_modules() if name.endswith("mlp.net.2")]
@@ -229,8 +229,8 @@ def test_saved_projections_train_the_same_bits(arch, kind, tiny_set, monkeypatch
         model.gradient_checkpointing = core.checkpointing(True, save_projections=True)
         first, _ = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
         stashes, given = [], []
-        real, apply = core._checkpoint_contexts, eager_checkpoint._OutputGiven.apply
-        patch.setattr(core, "_checkpoint_contexts", lambda keep, *a, **k: stashes.append(keep) or real(keep, *a, **k))
+        real, apply = block_checkpoint._checkpoint_contexts, eager_checkpoint._OutputGiven.apply
+        patch.setattr(block_checkpoint, "_checkpoint_contexts", lambda keep, *a, **k: stashes.append(keep) or real(keep, *a, **k))
         patch.setattr(eager_checkpoint._OutputGiven, "apply", lambda *a: given.append(a) or apply(*a))
         saved, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
     assert_same(first, plain)
@@ -320,7 +320,7 @@ def test_compiled_region_marks_the_base_call(owner):
     marked = []
 
     def backend(gm, example_inputs):
-        marked.extend(n for n in gm.graph.nodes if n.meta.get("custom", {}).get(core._KEEP_OUTPUT))
+        marked.extend(n for n in gm.graph.nodes if n.meta.get("custom", {}).get(block_checkpoint._KEEP_OUTPUT))
         return gm.forward
 
     h = torch.randn(4, 8)
@@ -370,7 +370,7 @@ def test_compiled_saved_projections_leave_the_recompute(tiny_set, monkeypatch):
     torch._dynamo.reset()  # every block shares checkpoint's code object: a fresh cache per model
     counters.clear()
     with monkeypatch.context() as patch:
-        patch.setattr(core, "_GEMMS", ())  # the policy keeps no marked GEMM
+        patch.setattr(block_checkpoint, "_GEMMS", ())  # the policy keeps no marked GEMM
         full_flops, full = step(core.SAVE_PROJECTIONS)
     torch._dynamo.reset()  # (the policy's globals are read while tracing: no guard sees them change)
     saved_flops, saved = step(core.SAVE_PROJECTIONS)
@@ -391,8 +391,8 @@ def test_train_lora_with_saved_projections_trains_the_same_lora(tiny_set, tmp_pa
 
     from tests.test_train_lora import flux_args, read_losses
 
-    modes, real = [], core._checkpoint_contexts
-    monkeypatch.setattr(core, "_checkpoint_contexts", lambda keep, *a, **k: modes.append(keep) or real(keep, *a, **k))
+    modes, real = [], block_checkpoint._checkpoint_contexts
+    monkeypatch.setattr(block_checkpoint, "_checkpoint_contexts", lambda keep, *a, **k: modes.append(keep) or real(keep, *a, **k))
     common = ("--max_train_steps", "3", "--sample_prompts", "", "--gradient_checkpointing", "true")
     runs = {"plain": ((), core.Checkpointing()),
             "saved": (("--checkpoint_saves_projections", "true"), core.SAVE_PROJECTIONS),

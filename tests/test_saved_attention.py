@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from library.models import core
+from library.models import block_checkpoint, core
 from library.models.registry import arch_specs
 from library.precision.fp8 import quantize_module
 from tests.test_residual_projection import DIFFUSION_ARCHS, assert_same, one_block_each, tiny_model, with_lora
@@ -25,7 +25,7 @@ class KernelCount(TorchDispatchMode):
         self.count = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.count += func in core.ATTENTION_KERNELS
+        self.count += func in block_checkpoint.ATTENTION_KERNELS
         return func(*args, **(kwargs or {}))
 
 
@@ -96,7 +96,7 @@ def test_compiled_kept_attention_leaves_the_recompute(tiny_set):
 
     def kernel(node) -> bool:  # (the graphs run it under an rng-state wrapper: SDPA may draw dropout)
         wrapped = node.target in (run_with_rng_state, run_and_save_rng_state)  # (rng state, op, ...) / (op, ...)
-        return any(op in core.ATTENTION_KERNELS for op in (node.args[:2] if wrapped else (node.target,)))
+        return any(op in block_checkpoint.ATTENTION_KERNELS for op in (node.args[:2] if wrapped else (node.target,)))
 
     def counted(gm, example_inputs):
         kernels.append(sum(kernel(n) for n in gm.graph.nodes))

@@ -10,7 +10,7 @@ import weakref
 import pytest
 import torch
 
-from library.models import core
+from library.models import block_checkpoint, core, eager_checkpoint
 from library.precision import bnb_weights, dequantized_linear, fp8
 from library.precision.fp8 import quantize_module
 from library.models.registry import arch_spec, arch_specs
@@ -123,12 +123,12 @@ def test_only_eager_checkpointing_keeps_dequantized_weights(monkeypatch):
     process group), whose forward runs with grad on and whose ctx would hold the weights for the whole step."""
     seen = []
     real = dequantized_linear._keeps
-    monkeypatch.setattr(dequantized_linear, "_keeps", lambda: seen.append((core.recomputing(), real())) or seen[-1][1])
+    monkeypatch.setattr(dequantized_linear, "_keeps", lambda: seen.append((block_checkpoint.recomputing(), real())) or seen[-1][1])
     for usable in (True, False):
         seen.clear()
         model, network, step = _trainer(monkeypatch, "flux", "fp8_scaled")
         model.gradient_checkpointing = KEPT
-        monkeypatch.setattr(core.eager_checkpoint, "usable", lambda: usable)
+        monkeypatch.setattr(eager_checkpoint, "usable", lambda: usable)
         step(False)
         assert seen and all(kept == (usable and recompute) for recompute, kept in seen), seen
         assert any(kept for _, kept in seen) == usable
@@ -194,7 +194,7 @@ def test_a_low_bit_eager_step_trains_the_bits_of_torch_checkpoint(family, base, 
     model, network, step = _trainer(monkeypatch, family, base, device)
     runs = {}
     for name, usable, keep in (("torch", False, PLAIN), ("eager", True, PLAIN), ("kept", True, KEPT)):
-        monkeypatch.setattr(core.eager_checkpoint, "usable", lambda usable=usable: usable)
+        monkeypatch.setattr(eager_checkpoint, "usable", lambda usable=usable: usable)
         model.gradient_checkpointing = keep
         runs[name] = (step(True), step(True))  # the second: the forward keeps the per-sample outputs
     for name in ("eager", "kept"):
@@ -210,7 +210,7 @@ def test_a_low_bit_tail_stand_in_dequantizes_nothing(monkeypatch):
     dequantized its whole weight for a one-token GEMM; now zeros of the output's dtype and shape."""
     model, network, step = _trainer(monkeypatch, "qwen_image", "fp8_scaled")  # its gates do not train
     calls = _counting(monkeypatch, fp8, "dequantize_weight")
-    during, real = [], core._stand_in
+    during, real = [], block_checkpoint._stand_in
 
     def stand_in(forward, h):
         before = calls[0]
@@ -218,7 +218,7 @@ def test_a_low_bit_tail_stand_in_dequantizes_nothing(monkeypatch):
         during.append((calls[0] - before, out.dtype))
         return out
 
-    monkeypatch.setattr(core, "_stand_in", stand_in)
+    monkeypatch.setattr(block_checkpoint, "_stand_in", stand_in)
     model.gradient_checkpointing = PLAIN
     step(True)
     assert during and all(n == 0 and dtype == torch.bfloat16 for n, dtype in during), during
@@ -256,7 +256,7 @@ def test_every_family_on_an_fp8_base_trains_the_bits_of_torch_checkpoint(arch, t
     net = with_lora(model, arch)
 
     def three_steps(usable: bool) -> list:
-        monkeypatch.setattr(core.eager_checkpoint, "usable", lambda: usable)
+        monkeypatch.setattr(eager_checkpoint, "usable", lambda: usable)
         grads = []
         for _ in range(3):
             net.zero_grad(set_to_none=True)
