@@ -29,6 +29,7 @@ from bench_block_swap import inputs_for, random_model  # noqa: E402
 from library.models.core import compile_block  # noqa: E402
 from library.models.flux1.model import FLUX_DEV  # noqa: E402
 from library.models.qwen_image.model import QWEN_IMAGE  # noqa: E402
+from library.precision.fp8_compute import enable_fp8_compute  # noqa: E402
 from networks.lora import LoRANetwork  # noqa: E402
 from tools.devices import device_or_exit  # noqa: E402
 
@@ -64,12 +65,15 @@ def main(argv=None):
     p.add_argument("--text", type=int, default=64, help="text tokens")
     p.add_argument("--compile", default="none", help="none (eager) or a torch.compile backend (inductor)")
     p.add_argument("--autocast", action="store_true", help="the forward under bf16 autocast")
+    p.add_argument("--fp8-compute", action="store_true", help="fp8_compute on the fp8 base (fp8 GEMMs; bf16 calls)")
     p.add_argument("--device", default="cpu")
     args = p.parse_args(argv)
     device = device_or_exit(args.device)
     config = (dataclasses.replace(FLUX_DEV, depth=args.double, depth_single=args.single) if args.family == "flux"
               else dataclasses.replace(QWEN_IMAGE, num_layers=args.blocks))
     model = random_model(args.family, args.base, device, config)
+    if args.fp8_compute:
+        enable_fp8_compute(model)
     net = LoRANetwork(model, args.family, rank=16, alpha=16)
     net.apply()
     if args.compile != "none":
@@ -82,7 +86,7 @@ def main(argv=None):
     compiled = time.perf_counter()
     saved = saved_for_backward(model, net, inputs, args.autocast)
     print(f"{args.family} {args.base}, {len(model.swappable_blocks())} blocks, {tokens} + {args.text} tokens, "
-          f"{args.compile}{', bf16 autocast' if args.autocast else ''}, torch {torch.__version__}: saved "
+          f"{args.compile}{', bf16 autocast' if args.autocast else ''}{', fp8_compute' if args.fp8_compute else ''}, torch {torch.__version__}: saved "
           f"{sum(s[2] for s in saved) / MiB:.1f} MiB in {len(saved)} tensors (first step {compiled - started:.0f} s, "
           f"second {time.perf_counter() - compiled:.0f} s)")
     for shape, dtype, size in sorted(saved, key=lambda s: -s[2])[:8]:

@@ -70,6 +70,7 @@ from bench_train_step import (  # noqa: E402
 )
 from library.models.core import checkpointing  # noqa: E402
 from library.models.flux1.model import make_img_ids  # noqa: E402
+from library.precision.fp8_compute import enable_fp8_compute, fp8_gemm_available  # noqa: E402
 from step_flops import count_step, matmul_peak  # noqa: E402
 import op_counts  # noqa: E402
 from tools.devices import device_or_exit  # noqa: E402
@@ -272,6 +273,10 @@ def build_pair(family: str, size: str, precision: str, args, peer):
     base_dtype = torch.float32 if precision == "fp32" else torch.bfloat16
     base = build_ours(family, size, args, base_dtype, args.device)
     ours = fp8_twin(base, family, precision) if precision.startswith("fp8") else base
+    if args.fp8_compute and precision.startswith("fp8"):
+        if not fp8_gemm_available(args.device):
+            raise SystemExit(f"--fp8-compute: {args.device} runs no fp8 GEMM with per-row scales")
+        enable_fp8_compute(ours)
     if family == "flux":
         theirs = sd_scripts_flux(peer["model"], base, precision)
     else:
@@ -318,7 +323,8 @@ def compare(family: str, size: str, precision: str, args, peer, peaks: dict) -> 
     flops = counted(tail_skipped=args.save_projections or None, attention_kept=kept_attention)["total"]  # ours as run
     kept = counted(tail_skipped=args.save_projections or None)["total"] < counted(tail_skipped=None)["total"]
     keys = [k for k, on in (("checkpoint_saves_projections", kept), ("checkpoint_saves_attention", kept_attention),
-                            ("checkpoint_saves_dequantized", args.checkpointing and args.save_dequantized)) if on]
+                            ("checkpoint_saves_dequantized", args.checkpointing and args.save_dequantized),
+                            ("fp8_compute", args.fp8_compute and precision.startswith("fp8"))) if on]
     flops_t = counted(tail_skipped=False)["total"]  # theirs recompute every GEMM in full
     n_o, n_t = sum(p.numel() for p in our_params), sum(p.numel() for p in their_params)
     print(f"[{family} {size} {precision}] {PEER[family]}; LoRA params ours {n_o:,} ({len(our_params) // 2}), "
@@ -442,6 +448,9 @@ def add_pair_arguments(p: argparse.ArgumentParser, blocks: tuple[int, int, int],
     p.add_argument("--save-dequantized", action="store_true",
                    help="ours with checkpoint_saves_dequantized (a low-bit base: backward reuses the recompute's "
                         "weights)")
+    p.add_argument("--fp8-compute", action="store_true",
+                   help="ours with fp8_compute on its fp8 / fp8_scaled base: the base's Linears as fp8 GEMMs (per-row "
+                        "scales, bf16 outputs; the peers have no such mode): a setting of ours, named in the headline")
     p.add_argument("--compile", action="store_true",
                    help="torch.compile both sides as their trainers do (see compile_both); the warm-up steps compile")
     p.add_argument("--our-compile-mode", default=None, help="with --compile: a torch.compile mode for ours only "
@@ -507,6 +516,7 @@ def main(argv=None):
           f"{' (ours: checkpoint_saves_projections)' if args.checkpointing and args.save_projections else ''}"
           f"{' (ours: checkpoint_saves_attention)' if args.checkpointing and args.save_attention else ''}"
           f"{' (ours: checkpoint_saves_dequantized)' if args.checkpointing and args.save_dequantized else ''}"
+          f"{' (ours: fp8_compute on fp8 bases)' if args.fp8_compute else ''}"
           f"{'; SDPA: ' + args.sdpa if args.device.type == 'cuda' else ''}")
     peaks = measure_peaks(args)
     summary, headlines, start, reps, threads = [], [], time.time(), args.reps, torch.get_num_threads()

@@ -45,6 +45,9 @@
 #                nf4) and the two always-on cuts of 2026-12-04 (stand_in, per_sample), the eager fp8 headline
 #                lines with it (Qwen-Image fp8_scaled: 0.85, the target 0.80), then the eager Qwen-Image block swap
 #                on landed code (x1.028 on 2026-12-04 with a since-dropped candidate applied: to confirm)
+#      fp8compute  fp8_compute compiled (never timed; eager x1.18-1.45 of bf16): its CUDA tests (the compiled
+#                layer's fused quantizers against the fp8 oracle), bf16 / fp8 / fp8_scaled / fp8_compute compiled
+#                (bench_train_step, both families), then the compiled fp8 headline lines with ours on fp8_compute
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -54,7 +57,7 @@
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
 plan=${1:?usage: bash bench/gpu_session.sh PLAN [SECONDS], PLAN one of headline rest profile verify eager checkpoint \
-attention candidates swapprobe fp8swap families since dequantized}
+attention candidates swapprobe fp8swap families since dequantized fp8compute}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -233,6 +236,18 @@ case $plan in
             $KEEP --save-dequantized
         step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --steps 3
         ;;
+    fp8compute)  # fp8_compute compiled, never timed: eager it is slower than bf16 (x1.18-1.45: each quantizer's
+        # passes and launches beside a small fp8 GEMM); compiled, inductor fuses each quantizer into one kernel
+        step checks.log 100 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_fp8_compute.py
+        for family in flux qwen_image; do
+            step fp8.log 150 $PY bench/bench_train_step.py --device "$DEVICE" --dtype bf16 --sizes mid --families $family \
+                --skip-ref --checkpointing --compile --mfu $SHAPE --warmup 2 --reps 5
+        done
+        step peers_compiled.log 120 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections \
+            $KEEP --compile --fp8-compute
+        step peers_compiled.log 120 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP \
+            --compile --fp8-compute
+        ;;
     fp8swap)  # the second call when one lease holds both: fp8 compute's speed, then block swap's cost
         for family in flux qwen_image; do
             step fp8.log 100 $PY bench/bench_train_step.py --device "$DEVICE" --dtype bf16 --sizes mid --families $family \
@@ -243,7 +258,7 @@ case $plan in
         ;;
     *)
         echo "unknown plan $plan (headline, rest, profile, verify, eager, checkpoint, attention, candidates, swapprobe, fp8swap,"
-        echo "families, since, dequantized)"
+        echo "families, since, dequantized, fp8compute)"
         exit 2
         ;;
 esac
