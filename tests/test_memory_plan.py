@@ -99,7 +99,7 @@ def test_plan_memory_on_the_tiny_config_prints_every_phase_and_what_fits(tiny_se
                           blocks_to_swap=2)
     too_many = write_config(tmp_path / "swap.toml", **{**toml.load(config), "blocks_to_swap": 50})
     assert plan_memory.main(["--config_file", too_many, "--vram", "12"]) == 2  # planned as 50 - 4 blocks wrapped round
-    # train_lora.py's line (diffusion_task.check_before_caching): it names the model whose blocks it counted
+    # train_lora.py's line (diffusion_checks.check_before_caching): it names the model whose blocks it counted
     assert f"{tiny_set['flux_bfl']}: blocks_to_swap must be between 1 and 3" in capsys.readouterr().err
     assert plan_memory.main(["--config_file", config, "--vram", "12"]) == 0
     out = capsys.readouterr().out

@@ -136,7 +136,7 @@ def test_plan_memory_with_its_overrides_reads_no_reference_folder(tmp_path, monk
     from library.data import dataset_config
     from library.data.dataset_config import parse_dataset_config
     from library.models import family
-    from library.training import config, diffusion_task
+    from library.training import config, diffusion_checks
     from tools import plan_memory
 
     for folder in ("edit", "refs"):
@@ -150,7 +150,7 @@ def test_plan_memory_with_its_overrides_reads_no_reference_folder(tmp_path, monk
     monkeypatch.setattr(family, "get_family", lambda run: SimpleNamespace(
         name="edit", arch="edit", min_controls=1, max_controls=3, check_model_files=lambda: None, stored_layout=lambda: None))
     # a stub run: no network, no checkpoint
-    monkeypatch.setattr(diffusion_task, "check_before_caching", lambda *args: (None, None))
+    monkeypatch.setattr(diffusion_checks, "check_before_caching", lambda *args: (None, None))
 
     def planned(*argv):
         _, _, step = plan_memory.what_to_plan(plan_memory.build_parser().parse_args(["--config_file", "run.toml", *argv]))

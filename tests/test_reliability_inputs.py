@@ -627,7 +627,7 @@ def test_sd_scripts_guidance_scale_0_for_a_model_without_guidance_is_taken(tiny_
     """sd-scripts' Chroma docs ask for guidance_scale = 0.0 ("to disable guidance"): a ported config runs."""
     from library.models.family import get_family
     from library.training.config import load_config
-    from library.training.diffusion_task import check_unread_keys
+    from library.training.diffusion_checks import check_unread_keys
     from tools.make_tiny_models import tiny_config
 
     config = tmp_path / "config.toml"

@@ -113,7 +113,7 @@ def main(argv=None) -> int:
                                largest=largest, control_bucket=family.control_bucket if family else None,
                                sample_control_bucket=family.sample_control_bucket if family else None)
         if config is not None and family is not None:  # training's refusals of the config's keys against the data
-            from library.training.diffusion_task import check_config_against_data
+            from library.training.diffusion_checks import check_config_against_data
 
             check_config_against_data(config, any(s.held_out for s in report.subsets),
                                       any(s.is_reg for d in blueprint.datasets for s in d.subsets))

@@ -275,7 +275,7 @@ def refused_bases(family, args, bases: tuple[str, ...]) -> dict[str, str]:
     if args.config_file is None or family.stored_layout():
         return {}
     from library.training.config import validate
-    from library.training.diffusion_task import check_network_settings
+    from library.training.lora_inputs import check_network_settings
 
     refused = {}
     for base in bases:
@@ -373,7 +373,7 @@ def what_to_plan(cli) -> tuple:
     from library.data.dataset_config import load_dataset_config
     from library.models.family import get_family
     from library.training.config import load_config
-    from library.training.diffusion_task import check_before_caching
+    from library.training.diffusion_checks import check_before_caching
 
     run = load_config(["--config_file", cli.config_file])
     family = get_family(run)

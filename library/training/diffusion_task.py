@@ -25,7 +25,7 @@ from library.data.check import (TokenLimit, references_sized_apart, refuse_long_
 from library.data.dataset import BucketBatchSampler, EpochBatches, ImageDataset, collate_batch
 from library.data.image_folders import (caption_as_written, largest_step, refuse_large_buckets, scan_images,
                                        split_validation)
-from library.data.controls import check_family_takes, check_prompt_controls, references_missing
+from library.data.controls import check_family_takes, references_missing
 from library.data.dataset_config import check_token_side, load_dataset_config
 from library.models.core import checkpointing, compile_block, compile_limit_hits
 from library.models.family import Preservation, get_family, stack_text, warn_unread_prompt_options
@@ -34,17 +34,15 @@ from library.data.prompts import (SamplePrompt, default_sample_size, read_prompt
                                   seed_or_random)
 from library.training import fsdp, memory_plan, preservation
 from library.training.host_memory import release_freed_memory
-from library.training.config import (ConfigError, base_precision, check_fp8_compute_layout, check_stored_precision,
-                                     compute_dtype, lora_network_args, network_modules_from, slow_cpu_compute_line,
-                                     where_set)
-from library.training.config_schema import KEEPING_KEYS, SCHEMA
+from library.training.config import (ConfigError, base_precision, compute_dtype, lora_network_args,
+                                     network_modules_from, slow_cpu_compute_line, where_set)
+from library.training.config_schema import KEEPING_KEYS
 from library.training.run_length import check_planned_steps, plan_steps
-from library.training.lora_inputs import (check_lora_inputs, check_network_fits, check_network_settings,
-                                          load_network_weights)
+from library.training.lora_inputs import load_network_weights
+from library.training.diffusion_checks import check_before_caching, check_config_against_data
 from library.training.state import SavedState, check_resumed_fit, sample_seed
 from library.training.validation import validation_loss
 from networks.factory import build_network
-from networks.lora_arch import check_model_files
 
 
 
@@ -139,84 +137,6 @@ def scan_family_images(blueprint, family, held_out_sets: bool = False) -> list:
     return scan_images(blueprint, held_out_sets, control_bucket=family.control_bucket,
                        stretch_controls=family.stretches_references, control_mode=family.reference_mode,
                        control_resize=family.reference_resize)
-
-
-def check_config_against_data(args, held_out: bool, regularized: bool) -> None:
-    """The training config's keys that need something of the dataset (tools/check_dataset.py asks too)."""
-    if args.validate_every_n_steps and not held_out:
-        raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
-                          f"validation_split or add [[validation_datasets]]")
-    if args.prior_loss_weight != 1.0 and not regularized:
-        raise ConfigError(f"{where_set(args, 'prior_loss_weight')} and {args.dataset_config}: key "
-                          f"'prior_loss_weight' = {args.prior_loss_weight:g} does nothing: no subset has is_reg = "
-                          f"true (it weights the regularization images' loss)")
-
-
-def check_before_caching(args, family) -> tuple[str | None, str | None]:
-    """What train_lora.py checks of a diffusion config first, from the config, the files' headers and the model
-    built on the meta device (seconds): DiffusionTask, the web UI's config check (library/ui/config_check.py) and tools/plan_memory.py run this one
-    function, so a config one refuses the others refuse with the same line. (stored, widened): the base's
-    pre-quantized layout and its plain e5m2 one (None, None: a high-precision file)."""
-    check_model_files(family, args.pretrained_model_name_or_path)  # a wrong file stops the run now, not after caching
-    check_blocks_to_swap(args, family)
-    check_unread_keys(args, family)
-    check_network_settings(args, family.arch)
-    check_lora_inputs(args, family.arch)  # network_weights, base_loras: their headers
-    check_prompt_references(args, family)
-    stored_and_widened = check_base_layout(args, family)
-    # network_args against the model's blocks and names, network_weights' ranks against the network's
-    check_network_fits(args, family.arch, lambda: family.load_transformer(
-        compute_dtype(args), base_precision(args), read_weights=False))
-    return stored_and_widened
-
-
-def check_prompt_references(args, family) -> None:
-    """The sample prompts' reference images (--ci) against what the model takes (how many, what its image
-    processor reads): a prompt file for an edit model on a text-to-image one was refused only once the models
-    had loaded, and the web UI's check and the planner passed it. A prompt file missing now is one a tool
-    writes later (the quickstarts'): read with the rest of the prompts (DiffusionTask._read_prompts)."""
-    if not args.sample_prompts or not os.path.isfile(args.sample_prompts):
-        return
-    prompts = read_prompt_file(args.sample_prompts, guidance_is_cfg=family.guidance_is_cfg_scale(),
-                               negatives=family.true_cfg)
-    check_prompt_controls(prompts, args.sample_prompts, family.name, family.max_controls, family.min_controls,
-                          family.reference_vl_size)
-
-
-def check_base_layout(args, family) -> tuple[str | None, str | None]:
-    """A pre-quantized checkpoint (fp8, GGUF) is trained on as it is stored; the config must say so (and
-    sample_bf16_reference = true on it is refused: it has no bf16 reference copy), and base_loras cannot merge
-    into it. A plain e5m2 file widens exactly, to a bf16 base only. (stored, widened) as check_before_caching."""
-    stored = family.stored_layout()
-    if args.fp8_compute and not stored:
-        check_fp8_compute_layout(args, family.widened_layout("bf16"))
-    check_stored_precision(args, stored)
-    if stored and args.base_loras:
-        raise ConfigError(f"{args.pretrained_model_name_or_path}: base_loras merge into a high-precision base; "
-                          f"this checkpoint is pre-quantized ({stored}): give the bf16 one")
-    return stored, None if stored else family.widened_layout(base_precision(args))
-
-
-def check_unread_keys(args, family) -> None:
-    """Keys set off their default that this model's training never reads (the family says which,
-    from the checkpoint's header): refused, not trained without and recorded in the LoRA's header."""
-    for key, why in family.unread_training_keys(args).items():
-        value = getattr(args, key)
-        # guidance_scale 0: sd-scripts' setting for a model without guidance (its docs): as idle as 1
-        if value != SCHEMA[key].default and not (key == "guidance_scale" and value == 0):
-            raise ConfigError(f"{where_set(args, key)}: key '{key}' = {value} does nothing: "
-                              f"{why}; remove it")
-
-
-def check_blocks_to_swap(args, family) -> None:
-    """blocks_to_swap against the model's blocks (its header), before caching rather than after it."""
-    from library.models.block_swap import check_swap_count
-
-    if args.blocks_to_swap:  # (FSDP refuses it: check_fsdp)
-        try:
-            check_swap_count(args.blocks_to_swap, family.swappable_block_count())
-        except ValueError as e:
-            raise ConfigError(f"{args.pretrained_model_name_or_path}: {e}") from None
 
 
 class DiffusionTask:

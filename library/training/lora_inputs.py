@@ -39,7 +39,7 @@ def check_lora_inputs(args, arch: str) -> None:
 def check_network_settings(args, arch: str) -> None:
     """network_args against the network type and the architecture: a ConfigError naming the config. Here, not
     in load_config: the network modules (and LyCORIS) import torch, the web UI's process does not (its config
-    check's helper process runs it: diffusion_task.check_before_caching, llm_task.check_before_loading)."""
+    check's helper process runs it: diffusion_checks.check_before_caching, llm_task.check_before_loading)."""
     from library.training.config import base_precision, base_precision_key, lora_network_args, where_set
     from networks.factory import check_network_args
 

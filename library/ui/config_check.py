@@ -218,7 +218,7 @@ def check_before_training(args) -> None:
         check_before_loading(args)
     else:
         from library.models.family import get_family
-        from library.training.diffusion_task import check_before_caching
+        from library.training.diffusion_checks import check_before_caching
 
         check_before_caching(args, get_family(args))
 
