@@ -48,6 +48,8 @@
 #      fp8compute  fp8_compute compiled (never timed; eager x1.18-1.45 of bf16): its CUDA tests (the compiled
 #                layer's fused quantizers against the fp8 oracle), bf16 / fp8 / fp8_scaled / fp8_compute compiled
 #                (bench_train_step, both families), then the compiled fp8 headline lines with ours on fp8_compute
+#      next      for a lease of one call: the CUDA tests of `dequantized` and `fp8compute`, then the eager fp8 lines
+#                with checkpoint_saves_dequantized and the compiled fp8 lines with ours on fp8_compute
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -57,7 +59,7 @@
 # + 4 single, Qwen-Image 4), bf16 autocast, gradient checkpointing, rank 16.
 set -o pipefail
 plan=${1:?usage: bash bench/gpu_session.sh PLAN [SECONDS], PLAN one of headline rest profile verify eager checkpoint \
-attention candidates swapprobe fp8swap families since dequantized fp8compute}
+attention candidates swapprobe fp8swap families since dequantized fp8compute next}
 budget=${2:-540}
 start=$SECONDS
 LOGS=${OUT:-bench/gpu_logs}
@@ -236,6 +238,21 @@ case $plan in
             $KEEP --save-dequantized
         step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --steps 3
         ;;
+    next)  # for a lease of one call: the two untimed fp8 levers' CUDA tests, then the lines each is for, most wanted
+        # first: Qwen-Image fp8_scaled eager with checkpoint_saves_dequantized (0.85, the one eager line over 0.80),
+        # the compiled fp8 lines with ours on fp8_compute, FLUX.1 fp8 eager with the key, the key's own lever
+        step checks.log 90 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_saved_dequantized.py \
+            tests/test_fp8_compute.py
+        step peers_eager.log 90 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP \
+            --save-dequantized
+        step peers_compiled.log 120 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP \
+            --compile --fp8-compute
+        step peers_compiled.log 120 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections \
+            $KEEP --compile --fp8-compute
+        step peers_eager.log 90 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections \
+            $KEEP --save-dequantized
+        step levers.log 120 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --levers dequantized
+        ;;
     fp8compute)  # fp8_compute compiled, never timed: eager it is slower than bf16 (x1.18-1.45: each quantizer's
         # passes and launches beside a small fp8 GEMM); compiled, inductor fuses each quantizer into one kernel
         step checks.log 100 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_fp8_compute.py
@@ -258,7 +275,7 @@ case $plan in
         ;;
     *)
         echo "unknown plan $plan (headline, rest, profile, verify, eager, checkpoint, attention, candidates, swapprobe, fp8swap,"
-        echo "families, since, dequantized, fp8compute)"
+        echo "families, since, dequantized, fp8compute, next)"
         exit 2
         ;;
 esac

@@ -155,10 +155,11 @@ def code_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("mode", MODES)
 def test_a_compiled_layer_runs_the_fp8_gemms_of_the_codes_its_fused_quantizer_makes(mode, device):
     """torch_compile = true: inductor fuses each quantizer (row absmax, division, e4m3 cast) into one graph with
-    the fp8 GEMMs (fullgraph: no break at the autograd Function or _scaled_mm). Forward and input gradient within
-    one bf16 rounding of the float64 product of the compiled quantizer's codes, and those codes are eager's: bit
-    for bit on the CPU; on CUDA inductor divides in float32 with Triton's div.full (2 ulp; eager_numerics.
-    division_rounding is off by default), so a rare element may round to the next code."""
+    the fp8 GEMMs (fullgraph: no break at the autograd Function or _scaled_mm). On the CPU forward and input
+    gradient are within one bf16 rounding of the float64 product of the compiled quantizer's codes, and equal
+    eager's bit for bit. On CUDA inductor divides in float32 with Triton's div.full (2 ulp; eager_numerics.
+    division_rounding is off by default): a rare element may take the next code, so output and gradient are held
+    to 1e-3 of eager's (dequantize-then-matmul, a fallback, is 0.5-5% away: the test above)."""
     lin = computed(mode).to(device)
     compiled_lin, compiled_quantize = torch.compile(lin, fullgraph=True), torch.compile(quantize_rows, fullgraph=True)
     x, g = inputs().detach().to(device), torch.randn(3, 17, 96, generator=torch.Generator().manual_seed(2))
@@ -169,22 +170,23 @@ def test_a_compiled_layer_runs_the_fp8_gemms_of_the_codes_its_fused_quantizer_ma
         y = call(xi)
         y.backward(g)
         results[name] = (y.detach(), xi.grad)
-    s_w = lin.row_scales().double()
     xq, s_x = compiled_quantize(x.reshape(-1, 192))
-    gq, s_g = compiled_quantize(g.reshape(-1, 96).float() * s_w.float()[None, :])
-    y, dx = results["compiled"]
-    assert within_one_bf16_rounding(y.reshape(-1, 96).cpu(), ((xq.double() * s_x.double()) @ (
-        lin.weight.double() * s_w[:, None]).t()).cpu())
-    assert within_one_bf16_rounding(dx.reshape(-1, 192).cpu(), ((gq.double() * s_g.double()) @ lin.weight.double()).cpu())
     xq_eager, s_x_eager = quantize_rows(x.reshape(-1, 192))
     if device == "cpu":
+        s_w = lin.row_scales().double()
+        gq, s_g = compiled_quantize(g.reshape(-1, 96).float() * s_w.float()[None, :])
+        y, dx = results["compiled"]
+        assert within_one_bf16_rounding(y.reshape(-1, 96), (xq.double() * s_x.double()) @ (
+            lin.weight.double() * s_w[:, None]).t())
+        assert within_one_bf16_rounding(dx.reshape(-1, 192), (gq.double() * s_g.double()) @ lin.weight.double())
         assert torch.equal(xq.view(torch.uint8), xq_eager.view(torch.uint8)) and torch.equal(s_x, s_x_eager)
-        assert torch.equal(results["compiled"][0], results["eager"][0])
-        assert torch.equal(results["compiled"][1], results["eager"][1])
+        assert all(torch.equal(c, e) for c, e in zip(results["compiled"], results["eager"]))
     else:
         assert torch.allclose(s_x, s_x_eager, rtol=2.0 ** -21, atol=0)
         steps = code_steps(xq, xq_eager)
         assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3
+        for c, e in zip(results["compiled"], results["eager"]):
+            assert ((c.double() - e.double()).norm() / e.double().norm()).item() < 1e-3
 
 
 @cpu_rowwise
