@@ -55,7 +55,7 @@ from library.training.lr_plot import plot_runs  # noqa: E402
 from library.training.schedule_free import OptimizerModes  # noqa: E402
 from library.training.state import (NothingToTrain, SavedState, check_no_unfinished_state,  # noqa: E402
                                     check_trainable_fit, item_digests, load_state, restore_rng, rng_states, sample_seed)
-from library.training.saves import Saver, earlier_emas, resumed_saves, saves_at  # noqa: E402
+from library.training.saves import Saver, earlier_emas, keep_finished_final, resumed_saves, saves_at  # noqa: E402
 from library.training.task import Task  # noqa: E402
 
 
@@ -266,6 +266,10 @@ class Trainer:
         where = (f"epoch {self.epoch + 1}, {self.batches_done} of its batches done" if self.batches_done
                  else f"after epoch {self.epoch}" if self.epoch else "at the start")
         self.accelerator.print(f"resumed from {folder} at step {self.step} ({where})")
+        if self.accelerator.is_main_process:  # a finished run trained on: its final LoRA is not written over
+            for old, new in keep_finished_final(self.args, self.step):
+                self.accelerator.print(f"kept {old}, the final save of the run resumed, as {new}")
+        self.accelerator.wait_for_everyone()
 
     def run(self) -> int:
         # (a state resumed at its run's end stopped before the models loaded: state.NothingToTrain)

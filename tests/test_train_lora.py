@@ -287,6 +287,28 @@ def test_a_resumed_run_on_longer_epochs_writes_its_epoch_counts_in_the_header(ti
         assert (meta["ss_steps"], meta["ss_epoch"], meta["ss_num_epochs"]) == (steps, "3", "3"), (name, meta)
 
 
+def test_a_finished_run_trained_on_keeps_its_final_lora_as_its_steps_save(tiny_set, tmp_path, capsys):
+    """A finished run (2 steps, its state saved) resumed with max_train_steps 4: the new final LoRA was written over
+    the finished one (as sd-scripts does), whose result was gone. It is kept as tiny_flux_lora-step000002 now,
+    the name a step save there takes; a final LoRA of another step (not the state's run) is still written over."""
+    out, run = tmp_path / "run", ["--sample_prompts", "", "--save_state", "true"]
+    assert train_lora.main(flux_args(tiny_set, out, *run, "--max_train_steps", "2")) == 0
+    finished = (out / "tiny_flux_lora.safetensors").read_bytes()
+    resume = ["--resume", str(out / "tiny_flux_lora-state")]
+    assert train_lora.main(flux_args(tiny_set, out, *run, "--max_train_steps", "4", *resume)) == 0
+    assert (out / "tiny_flux_lora-step000002.safetensors").read_bytes() == finished
+    assert f"kept {out / 'tiny_flux_lora.safetensors'}, the final save of the run resumed, as " in capsys.readouterr().out
+    for name, steps in (("tiny_flux_lora-step000002", "2"), ("tiny_flux_lora", "4")):
+        with safe_open(str(out / f"{name}.safetensors"), "pt") as f:
+            assert f.metadata()["ss_steps"] == steps
+    (out / "tiny_flux_lora-step000002.safetensors").unlink()
+    assert train_lora.main(flux_args(tiny_set, out, *run, "--max_train_steps", "2", "--output_name", "other")) == 0
+    (out / "tiny_flux_lora-state").rename(out / "old-state")
+    (out / "other-state").rename(out / "tiny_flux_lora-state")  # a state of step 2 beside a final LoRA of step 4
+    assert train_lora.main(flux_args(tiny_set, out, *run, "--max_train_steps", "3", *resume)) == 0
+    assert not (out / "tiny_flux_lora-step000002.safetensors").exists()
+
+
 def test_save_precision_float_is_sd_scripts_name_for_fp32(tiny_set, tmp_path):
     """sd-scripts' save_precision choices are float / fp16 / bf16: a migrated config's "float" was refused
     (key 'save_precision' must be one of fp32, bf16, fp16). It saves float32 tensors now."""

@@ -224,6 +224,23 @@ class Saver:
                 remove_save(old)
 
 
+def keep_finished_final(args, step: int) -> list[tuple[str, str]]:
+    """A run resumed at the end of a finished one, to train on, writes its final LoRA under the finished run's
+    name: that LoRA (and its EMA's; files or folders) is kept as the step's save, <name>-stepNNNNNN, the name a
+    step save there takes, where its header says it is the state's step and that name is free (sd-scripts
+    writes over it: the finished run's result was lost). The (old, new) paths moved; the pruning of
+    save_last_n_saves never counts them (a save this run did not write)."""
+    moved = []
+    for suffix in ("", "_ema"):
+        for extension in (".safetensors", ""):  # a file, or a folder (a PEFT adapter, a pretrained model)
+            old = os.path.join(args.output_dir, lora_save_name(args.output_name) + suffix + extension)
+            new = os.path.join(args.output_dir, lora_save_name(args.output_name, step) + suffix + extension)
+            if os.path.exists(old) and not os.path.exists(new) and saved_header(old).get("ss_steps") == str(step):
+                os.replace(old, new)
+                moved.append((old, new))
+    return moved
+
+
 def saves_at(args) -> list[str]:
     """Where a run's intermediate saves are: its output folder (real path) and output_name."""
     return [os.path.realpath(args.output_dir), args.output_name]
