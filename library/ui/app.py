@@ -11,8 +11,8 @@ import pandas as pd
 from library.models.registry import arch_specs
 from library.text_files import toml_dumps
 from library.ui.files import OutsideRoots
-from library.ui.handlers import (BASE_PRECISIONS, CLEARED, FORM_KEYS, KEEP_PRECISION, MODEL_TYPES, OPTIMIZERS,
-                                PLOT_COLUMNS, WebUI, form_values_of, job_number)
+from library.ui.handlers import (BASE_PRECISIONS, FORM_KEYS, KEEP_PRECISION, MODEL_TYPES, OPTIMIZERS, PLOT_COLUMNS,
+                                WebUI, form_values_of, job_number)
 from library.ui.jobs import JobError
 from library.ui.peer_configs import CONFIG_SUFFIXES
 
@@ -48,12 +48,9 @@ def presets() -> list[str]:
 
 def edited(order: list[str], values: tuple) -> dict:
     """The form's fields from an event's inputs (the fields, then the values Load filled them with):
-    those Load filled and the user left as they were are dropped, so the TOML's text decides them; one
-    Load filled and the user emptied is CLEARED, so its key goes (an empty field kept the TOML's value)."""
+    those Load filled and the user left as they were are dropped, so the TOML's text decides them."""
     *values, loaded = values
-    empty = lambda v: v is None or (isinstance(v, (str, list)) and not "".join(map(str, v)).strip())  # noqa: E731
-    return {k: CLEARED if k in loaded and empty(v) and not empty(loaded[k]) else v
-            for k, v in zip(order, values) if k not in loaded or v != loaded[k]}
+    return {k: v for k, v in zip(order, values) if k not in loaded or v != loaded[k]}
 
 
 def unsaved_edits(order: list[str], values: list, loaded: dict, text: str, loaded_text: str) -> list[str]:
