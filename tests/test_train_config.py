@@ -197,7 +197,7 @@ def test_network_args_take_sd_scripts_block_ranges_and_bare_regexes(tmp_path):
 def test_network_args_the_network_check_refuses_name_the_config(tmp_path, network_arg, message):
     """As train_lora.py gives them to the check before caching; before, block 10 alone was trained, the loss was
     NaN at step 2, and a raw TypeError ended the run."""
-    from library.training.diffusion_task import check_network_settings
+    from library.training.lora_inputs import check_network_settings
 
     cfg = write(tmp_path, FLUX + f"network_args = [{network_arg!r}]\n")
     args = load_config(["--config_file", cfg, "--output_dir", str(tmp_path)])
