@@ -159,7 +159,7 @@ def test_a_compiled_layer_runs_the_fp8_gemms_of_the_codes_its_fused_quantizer_ma
     gradient are within one bf16 rounding of the float64 product of the compiled quantizer's codes, and equal
     eager's bit for bit. On CUDA inductor divides in float32 with Triton's div.full (2 ulp; eager_numerics.
     division_rounding is off by default): a rare element may take the next code, so output and gradient are held
-    to 1e-3 of eager's (dequantize-then-matmul, a fallback, is 0.5-5% away: the test above)."""
+    to 2e-3 of eager's (one code step moves a row by ~0.5%; dequantize-then-matmul, a fallback, is 0.5-5% away)."""
     lin = computed(mode).to(device)
     compiled_lin, compiled_quantize = torch.compile(lin, fullgraph=True), torch.compile(quantize_rows, fullgraph=True)
     x, g = inputs().detach().to(device), torch.randn(3, 17, 96, generator=torch.Generator().manual_seed(2))
@@ -186,7 +186,7 @@ def test_a_compiled_layer_runs_the_fp8_gemms_of_the_codes_its_fused_quantizer_ma
         steps = code_steps(xq, xq_eager)
         assert steps.max() <= 1 and (steps > 0).float().mean() < 1e-3
         for c, e in zip(results["compiled"], results["eager"]):
-            assert ((c.double() - e.double()).norm() / e.double().norm()).item() < 1e-3
+            assert ((c.double() - e.double()).norm() / e.double().norm()).item() < 2e-3
 
 
 @cpu_rowwise
