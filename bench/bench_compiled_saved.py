@@ -86,7 +86,8 @@ def main(argv=None):
     compiled = time.perf_counter()
     saved = saved_for_backward(model, net, inputs, args.autocast)
     print(f"{args.family} {args.base}, {len(model.swappable_blocks())} blocks, {tokens} + {args.text} tokens, "
-          f"{args.compile}{', bf16 autocast' if args.autocast else ''}{', fp8_compute' if args.fp8_compute else ''}, torch {torch.__version__}: saved "
+          f"{args.compile}{', bf16 autocast' if args.autocast else ''}{', fp8_compute' if args.fp8_compute else ''}, "
+          f"torch {torch.__version__}: saved "
           f"{sum(s[2] for s in saved) / MiB:.1f} MiB in {len(saved)} tensors (first step {compiled - started:.0f} s, "
           f"second {time.perf_counter() - compiled:.0f} s)")
     for shape, dtype, size in sorted(saved, key=lambda s: -s[2])[:8]:

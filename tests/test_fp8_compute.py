@@ -150,8 +150,8 @@ def code_steps(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return (signed(a) - signed(b)).abs()
 
 
-@pytest.mark.parametrize("device", (pytest.param("cpu", marks=cpu_rowwise), pytest.param("cuda", marks=pytest.mark.skipif(
-    not fp8_gemm_available("cuda"), reason="needs a GPU with fp8 tensor cores"))))
+@pytest.mark.parametrize("device", (pytest.param("cpu", marks=cpu_rowwise), pytest.param(
+    "cuda", marks=pytest.mark.skipif(not fp8_gemm_available("cuda"), reason="needs a GPU with fp8 tensor cores"))))
 @pytest.mark.parametrize("mode", MODES)
 def test_a_compiled_layer_runs_the_fp8_gemms_of_the_codes_its_fused_quantizer_makes(mode, device):
     """torch_compile = true: inductor fuses each quantizer (row absmax, division, e4m3 cast) into one graph with

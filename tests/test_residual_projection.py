@@ -230,7 +230,8 @@ def test_saved_projections_train_the_same_bits(arch, kind, tiny_set, monkeypatch
         first, _ = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
         stashes, given = [], []
         real, apply = block_checkpoint._checkpoint_contexts, eager_checkpoint._OutputGiven.apply
-        patch.setattr(block_checkpoint, "_checkpoint_contexts", lambda keep, *a, **k: stashes.append(keep) or real(keep, *a, **k))
+        patch.setattr(block_checkpoint, "_checkpoint_contexts",
+                      lambda keep, *a, **k: stashes.append(keep) or real(keep, *a, **k))
         patch.setattr(eager_checkpoint._OutputGiven, "apply", lambda *a: given.append(a) or apply(*a))
         saved, skipped = lora_grads(model, net, kwargs, True, monkeypatch=monkeypatch)
     assert_same(first, plain)
@@ -392,7 +393,8 @@ def test_train_lora_with_saved_projections_trains_the_same_lora(tiny_set, tmp_pa
     from tests.test_train_lora import flux_args, read_losses
 
     modes, real = [], block_checkpoint._checkpoint_contexts
-    monkeypatch.setattr(block_checkpoint, "_checkpoint_contexts", lambda keep, *a, **k: modes.append(keep) or real(keep, *a, **k))
+    monkeypatch.setattr(block_checkpoint, "_checkpoint_contexts",
+                        lambda keep, *a, **k: modes.append(keep) or real(keep, *a, **k))
     common = ("--max_train_steps", "3", "--sample_prompts", "", "--gradient_checkpointing", "true")
     runs = {"plain": ((), core.Checkpointing()),
             "saved": (("--checkpoint_saves_projections", "true"), core.SAVE_PROJECTIONS),

@@ -123,7 +123,8 @@ def test_only_eager_checkpointing_keeps_dequantized_weights(monkeypatch):
     process group), whose forward runs with grad on and whose ctx would hold the weights for the whole step."""
     seen = []
     real = dequantized_linear._keeps
-    monkeypatch.setattr(dequantized_linear, "_keeps", lambda: seen.append((block_checkpoint.recomputing(), real())) or seen[-1][1])
+    monkeypatch.setattr(dequantized_linear, "_keeps",
+                        lambda: seen.append((block_checkpoint.recomputing(), real())) or seen[-1][1])
     for usable in (True, False):
         seen.clear()
         model, network, step = _trainer(monkeypatch, "flux", "fp8_scaled")

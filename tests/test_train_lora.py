@@ -297,7 +297,8 @@ def test_a_finished_run_trained_on_keeps_its_final_lora_as_its_steps_save(tiny_s
     resume = ["--resume", str(out / "tiny_flux_lora-state")]
     assert train_lora.main(flux_args(tiny_set, out, *run, "--max_train_steps", "4", *resume)) == 0
     assert (out / "tiny_flux_lora-step000002.safetensors").read_bytes() == finished
-    assert f"kept {out / 'tiny_flux_lora.safetensors'}, the final save of the run resumed, as " in capsys.readouterr().out
+    kept = f"kept {out / 'tiny_flux_lora.safetensors'}, the final save of the run resumed, as "
+    assert kept in capsys.readouterr().out
     for name, steps in (("tiny_flux_lora-step000002", "2"), ("tiny_flux_lora", "4")):
         with safe_open(str(out / f"{name}.safetensors"), "pt") as f:
             assert f.metadata()["ss_steps"] == steps

@@ -287,8 +287,9 @@ class _ProjectionStash:
     """The projection outputs one checkpointed call keeps (SAVE_PROJECTIONS): the original forward keeps a
     needed projection's base output, the recompute takes it back instead of running the GEMM (torch's
     checkpoint: and runs the base on one token, for what its graph saves, the weights; eager_checkpoint:
-    with the base's input gradient, eager_checkpoint.output_given). Calls are matched by their order in the block (both passes make
-    the same calls). Which outputs are needed (the gate needs a gradient) only a pass with grad on knows:
+    with the base's input gradient, eager_checkpoint.output_given). Calls are matched by their order in the
+    block (both passes make the same calls). Which outputs are needed (the gate needs a gradient) only a pass
+    with grad on knows:
     each such pass records it in `needs` (kept on the block across steps), and a forward under no_grad
     (eager_checkpoint, from the block's second checkpointed call on: run_block) keeps what it says."""
 

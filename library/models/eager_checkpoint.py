@@ -10,8 +10,8 @@ step takes x0.80-0.83 of the host time (bench/RESULTS.md). The gradients are the
 (tests/test_eager_checkpoint.py).
 
 The recompute runs under the forward's autocast state and RNG state (LoRA's dropouts draw the same), and
-in the checkpointed call's recompute context (block_checkpoint._checkpoint_contexts: kept projections / attention),
-which knows its graph is the one backward runs (block_checkpoint.recompute_graph).
+in the checkpointed call's recompute context (block_checkpoint._checkpoint_contexts: kept projections /
+attention), which knows its graph is the one backward runs (block_checkpoint.recompute_graph).
 
 Where it cannot serve, core.run_block keeps torch's non-reentrant checkpoint: in a process group (DDP
 with find_unused_parameters, our multi-process runs, finds no parameter of the block in the forward's
@@ -116,9 +116,10 @@ class OutputStash:
     the forward keeps them and the recompute takes them back, dequantizing no weight for them (the forward's bits:
     the recompute runs under the forward's autocast). Only the recompute knows which inputs need no gradient (the
     forward runs under no_grad): it records that in `per_sample` (kept on the block across steps, as
-    block_checkpoint._ProjectionStash's needs), so the forward keeps them from a block's second checkpointed call on. A call
-    is named by its layer's stored tensors and how often the pass has called that layer, not by its order in the
-    block: the recompute skips calls the forward made (kept projections, stand-ins); the input's shape is checked."""
+    block_checkpoint._ProjectionStash's needs), so the forward keeps them from a block's second checkpointed call
+    on. A call is named by its layer's stored tensors and how often the pass has called that layer, not by its
+    order in the block: the recompute skips calls the forward made (kept projections, stand-ins); the input's shape
+    is checked."""
 
     def __init__(self, per_sample: dict):
         self.per_sample, self.kept, self.calls = per_sample, {}, ({}, {})  # per pass: layer -> calls so far

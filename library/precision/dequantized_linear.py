@@ -78,9 +78,9 @@ def _kept(name: str, value):
 def keeping_dequantized_weights(on: bool = True):
     """While on, the Functions below keep the weight their forward dequantized for their backward instead of
     dequantizing it again there: for a forward whose backward follows at once (eager checkpointing's recompute, one
-    block: block_checkpoint._checkpoint_contexts), so the step dequantizes each weight twice (forward, recompute) rather than
-    three times, for the block's dequantized weights held from its recompute through their own backward (each
-    freed once its node has run). checkpoint_saves_dequantized; elsewhere the weights would stay for the step."""
+    block: block_checkpoint._checkpoint_contexts), so the step dequantizes each weight twice (forward, recompute)
+    rather than three times, for the block's dequantized weights held from its recompute through their own backward
+    (each freed once its node has run). checkpoint_saves_dequantized; elsewhere the weights would stay for the step."""
     return _kept("on", on)
 
 

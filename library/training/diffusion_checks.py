@@ -28,9 +28,9 @@ def check_config_against_data(args, held_out: bool, regularized: bool) -> None:
 
 def check_before_caching(args, family) -> tuple[str | None, str | None]:
     """What train_lora.py checks of a diffusion config first, from the config, the files' headers and the model
-    built on the meta device (seconds): DiffusionTask, the web UI's config check (library/ui/config_check.py) and tools/plan_memory.py run this one
-    function, so a config one refuses the others refuse with the same line. (stored, widened): the base's
-    pre-quantized layout and its plain e5m2 one (None, None: a high-precision file)."""
+    built on the meta device (seconds): DiffusionTask, the web UI's config check (library/ui/config_check.py) and
+    tools/plan_memory.py run this one function, so a config one refuses the others refuse with the same line.
+    (stored, widened): the base's pre-quantized layout and its plain e5m2 one (None, None: a high-precision file)."""
     check_model_files(family, args.pretrained_model_name_or_path)  # a wrong file stops the run now, not after caching
     check_blocks_to_swap(args, family)
     check_unread_keys(args, family)
