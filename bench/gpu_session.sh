@@ -256,6 +256,7 @@ case $plan in
     fp8compute)  # fp8_compute compiled, never timed: eager it is slower than bf16 (x1.18-1.45: each quantizer's
         # passes and launches beside a small fp8 GEMM); compiled, inductor fuses each quantizer into one kernel
         step checks.log 100 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_fp8_compute.py
+        step checks.log 60 $PY bench/fp8_gemm_error.py --device "$DEVICE"  # the CUDA test's accumulation bound
         for family in flux qwen_image; do
             step fp8.log 150 $PY bench/bench_train_step.py --device "$DEVICE" --dtype bf16 --sizes mid --families $family \
                 --skip-ref --checkpointing --compile --mfu $SHAPE --warmup 2 --reps 5

@@ -320,12 +320,27 @@ def test_config_refuses_fp8_compute_where_scaled_mm_takes_no_row_scales(tiny_set
     assert not list(tmp_path.glob("*.safetensors"))
 
 
+# Hopper's fp8 tensor cores add the products in a narrower accumulator than float32 (about 14 bits, the
+# DeepSeek-V3 report's figure): one bf16 rounding of the float64 product, which the CPU meets, failed on the
+# H200 in all three modes (2026-12-04). Allowed on top: 2^-10 of the sum of the products' magnitudes, an
+# estimate with room (14 bits over a few 32-long k-blocks); bench/fp8_gemm_error.py measures the device's
+# excess in these units. A 3% scale error fails the bound (asserted below).
+FP8_ACCUMULATION = 2.0 ** -10
+
+
+def within_fp8_accumulation(y: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> bool:
+    """y (bf16) against a @ b.T (float64): one bf16 rounding plus FP8_ACCUMULATION of sum |a_k b_k|."""
+    exact = a @ b.t()
+    excess = (y.double() - exact).abs() - exact.abs() * BF16_HALF_ULP
+    return bool((excess <= FP8_ACCUMULATION * (a.abs() @ b.abs().t())).all())
+
+
 @pytest.mark.skipif(not fp8_gemm_available("cuda"),
                     reason="needs a GPU with fp8 tensor cores (bench/gpu_bench.sh checks runs it there)")
 @pytest.mark.parametrize("mode", MODES)
 def test_cuda_fp8_gemms_equal_the_same_oracle(mode):
-    """cuBLASLt's row-wise fp8 GEMMs: forward and input gradient within one bf16 rounding of the float64
-    product of the same codes (the CPU tests' oracle)."""
+    """cuBLASLt's row-wise fp8 GEMMs: forward and input gradient are the float64 product of the same codes
+    (the CPU tests' oracle) to one bf16 rounding and the tensor cores' accumulation."""
     lin = computed(mode).cuda()
     x = inputs().detach().cuda().requires_grad_(True)
     g = torch.randn(3, 17, 96, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16).cuda()
@@ -333,6 +348,9 @@ def test_cuda_fp8_gemms_equal_the_same_oracle(mode):
     y.backward(g)
     s_w = lin.row_scales().double()
     xq, s_x = quantize_rows(x.detach().reshape(-1, 192))
-    assert within_one_bf16_rounding(y.reshape(-1, 96).cpu(), ((xq.double() * s_x.double()) @ (lin.weight.double() * s_w[:, None]).t()).cpu())
+    w = lin.weight.double() * s_w[:, None]
+    assert within_fp8_accumulation(y.reshape(-1, 96), xq.double() * s_x.double(), w)
     gq, s_g = quantize_rows(g.reshape(-1, 96).float() * s_w.float()[None, :])
-    assert within_one_bf16_rounding(x.grad.reshape(-1, 192).cpu(), ((gq.double() * s_g.double()) @ lin.weight.double()).cpu())
+    assert within_fp8_accumulation(x.grad.reshape(-1, 192), gq.double() * s_g.double(), lin.weight.double().t())
+    # a wrong weight scale (per column instead of per row) is far outside the bound
+    assert not within_fp8_accumulation(y.reshape(-1, 96), xq.double() * s_x.double(), w * 1.03)
