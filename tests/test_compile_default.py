@@ -26,8 +26,12 @@ def test_the_key_is_unset_by_default():
     assert SCHEMA["torch_compile"].default is None
 
 
-@pytest.mark.parametrize("precision", [dict(), dict(fp8_base=True), dict(fp8_base=True, fp8_scaled=True)])
+@pytest.mark.parametrize("precision", [dict(), dict(fp8_base=True), dict(fp8_base=True, fp8_scaled=True),
+                                       dict(fp8_base=True, fp8_compute=True),
+                                       dict(fp8_base=True, fp8_scaled=True, fp8_compute=True)])
 def test_compiled_on_cuda_with_triton_for_lora_on_a_bf16_or_fp8_base(precision):
+    """fp8_compute too: compiled on the H200 its fused quantizers made the step x0.88 / x0.91 of the compiled
+    dequantizing fp8 step (bench/RESULTS.md, 2026-12-04), where eager it was x1.18-1.45 of bf16's."""
     on, why = compile_by_default(lora_args(**precision), "cuda", True, None, 1, BIG, False)
     assert on, why
 
@@ -46,7 +50,6 @@ def test_dora_is_the_networks_not_the_spelling_of_its_argument():
     (lora_args(network_args=["dora=True"]), "cuda", True, None, 1, "with DoRA"),
     (lora_args(base_precision="nf4"), "cuda", True, None, 1, "a nf4 base"),
     (lora_args(), "cuda", True, "gguf_q8_0", 1, "a gguf_q8_0 base"),
-    (lora_args(fp8_base=True, fp8_scaled=True, fp8_compute=True), "cuda", True, None, 1, "fp8_compute"),
 ])
 def test_eager_where_compile_was_not_measured(args, device, triton, stored, processes, reason):
     on, why = compile_by_default(args, device, triton, stored, processes, 5_000_000 if "5 M" in reason else BIG,

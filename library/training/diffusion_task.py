@@ -107,8 +107,6 @@ def compile_by_default(args, device_type: str, triton: bool, stored_precision: s
     precision = base_precision(args)
     if stored_precision and stored_precision not in COMPILED_BASES or precision not in COMPILED_BASES:
         return False, f"a {stored_precision or precision} base: measured on {', '.join(COMPILED_BASES)}"
-    if args.fp8_compute:
-        return False, "fp8_compute: measured eager only"
     if args.checkpoint_saves_dequantized:
         return False, "checkpoint_saves_dequantized: an eager lever (a compiled region plans its own recompute)"
     return True, "each transformer block compiled on CUDA; the first steps take a minute or two longer"
