@@ -65,6 +65,34 @@ def test_a_config_file_without_its_suffix_is_found_with_toml_appended(tmp_path):
     assert load_config(["--config_file", str(dotted)[:-len(".toml")]]).config_file == str(dotted)
 
 
+def test_a_leading_tilde_in_a_path_key_is_the_home_folder_in_the_toml_and_on_the_command_line(tmp_path, monkeypatch):
+    """A TOML has no shell: output_dir = "~/loras" made a folder named '~' in the working folder, and
+    --output_dir=~/x (one word) the same; dataset TOML folders too."""
+    home = tmp_path / "home"
+    (home / "imgs").mkdir(parents=True)
+    monkeypatch.setenv("HOME", str(home))
+    (home / "run.toml").write_text('model_type = "llm"\npretrained_model_name_or_path = "~/model"\n'
+                                   'train_data = ["~/a.txt", "b.txt"]\noutput_dir = "~/loras"\n')
+    args = load_config(["--config_file=~/run", "--logging_dir=~/logs", "--output_name", "~x"])
+    assert args.config_file == str(home / "run.toml")
+    assert (args.pretrained_model_name_or_path, args.output_dir, args.logging_dir) == (
+        str(home / "model"), str(home / "loras"), str(home / "logs"))
+    assert args.train_data == [str(home / "a.txt"), "b.txt"]
+    assert args.output_name == "~x"  # a name, not a path
+    (home / "fast.safetensors").write_bytes(b"")
+    args = load_config(["--model_type", "flux", "--pretrained_model_name_or_path", "~/flux.safetensors", "--ae=~/ae",
+                        "--clip_l=~/clip_l", "--t5xxl=~/t5xxl",
+                        "--dataset_config=~/ds.toml", "--base_loras=~/fast.safetensors:0.5"])
+    assert args.base_loras == [f"{home}/fast.safetensors:0.5"]
+    assert (args.dataset_config, args.t5xxl) == (str(home / "ds.toml"), str(home / "t5xxl"))
+    (home / "ds.toml").write_text('[[datasets]]\nresolution = 64\ncache_dir = "~/cache"\n'
+                                  '[[datasets.subsets]]\nimage_dir = "~/imgs"\nmask_dir = "~/imgs/../imgs"\n')
+    from library.data.dataset_config import load_dataset_config
+    dataset = load_dataset_config("~/ds.toml").datasets[0]
+    assert (dataset.cache_dir, dataset.subsets[0].image_dir) == (str(home / "cache"), str(home / "imgs"))
+    assert dataset.subsets[0].mask_dir == str(home / "imgs/../imgs")
+
+
 def test_none_on_the_command_line_clears_the_files_epochs_and_steps_alone_under_them_are_refused(tmp_path):
     """The file's max_train_epochs overrides max_train_steps: --max_train_steps 1 trained the file's epochs
     without a word, and nothing on the command line could clear them (0 is < 1, 'none' not an int)."""

@@ -126,6 +126,7 @@ class DatasetBlueprint:
 
 def load_dataset_config(path: str) -> DatasetBlueprint:
     """Read and validate a dataset TOML file."""
+    path = os.path.expanduser(path)
     try:
         data = toml_loads(read_utf8(path, "dataset config"))
     except FileNotFoundError:
@@ -173,6 +174,8 @@ def _parse_dataset(source: str, general: dict, dataset: dict, section: str = "da
         **{k: pick(k) for k in DATASET_KEYS if k != "resolution"},
     )
     spec.validation_split = float(spec.validation_split)
+    if isinstance(spec.cache_dir, str):
+        spec.cache_dir = os.path.expanduser(spec.cache_dir)
     _check_dataset_values(source, spec)
     subsets = dataset.get("subsets")
     if not isinstance(subsets, list) or not subsets:
@@ -191,6 +194,9 @@ def _parse_subset(source: str, general: dict, dataset: dict, subset: dict, secti
     if "image_dir" not in subset:
         raise ValueError(f"{source}: [{section}] key 'image_dir' is required")
     values = {k: subset.get(k, dataset.get(k, general.get(k, DEFAULTS.get(k)))) for k in SUBSET_KEYS}
+    for key in ("image_dir", "mask_dir", "control_directory"):  # ~ as the shell reads it (a TOML has no shell)
+        if isinstance(values[key], str):
+            values[key] = os.path.expanduser(values[key])
     spec = SubsetSpec(**values)
     spec.caption_dropout_rate = float(spec.caption_dropout_rate)
     spec.caption_tag_dropout_rate = float(spec.caption_tag_dropout_rate)

@@ -21,7 +21,7 @@ import toml
 from library.errors import ConfigError, blame, where_set  # where_set: re-exported for the checks after load
 from library.models.registry import FAMILIES, arch_specs
 from library.text_files import read_utf8, toml_loads
-from library.training.config_schema import FAMILY_KEYS, KEEPING_KEYS, PRECISION_NAMES, SCHEMA
+from library.training.config_schema import FAMILY_KEYS, KEEPING_KEYS, PATH_KEYS, PRECISION_NAMES, SCHEMA
 from library.training.output_names import check_name_length
 from library.training.preservation import validate_preservation
 from library.training.run_length import check_decay, check_ema_start, check_warmup
@@ -267,7 +267,7 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     values = {k: s.default for k, s in SCHEMA.items()}
     origins: dict[str, str] = {}  # key -> the file or "command line" that set it
     if cli.config_file:
-        where = cli.config_file = config_path(cli.config_file)
+        where = cli.config_file = config_path(os.path.expanduser(cli.config_file))
         flat = _flatten(read_toml(where), where)
         unknown = [key for key in flat if key not in SCHEMA]
         if unknown:  # all at once: an sd-scripts config brings several
@@ -288,6 +288,8 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         if value is None:  # `none`: the key is unset, as if no one had given it
             del origins[key]
     _check_steps_override(values, origins)
+    for key in PATH_KEYS & values.keys():
+        values[key] = _expand_home(values[key])
     args = argparse.Namespace(**values, config_file=cli.config_file, key_origins=origins)
     where = cli.config_file or "command line"
     from library.training.optim import check_optimizer, check_scheduler, optimizer_class  # here: it loads torch
@@ -313,6 +315,13 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
     except ConfigError as e:
         raise ConfigError(f"{blame(origins, where, 'learning_rate', 'lr_scheduler')}: {e}") from None
     return args
+
+
+def _expand_home(value):
+    """A path key's value (or list of them) with a leading ~ as the home folder."""
+    if isinstance(value, list):
+        return [os.path.expanduser(v) if isinstance(v, str) else v for v in value]
+    return os.path.expanduser(value) if isinstance(value, str) else value
 
 
 _WORD_LITERALS = {"true": True, "false": False, "none": None, "null": None,

@@ -246,8 +246,16 @@ SCHEMA: dict[str, Arg] = {
 # The gradient-checkpointing keys that keep tensors from the forward for less recompute (each needs
 # gradient_checkpointing), in the order train_lora.py plans the unset ones against the card
 # (memory_plan.settle_keeping_keys: attention keeps tensors in every family, projections only where a
-# gate trains; dequantized defaults to false, an eager low-bit lever not yet timed on a GPU), each with
+# gate trains; dequantized defaults to false: an eager low-bit lever, x0.93-0.95 of the H200's eager fp8 step
+# for one block's dequantized weights, where compiled steps, the CUDA default, do better), each with
 # what it buys (tools/plan_memory.py says it).
 KEEPING_KEYS = {"checkpoint_saves_attention": "no attention in the recompute",
                 "checkpoint_saves_projections": "less recompute",
                 "checkpoint_saves_dequantized": "no dequantization in backward"}
+
+
+# Keys that name files or folders (base_loras: 'path[:ratio]'; train_data: a list): a leading ~ is the home folder,
+# as the shell would read it, in a TOML too (load_config expands them; a folder named "~" was made before).
+PATH_KEYS = frozenset({"pretrained_model_name_or_path", "ae", "clip_l", "t5xxl", "text_encoder", "siglip",
+                       "t5_tokenizer", "byt5", "clip_g", "llama", "tokenizer", "dataset_config", "output_dir",
+                       "resume", "network_weights", "sample_prompts", "logging_dir", "base_loras", "train_data"})
