@@ -30,6 +30,7 @@ ABBREVIATED = {
     "tools/convert_config.py": (["c.toml", "--model_type", "flux"], ["c.toml", "--model_typ", "flux"]),
     "tools/plan_memory.py": (["--preset", "flux1-dev", "--vram", "16"], ["--preset", "flux1-dev", "--vra", "16"]),
     "tools/plot_lr.py": (["log.csv", "--smooth", "0.5"], ["log.csv", "--smoo", "0.5"]),
+    "tools/post_hoc_ema.py": (["a", "b", "--save_to", "o"], ["a", "b", "--save_t", "o"]),
     "tools/precision_doctor.py": (["--model_type", "flux", "--model", "m", "--skip_fp32"],
                                   ["--model_type", "flux", "--model", "m", "--skip_fp"]),
     "tools/precision_matrix.py": (["--config_file", "c", "--max_items", "2"], ["--config_file", "c", "--max_item", "2"]),
@@ -72,7 +73,8 @@ def test_abbreviated_flags_are_refused(script, capsys):
 
 
 @pytest.mark.parametrize("script", ["tools/generate.py", "tools/merge_lora.py", "tools/extract_lora.py",
-                                    "tools/convert_lora.py", "tools/resize_lora.py", "tools/combine_loras.py"])
+                                    "tools/convert_lora.py", "tools/resize_lora.py", "tools/combine_loras.py",
+                                    "tools/post_hoc_ema.py"])
 def test_a_peers_flags_name_ours(script, capsys):
     """A musubi-tuner / sd-scripts command line (--dit, --from_file, --model_org) was argparse's "required: --model"
     or "unrecognized arguments". Each peer flag is named with ours, and none of them is a flag of the tool's own."""
@@ -136,7 +138,7 @@ def test_output_into_a_closed_pipe_ends_a_tool_as_it_ends_cat(tmp_path):
 # The LoRA tools' modules as their real runs import them (after parsing): torch, our library, no
 # diffusers or transformers (seconds of start-up each; library/models/latents.py keeps the latent
 # packing the families import out of library/models/vae.py, which loads diffusers).
-LORA_TOOLS = ("lora_info", "convert_lora", "resize_lora", "combine_loras", "merge_lora", "extract_lora")
+LORA_TOOLS = ("lora_info", "convert_lora", "resize_lora", "combine_loras", "merge_lora", "extract_lora", "post_hoc_ema")
 IMPORT_ONLY = """
 import importlib, json, sys
 for name in sys.argv[1:]:

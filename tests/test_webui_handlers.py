@@ -671,3 +671,26 @@ def test_a_relative_path_outside_the_roots_says_where_it_was_read_from(tmp_path)
                                    f"is outside the folders this UI may open"), str(e.value)
     with pytest.raises(OutsideRoots, match=f"^config '{tmp_path}/x.toml' is outside"):  # absolute: as it was
         roots.resolve(str(tmp_path / "x.toml"), "config")
+
+
+def test_post_hoc_ema_averages_a_jobs_saves_in_step_order(ui):
+    """The tools tab's post-hoc EMA: the job's step saves and final (its _ema left out) by step, decay per step."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    job = ui.store.create("a", {"output_name": "lora"}, 5, queue=False)
+    os.makedirs(job.output_dir, exist_ok=True)
+    fields = {"job_id": str(job.id), "decay_per_step": 0.5, "save_to": "avg.safetensors"}
+    answer = ui.lora_tool("post_hoc_ema", fields)
+    assert answer["ok"] is False and answer["output"] == (f"job {job.id}: 0 saves of lora in its folder; an average "
+                                                          f"needs two or more (a config with save_every_n_steps)")
+    alpha = torch.tensor(4.0)
+    for name, step, value in (("lora-step000002", 2, 3.0), ("lora", 4, 5.0), ("lora-step000001", 1, 1.0),
+                              ("lora_ema", 4, 9.0), ("other-step000001", 1, 7.0)):
+        save_file({"m.lora_down.weight": torch.full((2, 3), value), "m.alpha": alpha},
+                  os.path.join(job.output_dir, f"{name}.safetensors"), {"ss_steps": str(step)})
+    answer = ui.lora_tool("post_hoc_ema", fields)
+    assert answer["ok"] is True, answer["output"]
+    out = load_file(os.path.join(ui.store.root, "tools", "avg.safetensors"))
+    # steps 1, 2, 4: e = 1; 0.5 * 1 + 0.5 * 3 = 2; 0.5 ** 2 * 2 + 0.75 * 5 = 4.25
+    assert torch.equal(out["m.lora_down.weight"], torch.full((2, 3), 4.25)) and torch.equal(out["m.alpha"], alpha)

@@ -512,6 +512,13 @@ def tools_tab(ui: WebUI) -> None:
                                        ["output"], [src, dst, to], [out], api_name="convert_lora")
             gr.Button("Resize").click(lambda s, d, r: ui.lora_tool("resize_lora", {"lora": s, "save_to": d, "new_rank": r})
                                       ["output"], [src, dst, rank], [out], api_name="resize_lora")
+    with gr.Accordion("post-hoc EMA: a job's saves averaged", open=False):
+        ema_job = job_picker(ui, "job (its saves: save_every_n_steps)")
+        decay = gr.Number(0.99, label="EMA decay per step (the training's ema_decay)")
+        ema_to = gr.Textbox(label="save to (a name goes to the jobs folder's tools/)")
+        gr.Button("Average").click(lambda j, d, s: ui.lora_tool("post_hoc_ema", {"job_id": j, "decay_per_step": d,
+                                                                                 "save_to": s})["output"],
+                                   [ema_job, decay, ema_to], [out], api_name="post_hoc_ema")
     with gr.Accordion("merge into a checkpoint", open=False):
         model = file_picker(ui, loras, "base model", folders=True)
         merge_lora = file_picker(ui, loras, "LoRA")

@@ -633,6 +633,14 @@ class WebUI:
         if tool == "resize_lora":
             return ["--lora", lora(), "--save_to", self.tool_output(v["save_to"], "output"),
                     "--new_rank", whole_number(v["new_rank"], "new rank")], None
+        if tool == "post_hoc_ema":  # a job's saves: its intermediate ones and its final
+            job = self.store.get(job_number(v["job_id"]))
+            saves = run_files.saves(job.output_dir, job.output_name)
+            if len(saves) < 2:
+                raise JobError(f"job {job.id}: {len(saves)} save{'s' if len(saves) != 1 else ''} of {job.output_name} "
+                               f"in its folder; an average needs two or more (a config with save_every_n_steps)")
+            return [*saves, "--save_to", self.tool_output(v["save_to"], "output"),
+                    "--decay_per_step", str(finite_number(v["decay_per_step"], "decay per step"))], None
         if tool == "merge_lora":
             weight = finite_number(v["weight"], "weight")
             keep = v["save_precision"] in (None, "", KEEP_PRECISION)  # merge_lora.py's default: the base's dtypes

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import glob
 import json
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -139,6 +140,18 @@ def samples(output_dir: str, output_name: str) -> list[Sample]:
         found.append(Sample(path, tag, step, int(match.group(4)), match.group(5) or ""))
     order = {"start": -1, "final": 10**12}
     return sorted(found, key=lambda s: (order.get(s.tag, s.step if s.step is not None else 0), s.stamp, s.index))
+
+
+def saves(output_dir: str, output_name: str) -> list[str]:
+    """The run's LoRA saves, <name>-stepNNNNNN and the final <name> (files, or PEFT adapter folders), in step order,
+    the final last; its EMA saves (<name>..._ema) are not among them."""
+    pattern = re.compile(re.escape(output_name) + r"(-step(\d+))?(\.safetensors)?")
+    found = []
+    for entry in os.listdir(output_dir) if os.path.isdir(output_dir) else []:
+        match = pattern.fullmatch(entry)
+        if match and (match.group(3) or os.path.isdir(os.path.join(output_dir, entry))):
+            found.append((int(match.group(2)) if match.group(2) else math.inf, os.path.join(output_dir, entry)))
+    return [path for _, path in sorted(found)]
 
 
 def prompts(path: str | None) -> list[str]:
