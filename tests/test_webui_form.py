@@ -202,7 +202,7 @@ def test_optimizer_args_that_do_not_fit_are_shown_beside_the_optimizer_field(ui)
     error = "config: optimizer_args (d0=0.003) do not fit AdamW: AdamW.__init__() got an unexpected keyword argument 'd0'"
     ui.checker = RecordingChecker({"ok": False, "key": "optimizer_args", "error": error})
     validate = event(build_app(ui), "click", api_name="validate")
-    values = {validate.inputs[-1]._id: {}}  # nothing loaded
+    values = {validate.inputs[-2]._id: {}, validate.inputs[-1]._id: []}  # nothing loaded, nothing typed
     run(validate, values)
     notes = {k: values[block._id] for k, block in zip([*FORM_KEYS, "toml"], validate.outputs[1:])}
     assert {k: note["value"] for k, note in notes.items() if note["visible"]} == {"optimizer_type": f"⚠ {error}"}
@@ -256,3 +256,29 @@ def test_the_fields_follow_an_edited_toml_where_the_user_left_them(ui):
     assert got["learning_rate"] == gr.update() and now_loaded["learning_rate"] == "0.001"  # still the user's
     assert now_loaded["max_train_steps"] == "500"  # followed: Create leaves it to the TOML, as shown
     assert on_toml_edit("max_train_steps = ", *[shown[k] for k in order], loaded) == [gr.update()] * (len(order) + 1)
+
+
+def test_a_field_load_filled_and_the_user_emptied_removes_its_key(ui, tmp_path):
+    """Old: emptying a field Load had filled kept the TOML's value (an empty field leaves the TOML's key), so a user
+    who emptied "sample every N steps" still sampled, unseen. Now its key goes: Validate and the job run without it,
+    Save TOML removes its line, Apply keeps the field empty; a field Load left empty and the user too, or one the
+    user left as Load filled it, still leaves the TOML's key."""
+    from library.ui.app import edited
+    from library.ui.handlers import CLEARED, FORM_KEYS
+
+    text = 'model_type = "flux"\nmax_train_steps = 100\nsample_every_n_steps = 50  # often\nnetwork_dim = 8\n'
+    source = tmp_path / "data" / "run.toml"
+    source.write_text(text)
+    loaded_text, loaded, _ = ui.load_config(str(source))
+    order = list(FORM_KEYS)
+    shown = {**loaded, "sample_every_n_steps": "", "ae": "", "max_train_steps": ""}  # ae: Load filled None
+    # emptied, typed in (left empty); max_train_steps: not typed in, as a click right after a TOML edit sends a
+    # field that follows the TOML before the editor's blur filled it (8e16e39e cleared it: reverted)
+    form = edited(order, (*[shown[k] for k in order], loaded, ["sample_every_n_steps", "ae"]))
+    assert form == {"sample_every_n_steps": CLEARED, "ae": "", "max_train_steps": ""}
+    settings = ui.settings(loaded_text, form)
+    assert "sample_every_n_steps" not in settings and (settings["max_train_steps"], settings["network_dim"]) == (100, 8)
+    _, fields = ui.apply_plan(loaded_text, form, {"network_dim": 4})
+    assert fields["sample_every_n_steps"] == "" and fields["network_dim"] == 4  # (the plan's key as it sets it)
+    ui.save_config(str(source), loaded_text, form)
+    assert source.read_text() == 'model_type = "flux"\nmax_train_steps = 100\nnetwork_dim = 8\n'

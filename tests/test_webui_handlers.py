@@ -126,7 +126,7 @@ def test_every_job_picker_lists_the_jobs_made_since_the_ui_started_when_opened(u
     app = build_app(ui)  # as the UI starts: no job yet
     job = finished_job(ui)
     pickers = [b for b in app.blocks.values() if isinstance(b, gr.Dropdown) and str(b.label).startswith("job")]
-    assert len(pickers) == 4 and all(b.choices == [] for b in pickers)
+    assert len(pickers) == 5 and all(b.choices == [] for b in pickers)
     for picker in pickers:
         opened = event(app, "focus", picker.elem_id) if picker.elem_id else next(
             fn for fn in app.fns.values() if (picker._id, "focus") in fn.targets)

@@ -11,8 +11,8 @@ import pandas as pd
 from library.models.registry import arch_specs
 from library.text_files import toml_dumps
 from library.ui.files import OutsideRoots
-from library.ui.handlers import (BASE_PRECISIONS, FORM_KEYS, KEEP_PRECISION, MODEL_TYPES, OPTIMIZERS, PLOT_COLUMNS,
-                                WebUI, form_values_of, job_number)
+from library.ui.handlers import (BASE_PRECISIONS, CLEARED, FORM_KEYS, KEEP_PRECISION, MODEL_TYPES, OPTIMIZERS,
+                                PLOT_COLUMNS, WebUI, form_values_of, job_number)
 from library.ui.jobs import JobError
 from library.ui.peer_configs import CONFIG_SUFFIXES
 
@@ -47,10 +47,16 @@ def presets() -> list[str]:
 
 
 def edited(order: list[str], values: tuple) -> dict:
-    """The form's fields from an event's inputs (the fields, then the values Load filled them with):
-    those Load filled and the user left as they were are dropped, so the TOML's text decides them."""
-    *values, loaded = values
-    return {k: v for k, v in zip(order, values) if k not in loaded or v != loaded[k]}
+    """The form's fields from an event's inputs (the fields, then the values Load filled them with, then the
+    fields the user typed in or left since): those Load filled and the user left as they were are dropped, so the
+    TOML's text decides them; one Load filled and the user emptied is CLEARED, so its key goes (an empty field kept
+    the TOML's value). Only a field the user was in is emptied: a click right after a TOML edit sends the fields
+    as the browser still shows them, before the editor's blur event filled the ones that follow the TOML, while
+    `loaded` (server-side) holds the new values already; those read as emptied once (8e16e39e, reverted)."""
+    *values, loaded, typed = values
+    empty = lambda v: v is None or (isinstance(v, (str, list)) and not "".join(map(str, v)).strip())  # noqa: E731
+    return {k: CLEARED if k in typed and k in loaded and empty(v) and not empty(loaded[k]) else v
+            for k, v in zip(order, values) if k not in loaded or v != loaded[k]}
 
 
 def unsaved_edits(order: list[str], values: list, loaded: dict, text: str, loaded_text: str) -> list[str]:
@@ -154,7 +160,7 @@ def job_form(ui: WebUI):
 def loading_events(ui: WebUI, pick, load, text, fields: dict, order: list, errors: dict, converted, states: tuple):
     """Load, a pick in the config list and leaving the editor: what fills the editor and the fields. states: the
     (loaded, loaded_text, conversion, loaded_file) gr.States of jobs_tab."""
-    loaded, loaded_text, conversion, loaded_file = states
+    loaded, loaded_text, conversion, loaded_file, typed = states
     form_inputs = [fields[k] for k in order]
     keep = [gr.update()] * (1 + len(order))  # the editor and the fields, as they are
 
@@ -162,13 +168,13 @@ def loading_events(ui: WebUI, pick, load, text, fields: dict, order: list, error
         try:
             real, new_text, values, note = ui.open_config(path)
         except (OutsideRoots, OSError, ValueError) as e:
-            return keep + [error_note(str(e))] + [gr.update()] * 4
-        return [new_text] + [values[k] for k in order] + [error_note(""), values, new_text, note, real]
+            return keep + [error_note(str(e))] + [gr.update()] * 5
+        return [new_text] + [values[k] for k in order] + [error_note(""), values, new_text, note, real, []]
 
     def show_conversion(note):
         return gr.update(value=note, visible=bool(note))
 
-    load_outputs = [text, *form_inputs, errors["toml"], loaded, loaded_text, conversion, loaded_file]
+    load_outputs = [text, *form_inputs, errors["toml"], loaded, loaded_text, conversion, loaded_file, typed]
     load.click(on_load, [pick], load_outputs, api_name="load_config").then(
         show_conversion, [conversion], [converted], api_name=False, show_progress="hidden")
 
@@ -176,10 +182,10 @@ def loading_events(ui: WebUI, pick, load, text, fields: dict, order: list, error
         """Picking a config loads it, unless the form holds edits: then it asks (Load replaces them)."""
         *values, filled, filled_text = values
         if not path:
-            return keep + [gr.update()] * 5
+            return keep + [gr.update()] * 6
         if changes := unsaved_edits(order, values, filled, text_value, filled_text):
             return keep + [error_note(f"the form has unsaved edits ({', '.join(changes)}): press Load to replace "
-                                      f"them with {path}, or Save TOML first")] + [gr.update()] * 4
+                                      f"them with {path}, or Save TOML first")] + [gr.update()] * 5
         return on_load(path)
 
     pick.change(on_pick, [pick, text, *form_inputs, loaded, loaded_text], load_outputs, api_name="pick_config").then(
@@ -217,12 +223,18 @@ def jobs_tab(ui: WebUI):
     # The real path of the file the editor's text was loaded from (or saved to) last: Save refuses to write over
     # it once it holds another text than loaded_text (another tab saved it meanwhile: its edit would be lost).
     loaded_file = gr.State("")
+    # The fields the user typed in or left (input and blur: no update from a handler fires them; gradio 6.31's
+    # input misses a value set whole, as playwright's fill sets it) since Load or Save: only those can be emptied.
+    typed = gr.State([])
+    for key in order:
+        gr.on([fields[key].input, fields[key].blur], lambda keys, key=key: sorted({*keys, key}), [typed], [typed],
+              queue=False, api_name=False, show_progress="hidden")
     with gr.Row():
         check_button = gr.Button("Validate")
         create_button = gr.Button("Create (draft)")
         queue_new = gr.Button("Create and queue", variant="primary", elem_id="create-and-queue")
-    save_row(ui, order, [text, *form_inputs, loaded, loaded_text, loaded_file],
-             [text, *form_inputs, loaded, loaded_text, loaded_file, errors["toml"]])
+    save_row(ui, order, [text, *form_inputs, loaded, typed, loaded_text, loaded_file],
+             [text, *form_inputs, loaded, typed, loaded_text, loaded_file, errors["toml"]])
     answer = gr.JSON(label="result", elem_id="job-result")
 
     table, job_id = queue_section(ui)
@@ -234,14 +246,14 @@ def jobs_tab(ui: WebUI):
         return [error_note(message if k == where else "") for k in order + ["toml"]]
 
     loading_events(ui, pick, load, text, fields, order, errors, converted,
-                   (loaded, loaded_text, conversion, loaded_file))
+                   (loaded, loaded_text, conversion, loaded_file, typed))
 
     def on_check(text_value, *values):
         result = ui.check(text_value, edited(order, values))
         summary = {k: result[k] for k in ("ok", "key", "error", "max_steps") if k in result}
         return [summary] + show_errors(result)
 
-    check_button.click(on_check, [text, *form_inputs, loaded], [answer, *error_outputs], api_name="validate")
+    check_button.click(on_check, [text, *form_inputs, loaded, typed], [answer, *error_outputs], api_name="validate")
 
     def creator(queue: bool):
         def on_create(job_name, text_value, *values):
@@ -252,10 +264,12 @@ def jobs_tab(ui: WebUI):
         return on_create
 
     create_outputs = [answer, *error_outputs, table, job_id]
-    create_button.click(creator(False), [name, text, *form_inputs, loaded], create_outputs, api_name="create_job")
-    queue_new.click(creator(True), [name, text, *form_inputs, loaded], create_outputs, api_name="create_and_queue")
+    create_button.click(creator(False), [name, text, *form_inputs, loaded, typed], create_outputs,
+                        api_name="create_job")
+    queue_new.click(creator(True), [name, text, *form_inputs, loaded, typed], create_outputs,
+                    api_name="create_and_queue")
 
-    return {"text": text, "fields": fields, "order": order, "loaded": loaded}, errors, job_id
+    return {"text": text, "fields": fields, "order": order, "loaded": loaded, "typed": typed}, errors, job_id
 
 
 def queue_section(ui: WebUI):
@@ -315,11 +329,11 @@ def ask(ui: WebUI, action: str, job_id) -> tuple:
 
 
 def save_row(ui: WebUI, order: list[str], inputs: list, reloaded: list) -> None:
-    """Save TOML: the editor's config written back under the roots. inputs: the TOML, the fields, the
-    values Load filled them with, the text and real path of the file Load read. reloaded: the TOML, the fields
-    and Load's baselines (fields, text, file), set from the file saved: what it holds is no unsaved edit (a pick
-    then asked to "Save TOML first"), and this page's to save again; then the note under the editor, cleared (a
-    pick's "press Load ..., or Save TOML first" stayed after the save it asked for)."""
+    """Save TOML: the editor's config written back under the roots. inputs: the TOML, the fields, the values
+    Load filled them with, the fields typed in, the text and real path of the file Load read. reloaded: the TOML,
+    the fields and Load's baselines (fields, none typed in, text, file), set from the file saved: what it holds is
+    no unsaved edit (a pick then asked to "Save TOML first"), and this page's to save again; then the note under
+    the editor, cleared (a pick's "press Load ..., or Save TOML first" stayed after the save it asked for)."""
     with gr.Row():
         save_to = gr.Textbox(label="save the config to (a .toml under the roots; comments and tables kept)", scale=3)
         save = gr.Button("Save TOML", scale=1)
@@ -332,7 +346,7 @@ def save_row(ui: WebUI, order: list[str], inputs: list, reloaded: list) -> None:
             _, new_text, filled, _ = ui.open_config(real, convert=False)  # the file as saved, whatever its keys
         except (OutsideRoots, OSError, ValueError) as e:
             return [f"⚠ {e}"] + [gr.update()] * len(reloaded)
-        return [f"saved {real}", new_text] + [filled[k] for k in order] + [filled, new_text, real, error_note("")]
+        return [f"saved {real}", new_text] + [filled[k] for k in order] + [filled, [], new_text, real, error_note("")]
 
     save.click(on_save, [save_to, *inputs], [saved, *reloaded], api_name="save_config")
 
@@ -427,7 +441,7 @@ def planner_tab(ui: WebUI, form: dict) -> None:
         return plan_note(result), result["report"], result["suggested"]
 
     run.click(on_plan, [source, preset, vram, resolution, batch, form["text"], *[fields[k] for k in order],
-                        form["loaded"]],
+                        form["loaded"], form["typed"]],
               [suggestion, report, keys], api_name="plan")
 
     def on_apply(best, text_value, *values):
@@ -436,10 +450,10 @@ def planner_tab(ui: WebUI, form: dict) -> None:
         new_text, new_values = ui.apply_plan(text_value, edited(order, values), best)
         # A field showing Apply's value shows what the TOML now says: compared with that from here, a field set
         # back to its Load-time value is an edit (compared with Load's, it was dropped and the TOML's value trained).
-        loaded = {**values[-1], **{k: best[k] for k in order if k in best and new_values[k] == best[k]}}
+        loaded = {**values[-2], **{k: best[k] for k in order if k in best and new_values[k] == best[k]}}
         return [new_text] + [new_values[k] for k in order] + [loaded]
 
-    apply.click(on_apply, [keys, form["text"], *[fields[k] for k in order], form["loaded"]],
+    apply.click(on_apply, [keys, form["text"], *[fields[k] for k in order], form["loaded"], form["typed"]],
                 [form["text"], *[fields[k] for k in order], form["loaded"]], api_name="apply_plan")
 
 

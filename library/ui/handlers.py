@@ -44,6 +44,21 @@ CONFIRM_TO = {"delete": "delete it and its folder",
 FP8_KEYS = ("fp8_base", "fp8_scaled")
 
 
+class Cleared:
+    """What app.edited passes for a field Load filled and the user emptied: the key goes from the config (the
+    trainer's default applies; Save TOML removes its line). An empty field Load left empty leaves the TOML's key."""
+
+    def __repr__(self) -> str:
+        return "CLEARED"
+
+
+CLEARED = Cleared()
+
+
+def cleared_keys(form: dict) -> tuple[str, ...]:
+    return tuple(key for key, value in form.items() if value is CLEARED)
+
+
 def replaced_keys(keys: dict) -> tuple[str, ...]:
     """The config's keys that setting `keys` removes: fp8_base / fp8_scaled where base_precision is set, and the
     keys train_lora.py refuses beside a plan's setting (they would do nothing): block_swap_prefetch at
@@ -112,10 +127,11 @@ def changed_fields(settings: dict, form: dict) -> dict:
     """The form's filled fields that say something else than the config's keys, as the keys' types.
     An empty field, or one showing what the TOML says (as Load fills it), leaves the TOML's key as
     written: the check then refuses what train_lora.py refuses (max_train_steps = "120", base_precision
-    beside fp8_base that contradicts it), and a job's or a saved config keeps the file's keys."""
+    beside fp8_base that contradicts it), and a job's or a saved config keeps the file's keys. A field
+    the user emptied (CLEARED) is no value: cleared_keys names the keys it removes."""
     shown = form_values(settings)
-    changed = {key: field_value(key, value) for key, value in form.items()
-               if value is not None and not (isinstance(value, str) and value.strip() in ("", shown.get(key)))}
+    changed = {key: field_value(key, value) for key, value in form.items() if value is not None and value is not CLEARED
+               and not (isinstance(value, str) and value.strip() in ("", shown.get(key)))}
     check_steps_override(settings, changed)
     return changed
 
@@ -150,9 +166,9 @@ def rendering_as_trained(config: dict, device: str | None) -> list:
 
 def apply_form(settings: dict, form: dict) -> dict:
     """The config's keys with the form's changed fields over them (base_precision replaces the older
-    fp8_base / fp8_scaled keys, which could contradict it)."""
+    fp8_base / fp8_scaled keys, which could contradict it) and without the keys of the fields the user emptied."""
     changed = changed_fields(settings, form)
-    drop = replaced_keys(changed)
+    drop = replaced_keys(changed) + cleared_keys(form)
     return {**{k: v for k, v in settings.items() if k not in drop}, **changed}
 
 
@@ -328,7 +344,7 @@ class WebUI:
         except toml.TomlDecodeError as e:
             raise ValueError(f"config: not valid TOML: {e}") from None
         changed = changed_fields(settings, form)
-        drop = replaced_keys(changed)
+        drop = replaced_keys(changed) + cleared_keys(form)
         new_text = toml_with(text or "", {k: v for k, v in settings.items() if k not in drop}, changed, drop)
         write_whole(real, new_text)
         return real
@@ -487,7 +503,8 @@ class WebUI:
             return text, {**form_values({}), **form}
         new_text = toml_with(text or "", written, keys, drop)
         planned = {k: v for k, v in keys.items() if k in FORM_KEYS}
-        return new_text, {**form_values({**written, **keys}), **form, **planned}
+        shown = {k: "" if v is CLEARED else v for k, v in form.items()}  # still empty, still cleared at the next event
+        return new_text, {**form_values({**written, **keys}), **shown, **planned}
 
     def dataset(self, path: str, training_config: str | None = None) -> dict:
         """check_dataset.py's report (buckets, problems) and the images with their captions; with a training
