@@ -354,3 +354,53 @@ def test_cuda_fp8_gemms_equal_the_same_oracle(mode):
     assert within_fp8_accumulation(x.grad.reshape(-1, 192), gq.double() * s_g.double(), lin.weight.double().t())
     # a wrong weight scale (per column instead of per row) is far outside the bound
     assert not within_fp8_accumulation(y.reshape(-1, 96), xq.double() * s_x.double(), w * 1.03)
+
+@cpu_rowwise
+def test_compiled_fp8_compute_blocks_swap_bit_for_bit():
+    """An unset torch_compile compiles fp8_compute runs on CUDA (2026-12-04), where a 24 GB card swaps blocks:
+    compiled checkpointed blocks on fp8_compute with one block swapped give the loss and LoRA gradients of the same
+    compiled blocks resident, bit for bit, under bf16 autocast (the fp8 GEMMs' dtype), without recompiling; and
+    fp8 GEMMs ran (the loss is not the dequantizing model's, but near it)."""
+    import copy
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from library.models.block_swap import enable_block_swap
+    from library.models.core import compile_block
+    from library.models.registry import arch_spec
+    from library.precision.fp8 import quantize_module
+    from networks.lora import LoRANetwork
+    from tests.test_block_swap import step, tiny_flux, two_blocks
+
+    def with_lora(model, fp8_gemms: bool):
+        model = quantize_module(model, "fp8_scaled", arch_spec(family).fp8)
+        if fp8_gemms:
+            assert enable_fp8_compute(model) > 0
+        net = LoRANetwork(model, family, rank=4, alpha=2.0)
+        for m in net.lora_modules():  # a non-zero LoRA, so its gradients flow through every path
+            torch.nn.init.normal_(m.lora_up.weight, std=0.1)
+        net.apply()
+        return model, net
+
+    torch._dynamo.reset()
+    base, family, inputs = two_blocks(tiny_flux)
+    (model, net), (reference, ref_net), (plain, plain_net) = (with_lora(copy.deepcopy(base), gemms)
+                                                              for gemms in (True, True, False))
+    ref_net.load_state_dict(net.state_dict()), plain_net.load_state_dict(net.state_dict())
+    swap = enable_block_swap(model, 1, "cpu")
+    for m in (model, reference, plain):
+        m.gradient_checkpointing = True
+    for block in (*model.swappable_blocks(), *reference.swappable_blocks()):  # (plain: eager, for its loss alone)
+        compile_block(block, backend="aot_eager")
+    counters.clear()
+    with torch.autocast("cpu", torch.bfloat16):
+        for _ in range(2):
+            loss, grads = step(model, net, inputs)
+            ref_loss, ref_grads = step(reference, ref_net, inputs)
+            assert torch.equal(loss, ref_loss)
+            assert all(g is None and ref_grads[n] is None or torch.equal(g, ref_grads[n]) for n, g in grads.items())
+        plain_loss, _ = step(plain, plain_net, inputs)
+    assert sum(counters["recompiles"].values()) == 0 and counters["stats"]["unique_graphs"] > 0
+    assert not swap.resident and ("load", swap.first) in swap.log
+    assert loss != plain_loss and abs(loss - plain_loss) < 0.05 * plain_loss  # fp8 GEMMs, near the dequantized
