@@ -7,8 +7,9 @@
 The story, top to bottom: read the config -> set up accelerate -> build the task (models, data,
 caches, LoRA network) -> optimizer and scheduler -> the loop (loss, backward, clip, step, log,
 sample, save) -> the final LoRA. Ctrl-C / SIGTERM save the LoRA and the state before exiting 130 (during
-sample_at_first's samples: they stop at the next image and the run before step 1, nothing saved; during
-the final samples: they stop at the next image, the final LoRA written); a
+sample_at_first's samples: they stop at the next image and the run before step 1, nothing saved; during a
+step's samples: they stop at the next image, and the resume renders the rest first; during the final
+samples: they stop at the next image, the final LoRA written); a
 non-finite gradient norm stops the run before its update, with the LoRA saved; a non-finite loss
 or non-finite weights at a save stop it without calling the weights good. A sample render that fails
 (out of memory) is a warning line: the run goes on without those samples.
@@ -223,6 +224,8 @@ class Trainer:
         if args.validate_every_n_steps and not task.validation_size():
             raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
                               f"validation_split or add [[validation_datasets]]")
+        self.samples_cut = None  # the samples a stop cut: {tag, step, prompts done}, for the resume to finish
+        self.resample = None  # those of the state resumed, at its step
         if state:
             self.resume(args.resume, state)
         # A fresh run gets its own timestamped TensorBoard folder; a resumed one continues its state's.
@@ -261,6 +264,8 @@ class Trainer:
             self.accelerator.scaler.load_state_dict(progress["grad_scaler"])
         if self.ema is not None:
             self.ema.load_state_tensors(state.ema, folder)
+        cut = progress.get("samples_cut")  # (at a step before the state's: those weights are gone)
+        self.resample = cut if cut and cut["step"] == self.step else None
         restore_rng(state.rng)
         # epochs counted from 1, as ss_epoch: "(epoch 1)" was step 6, in the second, and step 8, after the second
         where = (f"epoch {self.epoch + 1}, {self.batches_done} of its batches done" if self.batches_done
@@ -293,6 +298,8 @@ class Trainer:
                     raise StopTraining(f"{requested} during the first samples: stopped before step 1; nothing "
                                        f"trained, nothing saved", code=INTERRUPTED,
                                        agreed=False)  # this process's own signal
+            if self.resample:
+                self.finish_cut_samples(**self.resample)
             self.clock = tracking.StepClock()
             while self.step < self.max_steps:
                 self.run_epoch()
@@ -324,6 +331,16 @@ class Trainer:
         self.accelerator.end_training()
         self.accelerator.print(f"saved {path} after {self.step} steps in {time.time() - self.started:.1f} s")
         return INTERRUPTED if interrupted else 0  # (a Ctrl-C: 130 as mid-training, with the final LoRA saved)
+
+    def finish_cut_samples(self, tag: str, step: int, done: int):
+        """The samples of the resumed step that a stop cut (the state's samples_cut), from the first not
+        rendered; a stop again ends the run before the next step, nothing trained (the state is as it was)."""
+        self.accelerator.print(f"rendering the samples {tag} of step {step} from prompt {done + 1} on: a stop cut "
+                               f"them before the state was saved")
+        self.render_samples(tag, first=done)
+        if requested := self.render_stop():
+            raise StopTraining(f"{requested} during the samples of step {step}: stopped before step {step + 1}; "
+                               f"nothing trained since the state resumed", code=INTERRUPTED, agreed=False)
 
     def final_samples(self) -> str | None:
         """The final samples (llm: the final eval), after the final LoRA is written. A Ctrl-C /
@@ -365,6 +382,7 @@ class Trainer:
                 "saves": self.saver.saves, "saves_at": saves_at(self.args), "max_steps": self.max_steps,
                 "batches_per_epoch": self.task.batches_per_epoch(), "data_items": self.data_digests,
                 "epoch_settings": self.task.epoch_settings(),
+                **({"samples_cut": self.samples_cut} if self.samples_cut else {}),
                 # fp16's loss scale: a resume at 65536 again skipped the steps until it fell back (4 of 5 here)
                 **({"grad_scaler": self.accelerator.scaler.state_dict()} if self.accelerator.scaler is not None else {})}
 
@@ -377,14 +395,24 @@ class Trainer:
         finally:
             self.module.train()
 
-    def render_samples(self, tag: str):
+    def render_samples(self, tag: str, first: int = 0):
         """Samples to output_dir (the task's files) and to the trackers beside loss and lr. A render
         that fails (out of memory, a full disk, a reference image gone) is one warning line and the
-        run goes on without those samples: a preview must not cost the steps since the last save."""
-        failed = False
+        run goes on without those samples: a preview must not cost the steps since the last save. A stop
+        (Ctrl-C) that cuts them is kept in samples_cut (the state's progress): a resume renders the rest."""
+        failed, prompts_done = False, [first]
+        self.samples_cut = None
+
+        def stop() -> bool:  # asked before each prompt's image
+            if self.render_stop() is None:
+                prompts_done[0] += 1
+                return False
+            self.samples_cut = {"tag": tag, "step": self.step, "done": prompts_done[0]}
+            return True
+
         try:
             with self.sampling():
-                paths = self.task.render_samples(self.args.output_dir, tag, lambda: self.render_stop() is not None)
+                paths = self.task.render_samples(self.args.output_dir, tag, stop, first)
         except (RuntimeError, OSError, ValueError) as e:  # torch.OutOfMemoryError is a RuntimeError
             self.render_failed(f"samples {tag} at step {self.step}", ", training goes on", e)
             failed = True

@@ -247,7 +247,7 @@ def test_samples_render_with_ema_weights_and_training_keeps_raw(tiny_set, tmp_pa
 
     seen = {}
 
-    def render(self, out_dir, tag, stop=None):
+    def render(self, out_dir, tag, stop=None, first=0):
         seen[tag] = {k: v.detach().double().clone() for k, v in self.trainable_tensors().items()}
         return []
 

@@ -638,3 +638,21 @@ def test_a_state_resumes_with_its_network_and_optimizer_settings_in_another_orde
                          "--optimizer_args", "weight_decay=0.01"), "optimizer_args")):
         with pytest.raises(ValueError, match=f"state was written with {key} = "):
             load_state(str(state), args(*other))
+
+
+def test_samples_a_ctrl_c_cut_are_finished_when_the_run_resumes(tiny_set, tmp_path, monkeypatch, capsys):
+    """A Ctrl-C after the first of step 2's 3 samples stopped them and saved the state at step 2; the resumed run
+    went on to step 3 and the other two samples of step 2 were never rendered (the next ones at step 4). Now the
+    state says so (samples_cut) and the resume renders prompts 2 and 3 of step 2 first, with the step-2 weights."""
+    prompts = ctrl_c_after_the_first_sample(tmp_path, monkeypatch)
+    out = tmp_path / "run"
+    args = flux_args(tiny_set, out, "--sample_prompts", str(prompts), "--max_train_steps", "3",
+                     "--sample_every_n_steps", "2", "--sample_bf16_reference", "false")
+    assert train_lora.main(args) == 130
+    assert [p.name.split("_")[4] for p in out.glob("tiny_flux_lora_step000002_*.png")] == ["00"]
+    monkeypatch.undo()
+    capsys.readouterr()
+    assert train_lora.main([*args, "--resume", str(out / "tiny_flux_lora-state")]) == 0
+    assert "rendering the samples step000002 of step 2 from prompt 2 on" in capsys.readouterr().out
+    assert sorted(p.name.split("_")[4] for p in out.glob("tiny_flux_lora_step000002_*.png")) == ["00", "01", "02"]
+    assert len(list(out.glob("tiny_flux_lora_final_*.png"))) == 3

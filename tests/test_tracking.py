@@ -188,7 +188,7 @@ def test_a_failed_sample_render_is_a_warning_and_training_goes_on(tiny_set, tmp_
 
     render = DiffusionTask.render_samples
 
-    def out_of_memory_at_step_1(self, out_dir, tag, stop=None):
+    def out_of_memory_at_step_1(self, out_dir, tag, stop=None, first=0):
         if tag == "step000001":
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         return render(self, out_dir, tag, stop)
@@ -216,7 +216,7 @@ def test_a_failed_renders_tensors_are_freed_before_the_cuda_cache_is_emptied(mon
     class Activations:  # stands in for the render's tensors, alive while its frame is
         pass
 
-    def render_samples(out_dir, tag, stop=None):
+    def render_samples(out_dir, tag, stop=None, first=0):
         activations = Activations()
         held.append(weakref.ref(activations))
         raise torch.OutOfMemoryError("CUDA out of memory")
@@ -240,7 +240,7 @@ def test_a_failed_final_render_is_a_warning_and_the_finished_run_exits_0(tiny_se
     trackers left open. Now one warning line, as the samples during training."""
     from library.training.diffusion_task import DiffusionTask
 
-    def disk_full(self, out_dir, tag, stop=None):
+    def disk_full(self, out_dir, tag, stop=None, first=0):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(DiffusionTask, "render_samples", disk_full)

@@ -666,20 +666,21 @@ class DiffusionTask:
                 "num_reg_images": images[True]}
 
     # -- samples -------------------------------------------------------------------------------
-    def render_samples(self, out_dir: str, tag: str, stop=None) -> list[str]:
+    def render_samples(self, out_dir: str, tag: str, stop=None, first: int = 0) -> list[str]:
         """One PNG per prompt: the training base (bf16 or the fp8 base the user deploys) and,
         on an fp8 base with sample_bf16_reference, the bf16 base beside it; then the prompt's
         reference images (--ci, edit families), as the model saw them. Ends before a prompt
-        where `stop()` is true. What the family's sampling loaded for itself is released after,
-        failed or not: it must not stay on the device through the training steps."""
+        where `stop()` is true (asked once before each), from prompt `first` on. What the family's sampling
+        loaded for itself is released after, failed or not: it must not stay on the device through the training
+        steps."""
         try:
-            return self._render_samples(out_dir, tag, stop)
+            return self._render_samples(out_dir, tag, stop, first)
         finally:
             self.family.release_sample_models()
 
     @torch.no_grad()
-    def _render_samples(self, out_dir: str, tag: str, stop=None) -> list[str]:
-        if not self.prompts:
+    def _render_samples(self, out_dir: str, tag: str, stop=None, first: int = 0) -> list[str]:
+        if len(self.prompts) <= first:
             return []
         from library.data.images import save_side_by_side
         from library.models.vae import decoding_in_tiles
@@ -698,6 +699,8 @@ class DiffusionTask:
         vae.vae.to(self.device)
         written = []
         for i, (prompt, (text, negative)) in enumerate(zip(self.prompts, self.prompt_texts)):
+            if i < first:
+                continue
             if stop is not None and stop():
                 break
             images = []

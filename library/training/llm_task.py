@@ -452,7 +452,7 @@ class LLMTask:
         """Not called (validation_size() is 0): the held-out loss that after_step reports."""
         return self.held_out_loss()
 
-    def render_samples(self, out_dir: str, tag: str, stop=None) -> list[str]:
+    def render_samples(self, out_dir: str, tag: str, stop=None, first: int = 0) -> list[str]:
         """An LLM's samples are text: val loss, perplexity and a generated sample (sample_at_first
         gives the baseline before training). A step whose eval after_step has just reported is not evaluated
         again (eval_every_n_steps and sample_every_n_steps meeting at a step wrote two equal rows)."""

@@ -85,9 +85,11 @@ class Task(Protocol):
         """Whether after_step(step) evaluates and samples (the Trainer then swaps in the EMA weights
         where sample_with_ema asks, as for render_samples)."""
 
-    def render_samples(self, out_dir: str, tag: str, stop: Callable[[], bool] | None = None) -> list[str]:
+    def render_samples(self, out_dir: str, tag: str, stop: Callable[[], bool] | None = None,
+                       first: int = 0) -> list[str]:
         """Samples of the current weights, written to out_dir; the image paths (text: none). Where
-        `stop()` turns true (a Ctrl-C), it ends at the next image: the paths of those written."""
+        `stop()` turns true (a Ctrl-C), it ends at the next image: the paths of those written. `stop()` is
+        asked once before each prompt's image; `first`: the prompts before it are skipped (a stop cut them)."""
 
     def save(self, path: str, metadata: dict, dtype: torch.dtype) -> list[str] | None:
         """Write the trained weights for `path` (<output_dir>/<name>.safetensors) cast to `dtype`, with
