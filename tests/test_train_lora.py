@@ -739,7 +739,8 @@ def test_the_last_step_renders_its_samples_once_as_the_final_ones(tiny_set, tmp_
     from library.training.diffusion_task import DiffusionTask
 
     tags = []
-    monkeypatch.setattr(DiffusionTask, "render_samples", lambda self, out_dir, tag, stop=None, first=0: tags.append(tag) or [])
+    monkeypatch.setattr(DiffusionTask, "render_samples",
+                        lambda self, out_dir, tag, stop=None, first=0: tags.append(tag) or [])
     assert train_lora.main(flux_args(tiny_set, tmp_path, "--max_train_steps", "2", "--sample_every_n_steps", "1")) == 0
     assert tags == ["step000001", "final"]
 
