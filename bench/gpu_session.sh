@@ -48,8 +48,10 @@
 #      fp8compute  fp8_compute compiled (never timed; eager x1.18-1.45 of bf16): its CUDA tests (the compiled
 #                layer's fused quantizers against the fp8 oracle), bf16 / fp8 / fp8_scaled / fp8_compute compiled
 #                (bench_train_step, both families), then the compiled fp8 headline lines with ours on fp8_compute
-#      next      for a lease of one call: the CUDA tests of `dequantized` and `fp8compute`, then the eager fp8 lines
-#                with checkpoint_saves_dequantized and the compiled fp8 lines with ours on fp8_compute
+#      next      for a lease of one call: the fp8 GEMMs' CUDA oracle test and their accumulation error
+#                (bench/fp8_gemm_error.py), bf16 / fp8 / fp8_scaled / fp8_compute compiled in one process (both
+#                families), the eager Qwen-Image fp8_scaled line again, the eager stand_in / per_sample cuts
+#                (the 2026-12-04 18:42 call ran the one before: both fp8 levers' tests and lines)
 #      fp8swap   fp8 / fp8_scaled / fp8_compute against bf16 (bench_train_step, both families), then block
 #                swap eager (FLUX.1 0 and 16 blocks, Qwen-Image 0 and 20 with prefetch 2)
 # SECONDS (default 540) bounds the whole call: each step runs under the time left, a step that would start
@@ -238,20 +240,19 @@ case $plan in
             $KEEP --save-dequantized
         step swap.log 150 $PY bench/bench_block_swap.py --family qwen_image --swaps 0,20 --prefetch 2 --steps 3
         ;;
-    next)  # for a lease of one call: the two untimed fp8 levers' CUDA tests, then the lines each is for, most wanted
-        # first: Qwen-Image fp8_scaled eager with checkpoint_saves_dequantized (0.85, the one eager line over 0.80),
-        # the compiled fp8 lines with ours on fp8_compute, FLUX.1 fp8 eager with the key, the key's own lever
-        step checks.log 90 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_saved_dequantized.py \
-            tests/test_fp8_compute.py
+    next)  # for a lease of one call (after 2026-12-04 18:42, whose `next` timed both fp8 levers): the fp8 GEMMs'
+        # CUDA oracle test with its accumulation bound and the device's measured excess, then bf16 / fp8 /
+        # fp8_scaled / fp8_compute compiled in one process (is fp8_compute faster than bf16?), then the eager
+        # Qwen-Image fp8_scaled line again (0.86 drifted through its ten steps), then the untimed eager cuts
+        step checks.log 100 $PY -m pytest -q -p no:cacheprovider -k cuda tests/test_fp8_compute.py
+        step checks.log 60 $PY bench/fp8_gemm_error.py --device "$DEVICE"
+        for family in flux qwen_image; do
+            step fp8.log 150 $PY bench/bench_train_step.py --device "$DEVICE" --dtype bf16 --sizes mid --families $family \
+                --skip-ref --checkpointing --compile --mfu $SHAPE --warmup 2 --reps 5
+        done
         step peers_eager.log 90 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP \
             --save-dequantized
-        step peers_compiled.log 120 $PY bench/bench_peers.py $PEERS --families qwen_image --precisions fp8_scaled $KEEP \
-            --compile --fp8-compute
-        step peers_compiled.log 120 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections \
-            $KEEP --compile --fp8-compute
-        step peers_eager.log 90 $PY bench/bench_peers.py $PEERS --families flux --precisions fp8 --save-projections \
-            $KEEP --save-dequantized
-        step levers.log 120 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --levers dequantized
+        step levers.log 120 $PY bench/bench_core_levers.py --device "$DEVICE" $SHAPE --reps 7 --levers stand_in,per_sample
         ;;
     fp8compute)  # fp8_compute compiled, never timed: eager it is slower than bf16 (x1.18-1.45: each quantizer's
         # passes and launches beside a small fp8 GEMM); compiled, inductor fuses each quantizer into one kernel
