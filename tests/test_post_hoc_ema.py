@@ -120,5 +120,11 @@ def test_peft_adapter_folders_give_a_folder(tmp_path):
     got = load_file(str(out / "adapter_model.safetensors"))
     torch.testing.assert_close(next(iter(got.values())), torch.full((2, 4), 0.9 ** 10 + (1 - 0.9 ** 10) * 3.0))
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 2
-    assert post_hoc_ema.main([str(tmp_path / "lora-step000010"), str(tmp_path / "lora-step000020"), "--save_to",
-                              str(tmp_path / "avg.safetensors")]) == 2  # a folder's average is a folder
+    saves = [str(tmp_path / "lora-step000010"), str(tmp_path / "lora-step000020")]
+    assert post_hoc_ema.main([*saves, "--save_to", str(tmp_path / "avg.safetensors")]) == 2  # a folder's average is one
+    mine = tmp_path / "mine"  # a folder of the user's: the average would have replaced it whole
+    mine.mkdir()
+    (mine / "notes.txt").write_text("keep")
+    for target in (mine, tmp_path):  # (tmp_path holds the saves)
+        assert post_hoc_ema.main([*saves, "--save_to", str(target)]) == 2
+    assert (mine / "notes.txt").read_text() == "keep" and (tmp_path / "lora-step000010").is_dir()
