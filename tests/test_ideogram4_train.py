@@ -239,7 +239,7 @@ def test_samples_unconditional_transformer_is_planned_and_released_after_each_ro
     model = family.load_transformer(torch.float32)
     loaded = []
 
-    def render(out_dir, tag, stop):  # a round of samples that runs out of memory after its first image
+    def render(out_dir, tag, stop, first=0):  # a round of samples that runs out of memory after its first image
         family.sample_latents(model, {"embeds": torch.randn(1, 5, 64)}, 32, 32, 1, 0, 4.0)
         loaded.append(family._uncond)
         raise RuntimeError("CUDA out of memory")

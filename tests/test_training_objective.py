@@ -324,7 +324,7 @@ class FakeTask:
     def evaluates_after(self, step):
         return False
 
-    def render_samples(self, out_dir, tag, stop=None):
+    def render_samples(self, out_dir, tag, stop=None, first=0):
         return []
 
     def finish(self, output_dir, stop=None):
