@@ -128,3 +128,23 @@ def test_peft_adapter_folders_give_a_folder(tmp_path):
     for target in (mine, tmp_path):  # (tmp_path holds the saves)
         assert post_hoc_ema.main([*saves, "--save_to", str(target)]) == 2
     assert (mine / "notes.txt").read_text() == "keep" and (tmp_path / "lora-step000010").is_dir()
+
+
+def test_the_saves_alpha_headers_stay_with_the_average(tmp_path):
+    """The header is the last save's: a diffusers-layout file's adapter config (its lora_alpha) and the PEFT fold
+    mark describe the average as well. Old: both were dropped as for a tool that rewrites the layout, so diffusers
+    loaded the average at alpha = rank (another strength than the saves')."""
+    from networks.lora_files import ADAPTER_METADATA_KEY, FOLDED_MARK
+
+    header = {ADAPTER_METADATA_KEY: json.dumps({"r": 2, "lora_alpha": 1}), FOLDED_MARK: "false"}
+    paths = []
+    for step, value in ((1, 1.0), (2, 3.0)):
+        paths.append(str(tmp_path / f"lora-step{step:06d}.safetensors"))
+        tensors = {"transformer.x.lora_A.weight": torch.full((2, 4), value),
+                   "transformer.x.lora_B.weight": torch.full((4, 2), value)}
+        save_file(tensors, paths[-1], {**header, "ss_steps": str(step)})
+    out = tmp_path / "avg.safetensors"
+    assert post_hoc_ema.main([*paths, "--save_to", str(out), "--decay_per_step", "0.5"]) == 0
+    with safe_open(str(out), "pt") as f:
+        meta = f.metadata()
+    assert {k: meta.get(k) for k in header} == header and "sshs_model_hash" in meta

@@ -24,8 +24,9 @@ its final LoRA) the second; two different files of one step are refused. Then, p
 Every float tensor is averaged (the LoRA factors, DoRA magnitudes, LyCORIS's); `.alpha` and integer tensors must
 be equal in every save (they are the network's settings) and are kept. The saves must hold the same tensors
 (names, shapes): saves of one run. A PEFT adapter folder in gives a folder out (its adapter_config.json). The
-header is the last save's, with ss_output_name (and modelspec.title) the output's name and `ss_post_hoc_ema`
-saying which saves at which weights; sshs_model_hash is that of the new tensors.
+header is the last save's (its alpha headers too: the layout is the same), with ss_output_name (and
+modelspec.title) the output's name and `ss_post_hoc_ema` saying which saves at which weights; sshs_model_hash
+is that of the new tensors.
 Errors are one line on stderr, exit status 2, and nothing is written.
 """
 
@@ -67,7 +68,7 @@ import torch  # noqa: E402
 from library.io import atomic_folder, write_text  # noqa: E402
 from networks.lora_files import (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, input_files, peft_folder_of,  # noqa: E402
                                  read_lora_tensors, write_lora_tensors)
-from tools.lora_common import DROPPED_METADATA, save_dtype  # noqa: E402
+from tools.lora_common import save_dtype  # noqa: E402
 
 NAME_KEYS = ("ss_output_name", "modelspec.title")
 
@@ -187,7 +188,9 @@ def post_hoc_ema(paths: list[str], save_to: str, decay_per_step=None, beta=None,
         check_output_folder(save_to, [s.path for s in saves])
     weights = decays(saves, decay_per_step, beta, beta_end, sigma_rel)
     tensors = averaged(saves, weights, save_dtype(precision, None) if precision else None)
-    metadata = {k: v for k, v in saves[-1].metadata.items() if k not in DROPPED_METADATA}
+    # the saves' own keys and layout: their alpha headers (a diffusers file's adapter config, the PEFT fold mark)
+    # describe the average too; write_lora_tensors renews the tensors' hashes
+    metadata = dict(saves[-1].metadata)
     name = os.path.splitext(os.path.basename(save_to.rstrip(os.sep)))[0]
     metadata.update({k: name for k in NAME_KEYS if k in metadata})
     mode = ({"decay_per_step": decay_per_step} if decay_per_step is not None else
