@@ -80,6 +80,7 @@ from tools.lora_common import (  # noqa: E402
     LoRAFile,
     LoRASpec,
     check_output_path,
+    named_as,
     one_line,
     parse_lora_spec,
     read_lora_file,
@@ -217,7 +218,6 @@ def gather(specs: list[LoRASpec]) -> tuple[dict[str, list[tuple[float, LoRAWeigh
 
 
 FOLDER_KEYS = ("ss_dataset_dirs", "ss_tag_frequency")  # sd-scripts' {training folder: ...}: A1111 shows the tags
-NAME_KEYS = ("ss_output_name", "modelspec.title")  # the name A1111 (alias) and SwarmUI (title) list a LoRA by
 
 
 def combined_folders(loras: list[LoRAFile], key: str) -> str | None:
@@ -272,9 +272,7 @@ def combine_loras(specs: list[LoRASpec], save_to: str, mode: str = "concat", ran
     for key in FOLDER_KEYS:
         if (folders := combined_folders(loras, key)) is not None:
             metadata[key] = folders
-    for key in NAME_KEYS:
-        if key in metadata:
-            metadata[key] = os.path.splitext(os.path.basename(save_to))[0]
+    metadata = named_as(metadata, save_to)
     metadata["lora_combined"] = json.dumps({"mode": mode, "rank": rank,
                                             "loras": [{"file": os.path.basename(s.path), "ratio": s.ratio} for s in specs]})  # fmt: skip
     whole = combined_whole_deltas(specs, loras, fmt, prefix)

@@ -48,6 +48,7 @@ from networks.lycoris_network import is_lycoris_file  # noqa: E402
 from tools.cli import LoRASpec, Parser, one_line, parse_lora_spec  # noqa: E402,F401  (the LoRA tools' parser, error line, --lora)
 
 DROPPED_METADATA = ("sshs_model_hash", "sshs_legacy_hash", ADAPTER_METADATA_KEY, FOLDED_MARK)
+NAME_KEYS = ("ss_output_name", "modelspec.title")  # the name A1111 (alias) and SwarmUI (title) list a LoRA by
 COMFY_ONLY_PREFIXES = tuple(p for p in COMFY_PREFIXES if p != "transformer.")  # diffusers' prefix is PEFT's too
 # diffusers' and ComfyUI's text-encoder modules beside a transformer's (text_encoder.*): no transformer prefix
 DOTTED_TEXT_ENCODERS = tuple(p for p in TEXT_ENCODER_PREFIXES if p.endswith("."))
@@ -162,6 +163,12 @@ def write_lora_file(path: str, weights: dict[str, LoRAWeights], fmt: str, prefix
         header[FOLDED_MARK] = "true"
     extra = {k: t.to(dtype) if t.is_floating_point() else t for k, t in (beside or {}).items()}
     write_lora_tensors({**layout_tensors(weights, fmt, prefix, dtype), **extra}, path, header)
+
+
+def named_as(metadata: dict[str, str], save_to: str) -> dict[str, str]:
+    """The header with the name keys it has (NAME_KEYS) set to the output's: its file or folder name."""
+    name = os.path.splitext(os.path.basename(save_to.rstrip(os.sep)))[0]
+    return {**metadata, **{k: name for k in NAME_KEYS if k in metadata}}
 
 
 def save_dtype(name: str | None, default: torch.dtype) -> torch.dtype:

@@ -68,9 +68,7 @@ import torch  # noqa: E402
 from library.io import atomic_folder, write_text  # noqa: E402
 from networks.lora_files import (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, input_files, peft_folder_of,  # noqa: E402
                                  read_lora_tensors, write_lora_tensors)
-from tools.lora_common import save_dtype  # noqa: E402
-
-NAME_KEYS = ("ss_output_name", "modelspec.title")
+from tools.lora_common import named_as, save_dtype  # noqa: E402
 
 
 def gamma_of(sigma_rel: float) -> float:
@@ -190,9 +188,7 @@ def post_hoc_ema(paths: list[str], save_to: str, decay_per_step=None, beta=None,
     tensors = averaged(saves, weights, save_dtype(precision, None) if precision else None)
     # the saves' own keys and layout: their alpha headers (a diffusers file's adapter config, the PEFT fold mark)
     # describe the average too; write_lora_tensors renews the tensors' hashes
-    metadata = dict(saves[-1].metadata)
-    name = os.path.splitext(os.path.basename(save_to.rstrip(os.sep)))[0]
-    metadata.update({k: name for k in NAME_KEYS if k in metadata})
+    metadata = named_as(saves[-1].metadata, save_to)
     mode = ({"decay_per_step": decay_per_step} if decay_per_step is not None else
             {"sigma_rel": sigma_rel, "gamma": gamma_of(sigma_rel)} if sigma_rel is not None else
             {"beta": weights[0], "beta_end": weights[-1]})
