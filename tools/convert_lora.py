@@ -114,7 +114,6 @@ from networks.lora_files import (  # noqa: E402
     KOHYA_TEXT_ENCODERS,
     LYCORIS_COMFY_PREFIX,
     PACKED_EXPERTS_KEY,
-    PEFT_CONFIG_FILE,
     LoRAWeights,
     beside_lora_note,
     comfy_state_dict,
@@ -140,7 +139,8 @@ from networks.lora_module_map import bfl_to_diffusers, diffusers_to_bfl  # noqa:
 from networks.lora_reader import lora_in_our_names, lycoris_module_paths  # noqa: E402
 from networks.lycoris_network import is_lycoris_file  # noqa: E402
 from networks.lora_arch import detect_arch, lora_files, module_of_key, text_encoder_labels, title_list  # noqa: E402
-from tools.lora_common import check_finite, check_output_path, layout_name, warn_unknown_peft_alpha  # noqa: E402
+from tools.lora_common import (check_finite, check_output_path, check_peft_folder_output, layout_name,  # noqa: E402
+                               warn_unknown_peft_alpha)
 
 DROPPED_METADATA = ("sshs_model_hash", ADAPTER_METADATA_KEY, FOLDED_MARK, "format")
 LAYOUT_ADVICE = {"diffusers": "--to diffusers", "comfy": "--to comfy", "peft": "--to peft (a PEFT adapter folder)"}
@@ -252,12 +252,7 @@ def check_destination(src: str, dst: str, to: str) -> None:
         return
     if dst.endswith((".safetensors", ".gguf")) or (os.path.exists(dst) and not os.path.isdir(dst)):
         raise ValueError(f"output {dst}: --to peft writes a PEFT adapter folder; expected a folder name, not a file")
-    inside = os.path.realpath(src) + os.sep
-    if inside.startswith(os.path.realpath(dst) + os.sep):
-        raise ValueError(f"output {dst}: is or holds the input {src}; write the PEFT folder elsewhere")
-    if os.path.isdir(dst) and os.listdir(dst) and not os.path.isfile(os.path.join(dst, PEFT_CONFIG_FILE)):
-        raise ValueError(f"output {dst}: a folder of other files (no {PEFT_CONFIG_FILE}), which the PEFT folder "
-                         f"would replace whole; name a new folder or a PEFT adapter folder")
+    check_peft_folder_output(dst, src, flag="output")
 
 
 def convert_lora(src: str, dst: str, to: str, model_type: str | None = None, alpha: float | None = None,

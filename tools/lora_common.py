@@ -29,6 +29,7 @@ from networks.lora_files import (  # noqa: E402
     COMFY_PREFIXES,
     FOLDED_MARK,
     PACKED_EXPERTS_KEY,
+    PEFT_CONFIG_FILE,
     comfy_state_dict,
     PEFT_PREFIXES,
     TEXT_ENCODER_PREFIXES,
@@ -186,6 +187,18 @@ def check_output_path(path: str, *inputs: str, flag: str = "--save_to") -> None:
         raise ValueError(f"{flag} {path}: expected a .safetensors file (only safetensors is written)")
     if os.path.exists(path) and any(os.path.samefile(path, f) for f in input_files(inputs)):
         raise ValueError(f"{flag} {path}: is one of the inputs; write the result elsewhere")
+
+
+def check_peft_folder_output(path: str, *inputs: str, flag: str = "--save_to") -> None:
+    """A PEFT adapter folder written at `path` replaces it whole: never a folder that is or holds an input, nor
+    one of other files than a PEFT adapter's (a user's `out/` given by mistake)."""
+    real = os.path.realpath(path) + os.sep
+    held = next((p for p in inputs if (os.path.realpath(p) + os.sep).startswith(real)), None)
+    if held is not None:
+        raise ValueError(f"{flag} {path}: is or holds the input {held}; write the PEFT folder elsewhere")
+    if os.path.isdir(path) and os.listdir(path) and not os.path.isfile(os.path.join(path, PEFT_CONFIG_FILE)):
+        raise ValueError(f"{flag} {path}: a folder of other files (no {PEFT_CONFIG_FILE}), which the PEFT folder "
+                         f"would replace whole; name a new folder or a PEFT adapter folder")
 
 
 # ----------------------------------------------------------------------------------------------

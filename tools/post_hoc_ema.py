@@ -68,7 +68,7 @@ import torch  # noqa: E402
 from library.io import atomic_folder, write_text  # noqa: E402
 from networks.lora_files import (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, input_files, peft_folder_of,  # noqa: E402
                                  read_lora_tensors, write_lora_tensors)
-from tools.lora_common import named_as, save_dtype  # noqa: E402
+from tools.lora_common import check_peft_folder_output, named_as, save_dtype  # noqa: E402
 
 
 def gamma_of(sigma_rel: float) -> float:
@@ -183,7 +183,9 @@ def post_hoc_ema(paths: list[str], save_to: str, decay_per_step=None, beta=None,
         raise ValueError(f"--save_to {save_to}: expected a .safetensors file for .safetensors saves, a folder for PEFT "
                          f"adapter folders (and saves of one kind)")
     if folder is not None:
-        check_output_folder(save_to, [s.path for s in saves])
+        if os.path.exists(save_to) and not os.path.isdir(save_to):
+            raise ValueError(f"--save_to {save_to}: a file; PEFT saves average into a folder")
+        check_peft_folder_output(save_to, *(s.path for s in saves))
     weights = decays(saves, decay_per_step, beta, beta_end, sigma_rel)
     tensors = averaged(saves, weights, save_dtype(precision, None) if precision else None)
     # the saves' own keys and layout: their alpha headers (a diffusers file's adapter config, the PEFT fold mark)
@@ -206,19 +208,6 @@ def post_hoc_ema(paths: list[str], save_to: str, decay_per_step=None, beta=None,
     steps = ", ".join(f"{s.step if s.step is not None else os.path.basename(s.path)}: {w:.1%}"
                       for s, w in zip(saves, share))
     return said + [f"{len(saves)} saves -> {save_to} (each save's share of the average, by step: {steps})"]
-
-
-def check_output_folder(save_to: str, inputs: list[str]) -> None:
-    """The PEFT folder written replaces `save_to` whole: never a file, a folder holding a save, or one of other
-    files (a user's `out/` given by mistake)."""
-    if os.path.exists(save_to) and not os.path.isdir(save_to):
-        raise ValueError(f"--save_to {save_to}: a file; PEFT saves average into a folder")
-    real = os.path.realpath(save_to) + os.sep
-    if any((os.path.realpath(p) + os.sep).startswith(real) for p in inputs):
-        raise ValueError(f"--save_to {save_to}: is or holds one of the saves; write the result elsewhere")
-    if os.path.isdir(save_to) and os.listdir(save_to) and not os.path.isfile(os.path.join(save_to, PEFT_CONFIG_FILE)):
-        raise ValueError(f"--save_to {save_to}: a folder of other files (no {PEFT_CONFIG_FILE}), which the PEFT folder "
-                         f"would replace whole; name a new folder or a PEFT adapter folder")
 
 
 def final_shares(weights: list[float]) -> list[float]:
