@@ -103,6 +103,10 @@ def test_saves_of_two_runs_are_refused(run, tmp_path, capsys):
     save_file({**tensors, key: tensors[key][:2]}, str(other), {**meta, "ss_steps": "9"})
     assert post_hoc_ema.main([*saves(run), str(other), "--save_to", str(out)]) == 2
     assert f"'{key}' has shape" in capsys.readouterr().err and not out.exists()
+    final = load_file(saves(run)[3])  # the output must be none of the saves
+    assert post_hoc_ema.main([*saves(run), "--save_to", saves(run)[3]]) == 2
+    assert "is one of the inputs" in capsys.readouterr().err
+    assert all(torch.equal(v, load_file(saves(run)[3])[k]) for k, v in final.items())
 
 
 def test_peft_adapter_folders_give_a_folder(tmp_path):

@@ -66,9 +66,9 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 
 from library.io import atomic_folder, write_text  # noqa: E402
-from networks.lora_files import (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, input_files, peft_folder_of,  # noqa: E402
-                                 read_lora_tensors, write_lora_tensors)
-from tools.lora_common import check_peft_folder_output, named_as, save_dtype  # noqa: E402
+from networks.lora_files import (PEFT_CONFIG_FILE, PEFT_WEIGHTS_FILE, peft_folder_of, read_lora_tensors,  # noqa: E402
+                                 write_lora_tensors)
+from tools.lora_common import check_output_path, check_peft_folder_output, named_as, save_dtype  # noqa: E402
 
 
 def gamma_of(sigma_rel: float) -> float:
@@ -173,8 +173,8 @@ def post_hoc_ema(paths: list[str], save_to: str, decay_per_step=None, beta=None,
     """Writes the averaged LoRA; returns the lines to print."""
     if beta_end is not None and beta is None:
         raise ValueError("--beta_end goes with --beta (the first save's decay)")
-    if os.path.exists(save_to) and any(os.path.samefile(save_to, f) for f in input_files(paths) + paths):
-        raise ValueError(f"--save_to {save_to}: is one of the saves; write the result elsewhere")
+    if save_to.endswith(".safetensors"):  # (a folder: check_peft_folder_output below)
+        check_output_path(save_to, *paths)
     saves, said = ordered([Save(p) for p in paths])
     if len(saves) < 2:
         raise ValueError(f"{len(saves)} save{'s' if len(saves) != 1 else ''} left to average (give two or more)")
