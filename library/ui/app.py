@@ -159,7 +159,7 @@ def job_form(ui: WebUI):
 
 def loading_events(ui: WebUI, pick, load, text, fields: dict, order: list, errors: dict, converted, states: tuple):
     """Load, a pick in the config list and leaving the editor: what fills the editor and the fields. states: the
-    (loaded, loaded_text, conversion, loaded_file) gr.States of jobs_tab."""
+    (loaded, loaded_text, conversion, loaded_file, typed) gr.States of jobs_tab."""
     loaded, loaded_text, conversion, loaded_file, typed = states
     form_inputs = [fields[k] for k in order]
     keep = [gr.update()] * (1 + len(order))  # the editor and the fields, as they are

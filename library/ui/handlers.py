@@ -164,11 +164,16 @@ def rendering_as_trained(config: dict, device: str | None) -> list:
     return args + (["--device", device] if named else [])
 
 
-def apply_form(settings: dict, form: dict) -> dict:
-    """The config's keys with the form's changed fields over them (base_precision replaces the older
-    fp8_base / fp8_scaled keys, which could contradict it) and without the keys of the fields the user emptied."""
+def form_changes(settings: dict, form: dict) -> tuple[dict, tuple[str, ...]]:
+    """(the form's changed fields, the config's keys they remove): base_precision replaces the older fp8_base /
+    fp8_scaled keys, which could contradict it; a field the user emptied removes its key."""
     changed = changed_fields(settings, form)
-    drop = replaced_keys(changed) + cleared_keys(form)
+    return changed, replaced_keys(changed) + cleared_keys(form)
+
+
+def apply_form(settings: dict, form: dict) -> dict:
+    """The config's keys with the form's changed fields over them, less the keys they remove (form_changes)."""
+    changed, drop = form_changes(settings, form)
     return {**{k: v for k, v in settings.items() if k not in drop}, **changed}
 
 
@@ -343,8 +348,7 @@ class WebUI:
             settings = _flatten(toml_loads(text or ""), "config")
         except toml.TomlDecodeError as e:
             raise ValueError(f"config: not valid TOML: {e}") from None
-        changed = changed_fields(settings, form)
-        drop = replaced_keys(changed) + cleared_keys(form)
+        changed, drop = form_changes(settings, form)
         new_text = toml_with(text or "", {k: v for k, v in settings.items() if k not in drop}, changed, drop)
         write_whole(real, new_text)
         return real
