@@ -42,9 +42,14 @@ def two_blocks(make):
     return make(depth=1)
 
 
-def with_lora(model, family, base):
+def with_lora(model, family, base, fp8_gemms: bool = False):
+    """fp8_gemms: the quantized base's Linears as fp8 GEMMs (fp8_compute; enabled before the LoRA wraps them)."""
     if base != "fp32":
         model = quantize_module(model, base, arch_spec(family).fp8)
+    if fp8_gemms:
+        from library.precision.fp8_compute import enable_fp8_compute
+
+        assert enable_fp8_compute(model) > 0
     net = LoRANetwork(model, family, rank=4, alpha=2.0)
     for m in net.lora_modules():  # a non-zero LoRA, so its gradients flow through every path
         torch.nn.init.normal_(m.lora_up.weight, std=0.1)

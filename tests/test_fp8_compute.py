@@ -371,25 +371,12 @@ def test_compiled_fp8_compute_blocks_swap_bit_for_bit():
 
     from library.models.block_swap import enable_block_swap
     from library.models.core import compile_block
-    from library.models.registry import arch_spec
-    from library.precision.fp8 import quantize_module
-    from networks.lora import LoRANetwork
-    from tests.test_block_swap import step, tiny_flux, two_blocks
-
-    def with_lora(model, fp8_gemms: bool):
-        model = quantize_module(model, "fp8_scaled", arch_spec(family).fp8)
-        if fp8_gemms:
-            assert enable_fp8_compute(model) > 0
-        net = LoRANetwork(model, family, rank=4, alpha=2.0)
-        for m in net.lora_modules():  # a non-zero LoRA, so its gradients flow through every path
-            torch.nn.init.normal_(m.lora_up.weight, std=0.1)
-        net.apply()
-        return model, net
+    from tests.test_block_swap import step, tiny_flux, two_blocks, with_lora
 
     torch._dynamo.reset()
     base, family, inputs = two_blocks(tiny_flux)
-    (model, net), (reference, ref_net), (plain, plain_net) = (with_lora(copy.deepcopy(base), gemms)
-                                                              for gemms in (True, True, False))
+    (model, net), (reference, ref_net), (plain, plain_net) = (
+        with_lora(copy.deepcopy(base), family, "fp8_scaled", fp8_gemms) for fp8_gemms in (True, True, False))
     ref_net.load_state_dict(net.state_dict()), plain_net.load_state_dict(net.state_dict())
     swap = enable_block_swap(model, 1, "cpu")
     for m in (model, reference, plain):
