@@ -244,3 +244,18 @@ def test_generates_guidance_scale_hint_says_where_musubi_tuners_scale_reads_othe
 
     said = generate.peer_flags()["--guidance_scale"]
     assert "Krea 2: its value - 1, CFG only above 1 there" in said and "Z-Image: its value, CFG only above 1" in said
+
+
+def test_a_tools_path_from_the_home_folder_is_read_as_the_shell_reads_it(monkeypatch, tmp_path):
+    """The web UI starts generate.py without a shell, handing it a job's TOML paths as written: `~/flux.safetensors`
+    (the trainer reads `~` there) was looked for in a folder named '~'. `--flag=~/x`, which the shell leaves, too.
+    A prompt is free text and a `~name` a word: both stay as typed."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    parser = build_parser("tools/generate.py")()
+    args = parser.parse_args(["--model_type", "flux", "--model", "~/flux.safetensors", "--ae=~/ae.safetensors",
+                              "--out", "~", "--prompt", "~/a cat", "--prompt=~/a dog", "--lora", "~/l.safetensors:0.5"])
+    assert (args.model, args.ae, args.out) == (f"{tmp_path}/flux.safetensors", f"{tmp_path}/ae.safetensors", str(tmp_path))
+    assert args.prompt == ["~/a cat", "~/a dog"]
+    assert args.lora == [f"{tmp_path}/l.safetensors:0.5"]
+    name = build_parser("tools/make_tiny_dataset.py")().parse_args(["--out", "~x", "--trigger", "~/zxq"])
+    assert (name.out, name.trigger) == ("~x", "~/zxq")

@@ -29,7 +29,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 class Parser(argparse.ArgumentParser):
     """argparse whose errors are a ValueError (one line and exit status 2 through the tool's main)
     and which refuses abbreviated flags. peer_flags: {a peer tool's flag: ours}, for a command line
-    brought from sd-scripts or musubi-tuner (--dit, --from_file)."""
+    brought from sd-scripts or musubi-tuner (--dit, --from_file). A value starting with `~/` is in the
+    home folder (home_folder_words)."""
 
     def __init__(self, *args, peer_flags: dict[str, str] | None = None, **kwargs):
         super().__init__(*args, **{"allow_abbrev": False, **kwargs})
@@ -43,10 +44,29 @@ class Parser(argparse.ArgumentParser):
         if theirs:
             self.error(f"sd-scripts / musubi-tuner flag{'s' if len(theirs) > 1 else ''}, which this tool names "
                        f"otherwise: " + ", ".join(f"{flag} -> {self.peer_flags[flag]}" for flag in theirs))
-        return super().parse_known_args(args, namespace)
+        return super().parse_known_args(home_folder_words(words), namespace)
 
     def error(self, message):
         raise ValueError(message)
+
+
+# Free text, never a path: a prompt reading "~/..." stays as typed.
+TEXT_FLAGS = ("--prompt", "--negative_prompt", "--prefix", "--trigger")
+
+
+def home_folder_words(words: list[str]) -> list[str]:
+    """`~` and `~/x` as the home folder, in a word and in `--flag=~/x`. The shell expands an unquoted `--out ~/x`
+    but not `--out=~/x`, and the web UI starts a tool without a shell, passing a job's TOML paths as written (the
+    trainer reads `~` in them: config_schema.PATH_KEYS), so generate.py was handed `--model ~/flux.safetensors`
+    and said it found no such file. `~name` stays (a word, not a home folder)."""
+    out, text_value = [], False
+    for word in words:
+        flag, eq, value = word.partition("=") if word.startswith("--") else ("", "", word)
+        if not text_value and flag not in TEXT_FLAGS and (value == "~" or value.startswith("~/")):
+            word = flag + eq + os.path.expanduser(value)
+        out.append(word)
+        text_value = word in TEXT_FLAGS
+    return out
 
 
 def save_precision_name(value: str) -> str:
