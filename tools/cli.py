@@ -57,7 +57,7 @@ TEXT_FLAGS = ("--prompt", "--negative_prompt", "--prefix", "--trigger")
 def home_folder_words(words: list[str]) -> list[str]:
     """`~` and `~/x` as the home folder, in a word and in `--flag=~/x`. The shell expands an unquoted `--out ~/x`
     but not `--out=~/x`, and the web UI starts a tool without a shell, passing a job's TOML paths as written (the
-    trainer reads `~` in them: config_schema.PATH_KEYS), so generate.py was handed `--model ~/flux.safetensors`
+    trainer reads `~` in them: config_schema.PATH_KEYS), so generate.py was handed `--model ~/base.safetensors`
     and said it found no such file. `~name` stays (a word, not a home folder)."""
     out, text_value = [], False
     for word in words:
