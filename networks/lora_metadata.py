@@ -51,6 +51,9 @@ METADATA_KEYS = {
     "max_grad_norm": "ss_max_grad_norm",  # 0: no clipping
     "timestep_sampling": "ss_timestep_sampling",
     "timestep_bias": "ss_timestep_bias",  # high_noise / low_noise (written where it is not none)
+    "min_timestep": "ss_min_timestep",  # the sigmas trained, in thousandths (written where set)
+    "max_timestep": "ss_max_timestep",
+    "preserve_distribution_shape": "ss_preserve_distribution_shape",  # written where true
     "shift": "ss_discrete_flow_shift",
     "guidance": "ss_guidance_scale",
     "seed": "ss_seed",

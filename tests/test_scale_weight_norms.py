@@ -56,7 +56,8 @@ def test_a_run_bounds_every_saved_module_logs_the_counts_and_records_the_bound(t
     out = tmp_path / "out"
     bound = 1e-3  # under what the first step's update gives every module
     assert train_lora.main(flux_args(tiny_set, out, "--scale_weight_norms", str(bound), "--max_train_steps", "2",
-                                     "--network_alpha", "4", "--ip_noise_gamma", "0.05")) == 0
+                                     "--network_alpha", "4", "--ip_noise_gamma", "0.05", "--min_timestep", "100",
+                                     "--max_timestep", "900", "--preserve_distribution_shape", "true")) == 0
     weights = load_file(str(out / "tiny_flux_lora.safetensors"))
     downs = [k for k in weights if k.endswith("lora_down.weight")]
     for key in downs:
@@ -69,7 +70,9 @@ def test_a_run_bounds_every_saved_module_logs_the_counts_and_records_the_bound(t
     assert all(math.isclose(float(r["max_key_norm"]), bound, rel_tol=1e-5) for r in rows)
     with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
         assert f.metadata()["ss_scale_weight_norms"] == str(bound)
-        assert f.metadata()["ss_ip_noise_gamma"] == "0.05"  # (another header key of a training setting, one run)
+        assert f.metadata()["ss_ip_noise_gamma"] == "0.05"  # (other header keys of training settings, one run)
+        assert [f.metadata()[f"ss_{k}"] for k in ("min_timestep", "max_timestep", "preserve_distribution_shape")] == [
+            "100", "900", "True"]
 
 
 def test_a_lycoris_network_is_refused_in_one_line(tiny_set, tmp_path, capsys):

@@ -496,20 +496,25 @@ class DiffusionFamily:
         lh, lw = latents.shape[-2:]
         if mask is not None:
             mask = on_latent_grid(mask, (lh, lw))
-        h, w = lh // self.patch, lw // self.patch  # one frame's patch grid: the shift's token count
-        method = args.timestep_sampling or self.default_timestep_sampling(model)
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
-        sigmas = torch.cat([
-            fm.sample_sigmas(1, method, generator=g, shift=args.discrete_flow_shift,
-                             sigmoid_scale=args.sigmoid_scale, image_seq_len=h * w,
-                             bias=getattr(args, "timestep_bias", "none"))
-            for g in generators
-        ])
+        lo, hi = fm.timestep_range(args)
+        preserve = getattr(args, "preserve_distribution_shape", False)
+        sigmas = torch.cat([fm.sigma_in_range(lambda n, g=g: self.draw_sigmas(model, args, g, lh, lw, n), lo, hi,
+                                              preserve) for g in generators])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
                             args.loss_type, args.huber_c, mask, sample_weights, control=control,
                             preservation=preservation, input_noise=input_perturbation(noise, args, generators))
         return loss, sigmas
+
+    def draw_sigmas(self, model, args, generator: torch.Generator, lh: int, lw: int, count: int) -> torch.Tensor:
+        """`count` sigmas of this model's training law (timestep_sampling, or the model's own; its shift at one
+        lh x lw latent frame's token count), float32 [count], from one sample's generator; training_loss keeps them
+        in min_timestep / max_timestep (fm.sigma_in_range)."""
+        method = args.timestep_sampling or self.default_timestep_sampling(model)
+        return fm.sample_sigmas(count, method, generator=generator, shift=args.discrete_flow_shift,
+                                sigmoid_scale=args.sigmoid_scale, image_seq_len=(lh // self.patch) * (lw // self.patch),
+                                bias=getattr(args, "timestep_bias", "none"))
 
     def loss_at(self, model, latents: torch.Tensor, text: dict, noise: torch.Tensor, sigmas: torch.Tensor,
                 guidance: float | None, weighting: str = "none", loss_type: str = "l2", huber_c: float = 0.1,

@@ -124,6 +124,37 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
     return time_shift(resolution_mu(sampling, image_seq_len), sigmas)
 
 
+# min_timestep / max_timestep (musubi-tuner's): the sigmas trained, in thousandths.
+TIMESTEPS = 1000
+REDRAW_CHUNK, REDRAW_ROUNDS = 1024, 64  # preserve_distribution_shape: up to 65,536 draws for one sigma in range
+
+
+def timestep_range(args) -> tuple[float, float]:
+    """(lo, hi): the sigmas a run trains, min_timestep / 1000 to max_timestep / 1000 ((0, 1) unset)."""
+    lo, hi = getattr(args, "min_timestep", None), getattr(args, "max_timestep", None)
+    return (lo or 0) / TIMESTEPS, (TIMESTEPS if hi is None else hi) / TIMESTEPS
+
+
+def sigma_in_range(draw: Callable[[int], torch.Tensor], lo: float, hi: float, preserve: bool) -> torch.Tensor:
+    """One sigma, float32 [1], of the law `draw(n)` draws (n sigmas from one sample's generator), within [lo, hi],
+    as musubi-tuner's min_timestep / max_timestep: the law scaled into the range, s (hi - lo) + lo (its shape
+    squeezed: a logit-normal's peak moves with the range), or with preserve (its preserve_distribution_shape) the law
+    cut to it: draws outside are redrawn, from the same generator (musubi-tuner redraws whole batches and, out of
+    tries, trains the unrestricted draw; a ValueError here, and diffusion_checks refuses such a range at the start).
+    (0, 1): the draw as ever, bit for bit."""
+    if (lo, hi) == (0.0, 1.0):
+        return draw(1)
+    if not preserve:
+        return draw(1) * (hi - lo) + lo
+    for _ in range(REDRAW_ROUNDS):
+        sigmas = draw(REDRAW_CHUNK)
+        inside = sigmas[(sigmas >= lo) & (sigmas <= hi)]
+        if len(inside):
+            return inside[:1]
+    raise ValueError(f"min_timestep / max_timestep: not one of {REDRAW_CHUNK * REDRAW_ROUNDS} sigmas of this "
+                     f"draw fell in [{lo:g}, {hi:g}]; widen the range, or set preserve_distribution_shape = false")
+
+
 def _per_sample(sigmas: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """sigmas [B] as float32 [B, 1, ...] broadcasting over `like`."""
     return sigmas.float().reshape(-1, *([1] * (like.dim() - 1)))

@@ -562,6 +562,18 @@ RANGES = {
 }
 _IN_RANGE = {">= 1": lambda v: v >= 1, ">= 0": lambda v: v >= 0, "> 0": lambda v: v > 0,
              "in [0, 1)": lambda v: 0 <= v < 1}
+def _validate_timestep_range(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
+    """min_timestep in 0-999, max_timestep in 1-1000, the first below the second (musubi-tuner takes any)."""
+    lo, hi = args.min_timestep, args.max_timestep
+    for key, value, least, most in (("min_timestep", lo, 0, 999), ("max_timestep", hi, 1, 1000)):
+        if value is not None and not least <= value <= most:
+            raise ConfigError(f"{blame(origins, where, key)}: key '{key}' must be {least} to {most} (thousandths of "
+                              f"the noise level sigma), got {value}")
+    if lo is not None and hi is not None and lo >= hi:
+        raise ConfigError(f"{blame(origins, where, 'min_timestep', 'max_timestep')}: min_timestep ({lo}) must be below "
+                          f"max_timestep ({hi})")
+
+
 def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:
     """Numbers in range (RANGES), and no key set that this model_type does not read."""
     if not 0 <= args.network_alpha < math.inf:  # a negative alpha flips the update's sign (sd-scripts takes it)
@@ -588,6 +600,7 @@ def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: s
         check_warmup(args, args.max_train_steps, blame(origins, where, "lr_warmup_steps", "max_train_steps"))
         check_decay(args, args.max_train_steps, blame(origins, where, "lr_warmup_steps", "lr_decay_steps",
                                                       "max_train_steps"))
+    _validate_timestep_range(args, origins, where)
     if not 0 <= args.seed < 2**64:  # torch.manual_seed's range (beyond it: "Overflow when unpacking long long")
         raise ConfigError(f"{blame(origins, where, 'seed')}: key 'seed' must be 0 to 2^64 - 1, got {args.seed}")
     for key, arg in SCHEMA.items():  # the rest: any finite number

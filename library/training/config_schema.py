@@ -171,6 +171,10 @@ SCHEMA: dict[str, Arg] = {
     "timestep_bias": A(str, "none", "lean the sigma draw to high or low noise (ai-toolkit's Timestep Bias, "
                                     "content_or_style content / style): its quantile 1 - u^3 or u^3", TIMESTEP_BIASES),
     "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
+    "min_timestep": A(int, None, "train sigmas from min_timestep / 1000 up (musubi-tuner's, 0-999; unset: 0)"),
+    "max_timestep": A(int, None, "train sigmas up to max_timestep / 1000 (musubi-tuner's, 1-1000; unset: 1000)"),
+    "preserve_distribution_shape": A(bool, False, "min_timestep / max_timestep cut the sigma law to their range (draws "
+                                                  "outside it redrawn) instead of scaling it into it (musubi-tuner's)"),
     "weighting_scheme": A(str, "none", "loss weighting (sigma_sq: the x0 error, as preconditioned outputs train)",
                           ("none", "sigma_sqrt", "cosmap", "sigma_sq")),
     "loss_type": A(str, "l2", "loss", ("l2", "huber")),

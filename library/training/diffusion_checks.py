@@ -37,11 +37,43 @@ def check_before_caching(args, family) -> tuple[str | None, str | None]:
     check_network_settings(args, family.arch)
     check_lora_inputs(args, family.arch)  # network_weights, base_loras: their headers
     check_prompt_references(args, family)
+    check_timestep_range(args, family)
     stored_and_widened = check_base_layout(args, family)
     # network_args against the model's blocks and names, network_weights' ranks against the network's
     check_network_fits(args, family.arch, lambda: family.load_transformer(
         compute_dtype(args), base_precision(args), read_weights=False))
     return stored_and_widened
+
+
+# preserve_distribution_shape: the least share of the law's draws in the range (each sample redraws up to 65,536
+# times: at 0.1%, ~65 in range, and a sample without one once in e^65)
+LEAST_RANGE_SHARE = 1e-3
+
+
+def check_timestep_range(args, family) -> None:
+    """preserve_distribution_shape redraws a sample's sigma until one falls in min_timestep / max_timestep: a range
+    its law hardly reaches (sigma above 0.99 under the plain logit-normal draw: 2 in a million) would stop the run
+    at its first step, after caching. Its share of the law's draws at 1024 px, now (a model on the meta device
+    tells the model's own law)."""
+    import torch
+
+    from library.models import flow_matching as fm
+
+    lo, hi = fm.timestep_range(args)
+    if not args.preserve_distribution_shape or (lo, hi) == (0.0, 1.0):
+        return
+    model = family.load_transformer(compute_dtype(args), base_precision(args), read_weights=False)
+    side = 1024 // family.vae_downsample
+    draws = family.draw_sigmas(model, args, torch.Generator().manual_seed(0), side, side,
+                               fm.REDRAW_CHUNK * fm.REDRAW_ROUNDS)
+    share = ((draws >= lo) & (draws <= hi)).double().mean().item()
+    if share < LEAST_RANGE_SHARE:
+        method = args.timestep_sampling or f"unset: {family.default_timestep_sampling(model)}"
+        raise ConfigError(f"{where_set(args, 'min_timestep', 'max_timestep', 'preserve_distribution_shape')}: "
+                          f"min_timestep {args.min_timestep} / max_timestep {args.max_timestep} with "
+                          f"preserve_distribution_shape: the sigma law (timestep_sampling {method}) puts {share:.4%} "
+                          f"of its draws in [{lo:g}, {hi:g}] at 1024 px, under the {LEAST_RANGE_SHARE:.1%} its redraws "
+                          f"need; widen the range, or set preserve_distribution_shape = false (the law scaled into it)")
 
 
 def check_prompt_references(args, family) -> None:

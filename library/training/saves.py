@@ -49,6 +49,8 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         scale_weight_norms=getattr(args, "scale_weight_norms", None),
         ip_noise_gamma=getattr(args, "ip_noise_gamma", 0) or None,  # (an LLM's args have none)
         timestep_bias=None if getattr(args, "timestep_bias", "none") == "none" else args.timestep_bias,
+        min_timestep=getattr(args, "min_timestep", None), max_timestep=getattr(args, "max_timestep", None),
+        preserve_distribution_shape=getattr(args, "preserve_distribution_shape", False) or None,
         mixed_precision=args.mixed_precision, resolution=facts["resolution"],
         steps=step, max_steps=max_steps, epochs=epochs, epoch=epoch,
         batch_size=facts["batch_size"], optimizer=args.optimizer_type

@@ -18,7 +18,7 @@ from functools import cached_property
 import torch
 
 from library.models import flow_matching as fm
-from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare, input_perturbation
+from library.models.family import CheckpointNames, DiffusionFamily, ModelFile, fp8_prepare
 from library.models.ideogram4.spec import SPEC
 from library.models.latents import unpack_latents
 
@@ -208,24 +208,15 @@ class Ideogram4Family(DiffusionFamily):
                                        f"(timestep_sampling = \"sigmoid\") reads it")
         return unread
 
-    def training_loss(self, model, latents, text, args, generators, mask=None, sample_weights=None, control=None,
-                      preservation=None):
+    def draw_sigmas(self, model, args, generator, lh, lw, count):
         """The pipeline's law, sigma = expit(mu + 1.5 n) at the image's resolution, unless the config
         names another timestep_sampling."""
         if args.timestep_sampling not in (None, self.arch + "_shift"):
-            return super().training_loss(model, latents, text, args, generators, mask, sample_weights, control,
-                                         preservation)
+            return super().draw_sigmas(model, args, generator, lh, lw, count)
         from library.models.ideogram4.sampling import training_sigmas
 
-        _, _, lh, lw = latents.shape
-        noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
-        sigmas = torch.cat([training_sigmas(1, lh * self.vae_downsample, lw * self.vae_downsample, g,
-                                            bias=getattr(args, "timestep_bias", "none")) for g in generators])
-        noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
-        loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
-                            args.loss_type, args.huber_c, mask, sample_weights, preservation=preservation,
-                            input_noise=input_perturbation(noise, args, generators))
-        return loss, sigmas
+        return training_sigmas(count, lh * self.vae_downsample, lw * self.vae_downsample, generator,
+                               bias=getattr(args, "timestep_bias", "none"))
 
     @torch.no_grad()
     def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None,

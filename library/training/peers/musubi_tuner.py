@@ -588,9 +588,9 @@ RULES: dict[str, Rule] = {
     "weighting_scheme": joint(_weighting_scheme),
     "logit_mean": joint(_logit), "logit_std": joint(_logit),
     "mode_scale": ignored("weighting_scheme mode's: read by that sigma draw only (timestep_sampling's line)"),
-    "min_timestep": implied(lambda v: v in (None, 0), "a floor on the timesteps: ours draws over all of them"),
-    "max_timestep": implied(lambda v: v in (None, 1000), "a ceiling on the timesteps: ours draws over all of them"),
-    "preserve_distribution_shape": ignored("how min_timestep / max_timestep cut the draw: nothing without them"),
+    "min_timestep": same(),
+    "max_timestep": same(),
+    "preserve_distribution_shape": same(),
     "num_timestep_buckets": implied(lambda v: v is None or v < 2, "stratified timesteps: ours draws each independently"),
     "show_timesteps": unsupported("plots the timesteps and exits: nothing is trained"),
     # network
