@@ -27,7 +27,8 @@ def test_sampled_sigmas_are_float32_within_unit_interval(method):
     s = fm.sample_sigmas(4096, method, generator=gen(), image_seq_len=4096)
     assert s.dtype == torch.float32 and s.shape == (4096,)
     assert float(s.min()) > 0.0 and float(s.max()) <= 1.0
-    assert float(s.std()) > 0.1  # a distribution, not a constant
+    # a distribution, not a constant (logsnr's default, the Style-Friendly paper's, holds 90% of it in [0.79, 0.99])
+    assert float(s.std()) > (0.05 if method == "logsnr" else 0.1)
 
 
 def test_sigma_sampling_is_reproducible_from_the_generator():

@@ -1,5 +1,6 @@
-"""min_timestep / max_timestep (musubi-tuner's): the sigmas a run trains, the law scaled into the range or, with
-preserve_distribution_shape, cut to it; checked in the config and, for a range the law hardly reaches, before caching."""
+"""The sigma draw's keys from musubi-tuner: min_timestep / max_timestep, the sigmas a run trains, the law scaled into
+the range or, with preserve_distribution_shape, cut to it (checked in the config and, for a range the law hardly
+reaches, before caching); and timestep_sampling = "logsnr", the Style-Friendly log-SNR-normal draw."""
 
 import argparse
 
@@ -154,3 +155,41 @@ def test_a_family_with_its_own_law_draws_it_in_the_range(tiny_set, lo_hi):
         expected.append(fm.sigma_in_range(lambda n, g=g: training_sigmas(n, 4 * family.vae_downsample,
                                                                          6 * family.vae_downsample, g), lo, hi, True))
     assert torch.equal(sigmas, torch.cat(expected)) and sigmas.min() >= lo and sigmas.max() <= hi
+
+
+@pytest.mark.parametrize("mean, std, bias", [(-6.0, 2.0, "none"), (0.0, 1.0, "none"), (-2.0, 3.0, "high_noise")])
+def test_the_logsnr_draw_is_a_normal_log_snr(mean, std, bias):
+    """sigma = sigmoid(-logSNR / 2), logSNR ~ N(mean, std) (musubi-tuner's torch.normal then sigmoid): 20,000 draws
+    against that formula's from another generator. A timestep_bias leans it as the other laws (high_noise: more
+    noise)."""
+    ours = fm.sample_sigmas(20_000, "logsnr", generator=torch.Generator().manual_seed(1), logsnr=(mean, std), bias=bias)
+    theirs = torch.sigmoid(-torch.normal(mean, std, (20_000,), generator=torch.Generator().manual_seed(2)) / 2)
+    assert ours.dtype == torch.float32 and 0 < ours.min() and ours.max() < 1
+    if bias == "none":
+        assert ks_distance(ours, theirs) < 0.02
+        assert ks_distance(ours, fm.sample_sigmas(20_000, "sigmoid", generator=torch.Generator().manual_seed(1),
+                                                  sigmoid_scale=std / 2)) > (0.1 if mean else -1)  # 0: that law
+    else:
+        assert ours.median() > theirs.median() + 0.1
+    assert fm.LOGSNR == (-6.0, 2.0)  # the paper's: median sigma sigmoid(3) = 0.95
+
+
+def test_the_logsnr_draw_reaches_the_training_step_and_its_keys_are_checked(tiny_set):
+    family = FluxFamily(tiny_set["flux_bfl"])
+    model = family.load_transformer(torch.float32)
+    latents, seeds = torch.randn(2, 16, 8, 16), [51, 52]
+    text = {"t5": torch.randn(2, 7, 32), "clip_pooled": torch.randn(2, 32)}
+    args = loss_args(timestep_sampling="logsnr", logsnr_mean=-2.0, logsnr_std=1.5)
+    _, sigmas = family.training_loss(model, latents, text, args, [torch.Generator().manual_seed(s) for s in seeds])
+    expected = []
+    for seed in seeds:
+        g = torch.Generator().manual_seed(seed)
+        torch.randn(latents.shape[1:], generator=g)
+        expected.append(fm.sample_sigmas(1, "logsnr", generator=g, logsnr=(-2.0, 1.5)))
+    assert torch.equal(sigmas, torch.cat(expected))
+    with pytest.raises(ConfigError, match="^command line: key 'logsnr_mean' does nothing with timestep_sampling unset"):
+        load_config(FLUX + ["--logsnr_mean", "-3"])
+    with pytest.raises(ConfigError, match="key 'sigmoid_scale' does nothing with timestep_sampling = \"logsnr\""):
+        load_config(FLUX + ["--timestep_sampling", "logsnr", "--sigmoid_scale", "2"])
+    with pytest.raises(ConfigError, match="key 'logsnr_std' must be > 0"):
+        load_config(FLUX + ["--timestep_sampling", "logsnr", "--logsnr_std", "0"])

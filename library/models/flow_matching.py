@@ -31,6 +31,9 @@ WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap", "sigma_sq")
 QUANTILE_EDGE = 1e-6  # a biased quantile's distance from 0 and 1 (erfinv(+-1) is infinite)
 SIGMA_SQRT_FLOOR = 1e-3  # the smallest sigma of a 1000-step scheduler (loss_weighting)
 LOSS_TYPES = ("l2", "huber")
+# timestep_sampling = "logsnr": the log-SNR's mean and std by default, the Style-Friendly paper's (Choi et al. 2024,
+# arXiv 2411.14793; musubi-tuner's docs): mostly high noise, where a style is set (median sigma 0.95)
+LOGSNR = (-6.0, 2.0)
 
 
 def calculate_shift(image_seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float) -> float:
@@ -98,11 +101,15 @@ def biased_quantile(batch: int, generator: torch.Generator | None, bias: str, dt
 
 
 def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None, shift: float = 3.0,
-                  sigmoid_scale: float = 1.0, image_seq_len: int | None = None, bias: str = "none") -> torch.Tensor:
+                  sigmoid_scale: float = 1.0, image_seq_len: int | None = None, bias: str = "none",
+                  logsnr: tuple[float, float] = LOGSNR) -> torch.Tensor:
     """One sigma per sample, float32 [batch] in [0, 1], on the generator's device.
 
     uniform: U(0, 1]; sigmoid: sigmoid(sigmoid_scale * randn); shift: the sigmoid draw then
-    s' = k s / (1 + (k - 1) s) with k = shift; an architecture's method (its spec's sampling.method):
+    s' = k s / (1 + (k - 1) s) with k = shift; logsnr: the log signal-to-noise ratio ln((1 - s)^2 / s^2) drawn
+    N(mean, std) (logsnr = (mean, std); the Style-Friendly sampler, musubi-tuner's logsnr), s = sigmoid(-logSNR / 2),
+    as sigmoid((std n - mean) / 2) so that a larger n is more noise; an architecture's method (its spec's
+    sampling.method):
     the sigmoid draw then the time_shift with that architecture's mu for image_seq_len (at its
     train_mu_steps where mu depends on a step count; ln of its constant train shift where it has one).
     bias: timestep_bias (TIMESTEP_BIASES), the uniform draw's quantile or the normal's biased; "none": as ever."""
@@ -113,6 +120,9 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
         return biased_quantile(batch, generator, bias)
     if method == "uniform":  # 1 - U[0, 1): never exactly 0, where sigma_sqrt weighting is infinite
         return 1.0 - torch.rand(batch, generator=generator, device=device, dtype=torch.float32)
+    if method == "logsnr":
+        mean, std = logsnr
+        return torch.sigmoid((std * standard_normal(batch, generator, bias) - mean) / 2.0)
     sigmas = torch.sigmoid(sigmoid_scale * standard_normal(batch, generator, bias))
     if method == "shift":
         return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)

@@ -162,7 +162,7 @@ def spec_of(model_type: str):
 # timestep_sampling values (library/models/flow_matching.py implements them): the generic draws, then
 # each architecture's resolution shift (its spec's sampling.method: flux_shift, qwen_shift, ...), each
 # once: an architecture whose released scheduler shifts with another's constants names that method.
-SAMPLING_METHODS = ("uniform", "sigmoid", "shift") + tuple(dict.fromkeys(
+SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "logsnr") + tuple(dict.fromkeys(
     s.sampling.method for s in arch_specs().values() if s.sampling))
 # timestep_bias values: the draw's quantile q = 1 - u^3 (high_noise) or u^3 (low_noise) in place of a uniform one,
 # as ai-toolkit's content_or_style "content" / "style" (its UI's Timestep Bias: High Noise / Low Noise) indexes its

@@ -555,7 +555,8 @@ RANGES = {
              "save_last_n_saves", "sample_every_n_steps", "sample_every_n_epochs", "max_grad_norm",
              "lr_warmup_steps", "max_data_loader_n_workers", "ema_start_step", "prior_loss_weight", "eval_every_n_steps",
              "guidance_scale", "temperature", "top_k", "ip_noise_gamma"),
-    "> 0": ("learning_rate", "scale_weight_norms", "discrete_flow_shift", "sigmoid_scale", "huber_c", "lr_scheduler_power",
+    "> 0": ("learning_rate", "scale_weight_norms", "discrete_flow_shift", "sigmoid_scale", "logsnr_std", "huber_c",
+            "lr_scheduler_power",
             "lr_decay_steps",
             "diff_output_preservation_multiplier", "blank_prompt_preservation_multiplier"),
     "in [0, 1)": ("network_dropout", "val_fraction", "lr_scheduler_min_lr_ratio"),  # (a ratio of 1: constant)

@@ -19,7 +19,7 @@ LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "
              "dim_from_weights", "scale_weight_norms")
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
                   "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "timestep_bias",
-                  "min_timestep", "max_timestep", "preserve_distribution_shape",
+                  "min_timestep", "max_timestep", "preserve_distribution_shape", "logsnr_mean", "logsnr_std",
                   "discrete_flow_shift", "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "ip_noise_gamma",
                   "ip_noise_gamma_random_strength", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
@@ -79,7 +79,10 @@ def _read_by_schedules(readers: tuple[str, ...]) -> tuple:
 IDLE_UNLESS = {
     **{key: _read_by_schedules(readers) for key, readers in SCHEDULE_KEY_READERS.items()},
     "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
-    "sigmoid_scale": ("timestep_sampling", lambda v: v != "uniform", "a sigmoid draw (any timestep_sampling but uniform)"),
+    "sigmoid_scale": ("timestep_sampling", lambda v: v not in ("uniform", "logsnr"),
+                      "a sigmoid draw (any timestep_sampling but uniform and logsnr)"),
+    **{key: ("timestep_sampling", lambda v: v == "logsnr", 'timestep_sampling = "logsnr"')
+       for key in ("logsnr_mean", "logsnr_std")},
     "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
     "preserve_distribution_shape": (("min_timestep", "max_timestep"), lambda lo, hi: lo is not None or hi is not None,
                                     "min_timestep or max_timestep (the range it keeps the draw in)"),

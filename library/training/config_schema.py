@@ -171,6 +171,10 @@ SCHEMA: dict[str, Arg] = {
     "timestep_bias": A(str, "none", "lean the sigma draw to high or low noise (ai-toolkit's Timestep Bias, "
                                     "content_or_style content / style): its quantile 1 - u^3 or u^3", TIMESTEP_BIASES),
     "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
+    "logsnr_mean": A(float, -6.0, "timestep_sampling = \"logsnr\": the log-SNR's mean (musubi-tuner's logit_mean "
+                                  "there; -6: the Style-Friendly paper's, mostly high noise)"),
+    "logsnr_std": A(float, 2.0, "timestep_sampling = \"logsnr\": the log-SNR's standard deviation (musubi-tuner's "
+                                "logit_std there; the paper's 2 or 3)"),
     "min_timestep": A(int, None, "train sigmas from min_timestep / 1000 up (musubi-tuner's, 0-999; unset: 0)"),
     "max_timestep": A(int, None, "train sigmas up to max_timestep / 1000 (musubi-tuner's, 1-1000; unset: 1000)"),
     "preserve_distribution_shape": A(bool, False, "min_timestep / max_timestep cut the sigma law to their range (draws "

@@ -155,8 +155,10 @@ def timestep_draw(flat: dict, model_type: str, peer: str) -> tuple[str | None, s
                 return None, "its sigma draw by logit_normal at logit_mean != 0: ours' sigmoid draw has no mean"
             return "sigmoid", "its sigma draw by weighting_scheme logit_normal: sigmoid(logit_std * randn)"
         return "uniform", "its sigma draw: uniform over 1000 steps, unshifted (discrete_flow_shift unread)"
+    if peer == "logsnr":  # logit_mean / logit_std: the log-SNR's (_logit)
+        return "logsnr", ""
     if peer in models.logsnr_draws():
-        return None, "a logSNR-normal draw: ours has none"
+        return None, "a mixture of draws with logSNR-normal ones: ours has none"
     if peer in models.draws():  # one model's resolution shift: its own, or another's on these latents
         owner, draw = models.draws()[peer]
         if owner is models.models_of(model_type):
@@ -219,6 +221,8 @@ def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
             t.set("sigmoid_scale", float(value), key, value, RENAMED, note="the logit_normal sigma draw's scale")
         else:
             t.drop(key, value, "0: the sigmoid draw")
+    elif draw == "logsnr":
+        t.set(key.replace("logit", "logsnr"), float(value), key, value, RENAMED, note="the log-SNR's")
     elif draw == "sigma" or draw in models.logsnr_draws():
         t.drop(key, value, "read by the draw timestep_sampling's line names, which is not carried")
     else:
@@ -675,6 +679,9 @@ def settle_defaults(t: Translation, run: Run) -> None:
             t.refuse("timestep_sampling (unset)", "sigma", text)
         else:
             default("timestep_sampling", ours, "timestep_sampling", f", {text}; ours is the model's own")
+    for key, ours, value in (("logit_mean", "logsnr_mean", 0.0), ("logit_std", "logsnr_std", 1.0)):
+        if run.draw[0] == "logsnr" and key not in flat:  # its defaults, not ours (the Style-Friendly paper's)
+            default(ours, value, key, f" (its log-SNR's); ours is {SCHEMA[ours].default:g}")
     if run.draw[0] == "shift" and "discrete_flow_shift" not in flat:
         default("discrete_flow_shift", 1.0, "discrete_flow_shift", "; ours is 3")
     if is_true(flat.get("fp8_base")) and "fp8_scaled" not in flat:

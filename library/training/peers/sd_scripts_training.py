@@ -88,6 +88,8 @@ def sampling_of(t: Translation) -> tuple[dict | None, str]:
     refused = models.entry(script_of(t)).draws_refused
     if method in refused:
         return None, f"{method!r}: {refused[method]}"
+    if method == "logsnr":  # ours by musubi-tuner's name: not one of sd-scripts' (its parser refuses it)
+        return None, "'logsnr': not one of sd-scripts' draws (ours reads musubi-tuner's)"
     if method not in SAMPLING_METHODS:
         return None, f"{method!r}: ours draws {', '.join(SAMPLING_METHODS)}"
     keys = {"timestep_sampling": method}  # uniform, sigmoid, shift, a model's shift: the same draws by the same names
