@@ -30,6 +30,7 @@ ABBREVIATED = {
     "tools/convert_config.py": (["c.toml", "--model_type", "flux"], ["c.toml", "--model_typ", "flux"]),
     "tools/plan_memory.py": (["--preset", "flux1-dev", "--vram", "16"], ["--preset", "flux1-dev", "--vra", "16"]),
     "tools/plot_lr.py": (["log.csv", "--smooth", "0.5"], ["log.csv", "--smoo", "0.5"]),
+    "tools/plot_timesteps.py": (["--config_file", "c", "--draws", "200"], ["--config_file", "c", "--draw", "200"]),
     "tools/post_hoc_ema.py": (["a", "b", "--save_to", "o"], ["a", "b", "--save_t", "o"]),
     "tools/precision_doctor.py": (["--model_type", "flux", "--model", "m", "--skip_fp32"],
                                   ["--model_type", "flux", "--model", "m", "--skip_fp"]),

@@ -165,6 +165,25 @@ def sigma_in_range(draw: Callable[[int], torch.Tensor], lo: float, hi: float, pr
                      f"draw fell in [{lo:g}, {hi:g}]; widen the range, or set preserve_distribution_shape = false")
 
 
+def draws_in_range(draw: Callable[[int], torch.Tensor], count: int, lo: float, hi: float,
+                   preserve: bool) -> torch.Tensor:
+    """`count` sigmas at once of the law sigma_in_range draws one by one (the same law, not the same draws: for a
+    plot, tools/plot_timesteps.py)."""
+    if (lo, hi) == (0.0, 1.0):
+        return draw(count)
+    if not preserve:
+        return draw(count) * (hi - lo) + lo
+    kept, total = [], 0
+    for _ in range(REDRAW_ROUNDS):
+        sigmas = draw(count)
+        kept.append(sigmas[(sigmas >= lo) & (sigmas <= hi)])
+        total += len(kept[-1])
+        if total >= count:
+            return torch.cat(kept)[:count]
+    raise ValueError(f"min_timestep / max_timestep: {total} of {count * REDRAW_ROUNDS} sigmas of this draw fell in "
+                     f"[{lo:g}, {hi:g}]; widen the range, or set preserve_distribution_shape = false")
+
+
 def _per_sample(sigmas: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """sigmas [B] as float32 [B, 1, ...] broadcasting over `like`."""
     return sigmas.float().reshape(-1, *([1] * (like.dim() - 1)))

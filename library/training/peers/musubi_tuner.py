@@ -596,7 +596,7 @@ RULES: dict[str, Rule] = {
     "max_timestep": same(),
     "preserve_distribution_shape": same(),
     "num_timestep_buckets": implied(lambda v: v is None or v < 2, "stratified timesteps: ours draws each independently"),
-    "show_timesteps": unsupported("plots the timesteps and exits: nothing is trained"),
+    "show_timesteps": unsupported("plots the timesteps and exits: nothing is trained (ours: tools/plot_timesteps.py)"),
     # network
     "no_metadata": ignored("ours always writes the header's metadata"),
     **dict.fromkeys(("network_weights", "network_dim", "network_alpha", "network_dropout", "dim_from_weights",
