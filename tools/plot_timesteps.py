@@ -147,7 +147,8 @@ def main(argv=None) -> int:
             sigmas, law = trained_sigmas(config, width, height, args.draws, args.seed)
             print(summary(sigmas, width, height, law))
             draws[f"{width}x{height}"] = sigmas
-        plot(draws, config.weighting_scheme, args.out, f"{config.model_type}: timestep_sampling {law}{range_said(config)}")
+        title = f"{config.model_type}: timestep_sampling {law}{range_said(config)}"
+        plot(draws, config.weighting_scheme, args.out, title)
         print(f"wrote {args.out}")
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
