@@ -165,6 +165,17 @@ def test_planner_suggests_settings_and_applies_them_to_the_form(client, tiny_tom
     assert fields[FORM_KEYS.index("base_precision")] == keys["base_precision"]
 
 
+def test_the_sigmas_the_forms_config_trains_on_are_drawn_per_size(client, tiny_toml):
+    """tools/plot_timesteps.py on the job form's config (in the config checker's process), the form's fields over the
+    TOML: its quantiles per size and the PNG; a bad size is its one line and no image."""
+    image, report = client.predict("64,128", tiny_toml, *form(max_train_steps="6"), api_name="/timesteps")
+    lines = report.splitlines()
+    assert lines[0].startswith("64x64: timestep_sampling") and lines[1].startswith("128x128: "), report
+    assert image.endswith(".png") and os.path.getsize(image) > 10_000
+    image, report = client.predict("big", tiny_toml, *EMPTY_FORM, api_name="/timesteps")
+    assert image is None and report.strip() == "error: --resolution 'big': expected a size in pixels, 1024 or 1024x768"
+
+
 def test_the_planner_plans_the_configs_own_size_and_batch_unless_asked_another(client):
     """The planner tab sent 1024 px and batch 1 with the job form's config (the config trained 64 px, batch 2): its
     fields are empty until the user fills them, as plan_memory.py's --resolution / --batch_size."""

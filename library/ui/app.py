@@ -455,6 +455,27 @@ def planner_tab(ui: WebUI, form: dict) -> None:
 
     apply.click(on_apply, [keys, form["text"], *[fields[k] for k in order], form["loaded"], form["typed"]],
                 [form["text"], *[fields[k] for k in order], form["loaded"]], api_name="apply_plan")
+    timesteps_section(ui, form)
+
+
+def timesteps_section(ui: WebUI, form: dict) -> None:
+    gr.Markdown("The sigmas the job form's config trains on (`tools/plot_timesteps.py`: its timestep_sampling or the "
+                "model's own, its timestep range), at each image size: the shifts follow the token count.")
+    with gr.Row():
+        sizes = gr.Textbox("1024", label="image sizes (px, comma-separated: 1024 or 1024x768)",
+                           elem_id="timesteps-sizes")
+        draw = gr.Button("Draw the sigmas", elem_id="timesteps-run")
+    with gr.Row():
+        plot = gr.Image(label="trained sigmas", type="filepath", elem_id="timesteps-plot")
+        report = gr.Textbox(label="quantiles per size", lines=6, elem_id="timesteps-report")
+    order, fields = form["order"], form["fields"]
+
+    def on_draw(sizes_value, text_value, *values):
+        result = ui.timesteps(sizes_value, text_value, edited(order, values))
+        return result["image"], result["report"]
+
+    draw.click(on_draw, [sizes, form["text"], *[fields[k] for k in order], form["loaded"], form["typed"]],
+               [plot, report], api_name="timesteps")
 
 
 def dataset_tab(ui: WebUI) -> None:

@@ -288,7 +288,7 @@ def warm() -> None:
 
 # The tools the helper runs in-process: each reads headers and small files, never a model's weights (the LoRA
 # tools, which merge or resize whole models, keep a process of their own).
-TOOLS_IN_HELPER = ("plan_memory.py", "check_dataset.py", "convert_config.py")
+TOOLS_IN_HELPER = ("plan_memory.py", "check_dataset.py", "convert_config.py", "plot_timesteps.py")
 
 
 class ThreadOutput(io.TextIOBase):

@@ -147,6 +147,8 @@ def check_steps_override(settings: dict, changed: dict) -> None:
                                            f"TOML to train {steps} step{'s' if steps != 1 else ''}")
 
 
+TIMESTEP_DRAWS = 20_000  # the timesteps plot's sigmas per size: a histogram of 100 bins, drawn in well under a second
+
 # A job's compute dtype as generate.py names it (mixed_precision "no": float32, as the run computed).
 RENDER_DTYPES = {"no": "fp32", "fp16": "fp16", "bf16": "bf16"}
 
@@ -492,6 +494,29 @@ class WebUI:
         best = commands.suggestion(fits)
         suggested = {**commands.suggested_keys(best), **commands.caching_keys(result.output)} if best else None
         return {"ok": result.ok, "report": result.output, "fits": [vars(f) for f in fits], "suggested": suggested}
+
+    def timesteps(self, sizes: str, text: str, form: dict) -> dict:
+        """plot_timesteps.py on the job form's config: the sigmas it trains on at each size, {"ok", "report", "image"
+        (the PNG, or None)}; bad input is the report's one line. It reads the model's headers: the roots first."""
+        try:
+            settings = self.settings(text, form)
+        except (JobError, ValueError) as e:
+            return {"ok": False, "report": str(e), "image": None}
+        answer = self.checker.check(toml_dumps(settings), self.store.root, self.roots.roots, reads_only=True)
+        if not answer["ok"]:
+            return {"ok": False, "report": answer["error"], "image": None}
+        out = self.tool_output("timesteps.png", "sigma plot")
+        with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=self.store.root, delete=False) as f:
+            f.write(toml_dumps(settings))
+            config_file = f.name
+        try:
+            args = ["--config_file", config_file, "--resolution", (sizes or "").strip() or "1024",
+                    "--draws", TIMESTEP_DRAWS, "--out", out]
+            result = commands.run_tool("plot_timesteps.py", args, self.workdir, self.python, helper=self.checker)
+        finally:
+            os.remove(config_file)
+        report = result.output.replace(config_file, "the job form's config")
+        return {"ok": result.ok, "report": report, "image": out if result.ok else None}
 
     @staticmethod
     def _plan_refused(message: str) -> dict:
