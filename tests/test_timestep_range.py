@@ -28,7 +28,7 @@ def law(g: torch.Generator, method: str, **kw):
 
 def per_sample(count: int, lo: float, hi: float, preserve: bool, **kw) -> torch.Tensor:
     """One sigma per sample, each from its own generator, as training_loss draws them."""
-    return torch.cat([fm.sigma_in_range(law(torch.Generator().manual_seed(seed), **kw), lo, hi, preserve)
+    return torch.cat([fm.sigmas_in_range(law(torch.Generator().manual_seed(seed), **kw), 1, lo, hi, preserve)
                       for seed in range(count)])
 
 
@@ -36,12 +36,13 @@ def ks_distance(a: torch.Tensor, b: torch.Tensor) -> float:
     """The largest gap between the two samples' empirical CDFs."""
     a, b = a.sort().values, b.sort().values
     x = torch.cat([a, b])
-    return (torch.searchsorted(a, x, right=True) / len(a) - torch.searchsorted(b, x, right=True) / len(b)).abs().max().item()
+    cdf_a, cdf_b = torch.searchsorted(a, x, right=True) / len(a), torch.searchsorted(b, x, right=True) / len(b)
+    return (cdf_a - cdf_b).abs().max().item()
 
 
 def test_unset_the_draw_is_the_laws_own_bit_for_bit():
     g, h = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-    assert torch.equal(fm.sigma_in_range(law(g, "flux_shift", image_seq_len=256), *fm.timestep_range(
+    assert torch.equal(fm.sigmas_in_range(law(g, "flux_shift", image_seq_len=256), 1, *fm.timestep_range(
         argparse.Namespace(min_timestep=None, max_timestep=None)), True), fm.sample_sigmas(
         1, "flux_shift", generator=h, image_seq_len=256))
     assert fm.timestep_range(argparse.Namespace(min_timestep=0, max_timestep=1000)) == (0.0, 1.0)
@@ -66,8 +67,9 @@ def test_preserve_cuts_the_law_to_the_range_and_the_default_scales_it_into_it(na
 
 def test_a_range_the_law_never_reaches_is_one_line_naming_the_keys():
     never = lambda n: torch.full((n,), 0.5)  # noqa: E731
-    with pytest.raises(ValueError, match=r"min_timestep / max_timestep: not one of 65536 sigmas .* \[0\.9, 1\]"):
-        fm.sigma_in_range(never, 0.9, 1.0, True)
+    with pytest.raises(ValueError, match=r"min_timestep / max_timestep: 0 of 65536 sigmas of this draw fell in "
+                                         r"\[0\.9, 1\], 1 needed"):
+        fm.sigmas_in_range(never, 1, 0.9, 1.0, True)
 
 
 def loss_args(**overrides):
@@ -90,7 +92,7 @@ def test_the_training_step_trains_the_range(tiny_set, preserve):
     for seed in seeds:
         g = torch.Generator().manual_seed(seed)
         torch.randn(latents.shape[1:], generator=g)
-        expected.append(fm.sigma_in_range(law(g, "flux_shift", image_seq_len=32), LO, HI, preserve))
+        expected.append(fm.sigmas_in_range(law(g, "flux_shift", image_seq_len=32), 1, LO, HI, preserve))
     assert torch.equal(sigmas, torch.cat(expected)) and sigmas.min() >= LO and sigmas.max() <= HI
 
 
@@ -108,7 +110,8 @@ FLUX = ["--model_type", "flux", "--pretrained_model_name_or_path", "m", "--ae", 
 def test_a_bad_range_is_refused_in_the_config(flags, message):
     with pytest.raises(ConfigError, match=f"^command line: {message}"):
         load_config(FLUX + flags)
-    args = load_config(FLUX + ["--min_timestep", "100", "--max_timestep", "900", "--preserve_distribution_shape", "true"])
+    args = load_config(FLUX + ["--min_timestep", "100", "--max_timestep", "900",
+                               "--preserve_distribution_shape", "true"])
     assert (args.min_timestep, args.max_timestep, args.preserve_distribution_shape) == (100, 900, True)
 
 
@@ -152,8 +155,9 @@ def test_a_family_with_its_own_law_draws_it_in_the_range(tiny_set, lo_hi):
     for seed in seeds:
         g = torch.Generator().manual_seed(seed)
         torch.randn(latents.shape[1:], generator=g)
-        expected.append(fm.sigma_in_range(lambda n, g=g: training_sigmas(n, 4 * family.vae_downsample,
-                                                                         6 * family.vae_downsample, g), lo, hi, True))
+        own_law = lambda n, g=g: training_sigmas(n, 4 * family.vae_downsample,  # noqa: E731
+                                                 6 * family.vae_downsample, g)
+        expected.append(fm.sigmas_in_range(own_law, 1, lo, hi, True))
     assert torch.equal(sigmas, torch.cat(expected)) and sigmas.min() >= lo and sigmas.max() <= hi
 
 

@@ -74,7 +74,7 @@ def trained_sigmas(config, width: int, height: int, count: int, seed: int):
     model = family.load_transformer(compute_dtype(config), base_precision(config), read_weights=False)
     lh, lw = height // family.vae_downsample, width // family.vae_downsample
     generator = torch.Generator().manual_seed(seed)
-    sigmas = fm.draws_in_range(lambda n: family.draw_sigmas(model, config, generator, lh, lw, n), count,
+    sigmas = fm.sigmas_in_range(lambda n: family.draw_sigmas(model, config, generator, lh, lw, n), count,
                                *fm.timestep_range(config), config.preserve_distribution_shape)
     return sigmas, config.timestep_sampling or f"{family.default_timestep_sampling(model)} (the model's own)"
 

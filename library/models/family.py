@@ -499,8 +499,8 @@ class DiffusionFamily:
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
         lo, hi = fm.timestep_range(args)
         preserve = getattr(args, "preserve_distribution_shape", False)
-        sigmas = torch.cat([fm.sigma_in_range(lambda n, g=g: self.draw_sigmas(model, args, g, lh, lw, n), lo, hi,
-                                              preserve) for g in generators])
+        sigmas = torch.cat([fm.sigmas_in_range(lambda n, g=g: self.draw_sigmas(model, args, g, lh, lw, n), 1, lo,
+                                               hi, preserve) for g in generators])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
                             args.loss_type, args.huber_c, mask, sample_weights, control=control,
@@ -510,7 +510,7 @@ class DiffusionFamily:
     def draw_sigmas(self, model, args, generator: torch.Generator, lh: int, lw: int, count: int) -> torch.Tensor:
         """`count` sigmas of this model's training law (timestep_sampling, or the model's own; its shift at one
         lh x lw latent frame's token count), float32 [count], from one sample's generator; training_loss keeps them
-        in min_timestep / max_timestep (fm.sigma_in_range)."""
+        in min_timestep / max_timestep (fm.sigmas_in_range)."""
         method = args.timestep_sampling or self.default_timestep_sampling(model)
         return fm.sample_sigmas(count, method, generator=generator, shift=args.discrete_flow_shift,
                                 sigmoid_scale=args.sigmoid_scale, image_seq_len=(lh // self.patch) * (lw // self.patch),

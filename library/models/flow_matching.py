@@ -136,7 +136,7 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
 
 # min_timestep / max_timestep (musubi-tuner's): the sigmas trained, in thousandths.
 TIMESTEPS = 1000
-REDRAW_CHUNK, REDRAW_ROUNDS = 1024, 64  # preserve_distribution_shape: up to 65,536 draws for one sigma in range
+REDRAW_CHUNK, REDRAW_ROUNDS = 1024, 64  # preserve_distribution_shape: up to 65,536 draws for a sample's sigma
 
 
 def timestep_range(args) -> tuple[float, float]:
@@ -145,43 +145,27 @@ def timestep_range(args) -> tuple[float, float]:
     return (lo or 0) / TIMESTEPS, (TIMESTEPS if hi is None else hi) / TIMESTEPS
 
 
-def sigma_in_range(draw: Callable[[int], torch.Tensor], lo: float, hi: float, preserve: bool) -> torch.Tensor:
-    """One sigma, float32 [1], of the law `draw(n)` draws (n sigmas from one sample's generator), within [lo, hi],
-    as musubi-tuner's min_timestep / max_timestep: the law scaled into the range, s (hi - lo) + lo (its shape
-    squeezed: a logit-normal's peak moves with the range), or with preserve (its preserve_distribution_shape) the law
-    cut to it: draws outside are redrawn, from the same generator (musubi-tuner redraws whole batches and, out of
-    tries, trains the unrestricted draw; a ValueError here, and diffusion_checks refuses such a range at the start).
-    (0, 1): the draw as ever, bit for bit."""
-    if (lo, hi) == (0.0, 1.0):
-        return draw(1)
-    if not preserve:
-        return draw(1) * (hi - lo) + lo
-    for _ in range(REDRAW_ROUNDS):
-        sigmas = draw(REDRAW_CHUNK)
-        inside = sigmas[(sigmas >= lo) & (sigmas <= hi)]
-        if len(inside):
-            return inside[:1]
-    raise ValueError(f"min_timestep / max_timestep: not one of {REDRAW_CHUNK * REDRAW_ROUNDS} sigmas of this "
-                     f"draw fell in [{lo:g}, {hi:g}]; widen the range, or set preserve_distribution_shape = false")
-
-
-def draws_in_range(draw: Callable[[int], torch.Tensor], count: int, lo: float, hi: float,
-                   preserve: bool) -> torch.Tensor:
-    """`count` sigmas at once of the law sigma_in_range draws one by one (the same law, not the same draws: for a
-    plot, tools/plot_timesteps.py)."""
+def sigmas_in_range(draw: Callable[[int], torch.Tensor], count: int, lo: float, hi: float,
+                    preserve: bool) -> torch.Tensor:
+    """`count` sigmas, float32 [count], of the law `draw(n)` draws (n sigmas; training: one sample's generator,
+    count 1), within [lo, hi], as musubi-tuner's min_timestep / max_timestep: the law scaled into the range,
+    s (hi - lo) + lo (its shape squeezed: a logit-normal's peak moves with the range), or with preserve (its
+    preserve_distribution_shape) the law cut to it: draws outside are redrawn, from the same generator, at least
+    REDRAW_CHUNK at a time (musubi-tuner redraws whole batches and, out of tries, trains the unrestricted draw; a
+    ValueError here, and diffusion_checks refuses such a range at the start). (0, 1): the draw as ever, bit for bit."""
     if (lo, hi) == (0.0, 1.0):
         return draw(count)
     if not preserve:
         return draw(count) * (hi - lo) + lo
-    kept, total = [], 0
+    kept, total, chunk = [], 0, max(count, REDRAW_CHUNK)
     for _ in range(REDRAW_ROUNDS):
-        sigmas = draw(count)
+        sigmas = draw(chunk)
         kept.append(sigmas[(sigmas >= lo) & (sigmas <= hi)])
         total += len(kept[-1])
         if total >= count:
             return torch.cat(kept)[:count]
-    raise ValueError(f"min_timestep / max_timestep: {total} of {count * REDRAW_ROUNDS} sigmas of this draw fell in "
-                     f"[{lo:g}, {hi:g}]; widen the range, or set preserve_distribution_shape = false")
+    raise ValueError(f"min_timestep / max_timestep: {total} of {chunk * REDRAW_ROUNDS} sigmas of this draw fell in "
+                     f"[{lo:g}, {hi:g}], {count} needed; widen the range, or set preserve_distribution_shape = false")
 
 
 def _per_sample(sigmas: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
