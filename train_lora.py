@@ -221,9 +221,10 @@ class Trainer:
         if args.ema_decay:  # after prepare and network_weights: the EMA starts from the weights training starts from
             self.ema = TrainableEMA(task.named_trainable_parameters(), args.ema_decay, args.ema_warmup,
                                     args.ema_start_step, args.ema_device, args.ema_inv_gamma, args.ema_power)
-        if args.validate_every_n_steps and not task.validation_size():
-            raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
-                              f"validation_split or add [[validation_datasets]]")
+        for key in ("validate_every_n_steps", "validate_every_n_epochs"):
+            if getattr(args, key, 0) and not task.validation_size():
+                raise ConfigError(f"{args.dataset_config}: {key} is set but no image is held out; set "
+                                  f"validation_split or add [[validation_datasets]]")
         self.samples_cut = None  # the samples a stop cut: {tag, step, prompts done}, for the resume to finish
         self.resample = None  # those of the state resumed, at its step
         if state:
@@ -566,9 +567,12 @@ class Trainer:
         self.optimizer.step()
         return scaler is None or scaler.get_scale() >= scale
 
-    def validation_due(self, step: int) -> bool:
-        every = self.args.validate_every_n_steps
-        return bool(self.task.validation_size()) and ((every and step % every == 0) or step == self.max_steps)
+    def validation_due(self, step: int, ends_epoch: bool = False) -> bool:
+        """Every validate_every_n_steps, at the end of every validate_every_n_epochs-th epoch (`ends_epoch`: step ends
+        the epoch self.epoch counts from 0), and at the run's last step."""
+        every, epochs = self.args.validate_every_n_steps, getattr(self.args, "validate_every_n_epochs", 0)
+        return bool(self.task.validation_size()) and ((every and step % every == 0) or step == self.max_steps or bool(
+            epochs and ends_epoch and (self.epoch + 1) % epochs == 0))
 
     def finish_step(self, loss: float, stepped: bool = True):
         """After an optimizer step: validate (when due), log (with the lr this step used),
@@ -579,7 +583,7 @@ class Trainer:
         timing = self.clock.lap()  # before validation: a step's time is its training
         if self.task.validation_size():  # a val_loss column from the first row on, empty between validations
             extras["val_loss"] = None
-            if self.validation_due(self.step + 1):
+            if self.validation_due(self.step + 1, self.batches_done == self.task.batches_per_epoch()):
                 with self.evaluating(), self.modes.reading():
                     self.val_loss = extras["val_loss"] = self.task.validation_loss()
         extras.update(timing)

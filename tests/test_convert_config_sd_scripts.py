@@ -810,3 +810,13 @@ def test_networks_lora_on_a_dit_script_is_said_to_wrap_none_of_its_transformer()
     t = sd_scripts.translate({"network_module": "networks.lora", "network_train_unet_only": True}, "x.toml")
     verdict, text = next((line.verdict, line.text) for line in t.lines if line.key == "network_module")
     assert verdict == "not carried" and text.startswith("sd-scripts' SD / SDXL LoRA, which finds no layer"), text
+
+
+@pytest.mark.parametrize("keys, ours", [
+    ({"validation_split": 0.1}, 1),  # its default: every epoch where it holds images out
+    ({"validation_split": 0.1, "validate_every_n_epochs": 3}, 3),
+    ({"validate_every_n_epochs": 3}, None),  # nothing held out: it validates nothing
+])
+def test_its_epoch_validation_is_ours(keys, ours):
+    t = sd_scripts.translate({"network_train_unet_only": True, **keys}, "x.toml")
+    assert t.config.get("validate_every_n_epochs") == ours

@@ -66,6 +66,18 @@ def test_val_loss_falls_on_held_out_images(tiny_set, tmp_path):
     assert val[20] < 0.95 * val[5], val
 
 
+def test_validate_every_n_epochs_validates_at_those_epochs_ends(tiny_set, tmp_path):
+    """sd-scripts' validate_every_n_epochs (its default every epoch, which convert_config writes as 1): val_loss at the
+    last step of every second epoch here, and at the run's end; none between."""
+    out = tmp_path / "run"
+    assert train_lora.main(validating_run(tiny_set, out, "--max_train_steps", "12", "--validate_every_n_steps", "0",
+                                          "--validate_every_n_epochs", "2")) == 0
+    rows = read_log(out)
+    ends = [int(r["step"]) for r, after in zip(rows, rows[1:]) if after["epoch"] != r["epoch"]]
+    assert ends == [4, 8], rows  # (the tiny set: 6 images trained, batch 2, two buckets: 4 steps an epoch)
+    assert sorted(val_losses(out)) == [8, 12]
+
+
 def test_val_loss_is_identical_on_a_second_run_and_logged_everywhere(tiny_set, tmp_path, straight_run):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 

@@ -551,7 +551,8 @@ RANGES = {
              "lr_scheduler_timescale",
              "max_length", "stride", "batch_size", "sample_max_new_tokens",
              *(k for k, a in FAMILY_KEYS.items() if a.type is int)),  # the families' counts and sizes: tokens, layers, px
-    ">= 0": ("blocks_to_swap", "validate_every_n_steps", "save_every_n_steps", "save_every_n_epochs",
+    ">= 0": ("blocks_to_swap", "validate_every_n_steps", "validate_every_n_epochs", "save_every_n_steps",
+             "save_every_n_epochs",
              "save_last_n_saves", "sample_every_n_steps", "sample_every_n_epochs", "max_grad_norm",
              "lr_warmup_steps", "max_data_loader_n_workers", "ema_start_step", "prior_loss_weight", "eval_every_n_steps",
              "guidance_scale", "temperature", "top_k", "ip_noise_gamma"),

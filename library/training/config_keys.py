@@ -23,7 +23,8 @@ DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_e
                   "discrete_flow_shift", "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "ip_noise_gamma",
                   "ip_noise_gamma_random_strength", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
-                  "validate_every_n_steps", "persistent_data_loader_workers", "max_data_loader_n_workers",
+                  "validate_every_n_steps", "validate_every_n_epochs", "persistent_data_loader_workers",
+                  "max_data_loader_n_workers",
                   "torch_compile", "keep_cache", "diff_output_preservation", "trigger_word", "diff_output_preservation_class",
                   "diff_output_preservation_multiplier", "blank_prompt_preservation", "blank_prompt_preservation_multiplier")
 

@@ -209,6 +209,8 @@ SCHEMA: dict[str, Arg] = {
     "logging_dir": A(str, None, "TensorBoard log folder, a timestamped subfolder per run (CSV is always written)"),
     # validation (diffusion; the held-out images are chosen in the dataset TOML)
     "validate_every_n_steps": A(int, 0, "val_loss on the held-out images every N steps; always at the end (0 = end only)"),
+    "validate_every_n_epochs": A(int, 0, "val_loss on the held-out images at the end of every N epochs too "
+                                         "(sd-scripts' and its default 1 where it holds images out; 0 = off)"),
     # EMA of the trained weights (library/training/ema.py), saved beside the LoRA as <name>_ema.safetensors
     "ema_decay": A(float, 0.0, "EMA decay per optimizer step, e.g. 0.999 (0 = off)"),
     "ema_warmup": A(bool, False, "diffusers' EMAModel warmup: decay min(ema_decay, 1 - (1 + t / ema_inv_gamma) ** "

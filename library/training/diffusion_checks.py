@@ -17,9 +17,10 @@ from networks.lora_arch import check_model_files
 
 def check_config_against_data(args, held_out: bool, regularized: bool) -> None:
     """The training config's keys that need something of the dataset (tools/check_dataset.py asks too)."""
-    if args.validate_every_n_steps and not held_out:
-        raise ConfigError(f"{args.dataset_config}: validate_every_n_steps is set but no image is held out; set "
-                          f"validation_split or add [[validation_datasets]]")
+    for key in ("validate_every_n_steps", "validate_every_n_epochs"):
+        if getattr(args, key, 0) and not held_out:
+            raise ConfigError(f"{args.dataset_config}: {key} is set but no image is held out; set "
+                              f"validation_split or add [[validation_datasets]]")
     if args.prior_loss_weight != 1.0 and not regularized:
         raise ConfigError(f"{where_set(args, 'prior_loss_weight')} and {args.dataset_config}: key "
                           f"'prior_loss_weight' = {args.prior_loss_weight:g} does nothing: no subset has is_reg = "

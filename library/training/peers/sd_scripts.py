@@ -44,7 +44,8 @@ from library.training.peers.rules import (
 # The keys whose default trains otherwise than ours: translated at sd-scripts' default where the config
 # leaves them out (sd_scripts_dataset.py does caption_extension's).
 DEFAULTS_CARRIED = ("model_type", "network_dim", "network_alpha", "learning_rate", "mixed_precision", "guidance_scale",
-                    "timestep_sampling", "model_prediction_type", "network_train_unet_only", "output_name")
+                    "timestep_sampling", "model_prediction_type", "network_train_unet_only", "output_name",
+                    "validate_every_n_epochs")
 
 
 def model_type(t: Translation) -> str:
@@ -389,6 +390,14 @@ def _validate_every_n_steps(t: Translation, key: str, value: Any) -> None:
         t.drop(key, value, "no validation_split: sd-scripts validates nothing")
 
 
+def _validate_every_n_epochs(t: Translation, key: str, value: Any) -> None:
+    """Unset, sd-scripts validates at every epoch's end where it holds images out: ours 1."""
+    if dataset_rules.holds_out_images(t):
+        t.set(key, 1 if value is None else int(value), key, value, note="" if value else "every epoch, as sd-scripts")
+    else:
+        t.drop(key, value, "no validation_split: sd-scripts validates nothing")
+
+
 def _dataset_config(t: Translation, key: str, value: Any) -> None:
     if is_off(value):
         t.drop(key, value, "empty: no dataset TOML")
@@ -516,7 +525,7 @@ RULES: dict[str, Rule] = {
     # samples, validation and logs
     **sd_scripts_samples.RULES,  # sample_prompts, sample_every_n_steps / _epochs, sample_at_first, sample_sampler
     "validate_every_n_steps": custom(_validate_every_n_steps),
-    "validate_every_n_epochs": unsupported("ours validates every validate_every_n_steps and at the end"),
+    "validate_every_n_epochs": custom(_validate_every_n_epochs),
     "max_validation_steps": unsupported("ours validates on every held-out image"),
     "logging_dir": unless_off("empty: no TensorBoard log"),
     "log_with": unless_off("empty: sd-scripts' default (TensorBoard with logging_dir), as ours"),
