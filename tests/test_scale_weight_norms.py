@@ -57,7 +57,8 @@ def test_a_run_bounds_every_saved_module_logs_the_counts_and_records_the_bound(t
     bound = 1e-3  # under what the first step's update gives every module
     assert train_lora.main(flux_args(tiny_set, out, "--scale_weight_norms", str(bound), "--max_train_steps", "2",
                                      "--network_alpha", "4", "--ip_noise_gamma", "0.05", "--min_timestep", "100",
-                                     "--max_timestep", "900", "--preserve_distribution_shape", "true")) == 0
+                                     "--max_timestep", "900", "--preserve_distribution_shape", "true",
+                                     "--timestep_sampling", "logsnr")) == 0
     weights = load_file(str(out / "tiny_flux_lora.safetensors"))
     downs = [k for k in weights if k.endswith("lora_down.weight")]
     for key in downs:
@@ -71,8 +72,8 @@ def test_a_run_bounds_every_saved_module_logs_the_counts_and_records_the_bound(t
     with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
         assert f.metadata()["ss_scale_weight_norms"] == str(bound)
         assert f.metadata()["ss_ip_noise_gamma"] == "0.05"  # (other header keys of training settings, one run)
-        assert [f.metadata()[f"ss_{k}"] for k in ("min_timestep", "max_timestep", "preserve_distribution_shape")] == [
-            "100", "900", "True"]
+        assert [f.metadata()[f"ss_{k}"] for k in ("min_timestep", "max_timestep", "preserve_distribution_shape",
+                                                  "logsnr_mean_std")] == ["100", "900", "True", "[-6.0, 2.0]"]
 
 
 def test_a_lycoris_network_is_refused_in_one_line(tiny_set, tmp_path, capsys):

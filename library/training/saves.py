@@ -59,6 +59,7 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         **{key: getattr(args, key, None)  # sd-scripts' keys (an LLM's args have them too)
            for key in ("lr_warmup_steps", "gradient_accumulation_steps", "max_grad_norm")},
         shift=args.discrete_flow_shift if facts["timestep_sampling"] == "shift" else None,  # read by that draw only
+        logsnr=[args.logsnr_mean, args.logsnr_std] if facts["timestep_sampling"] == "logsnr" else None,
         guidance=facts.get("guidance"), seed=args.seed, dataset=facts["dataset"],
         **{key: facts.get(key) for key in ("dataset_dirs", "tag_frequency", "num_train_images", "num_reg_images")},
         num_batches_per_epoch=task.batches_per_epoch(),
