@@ -62,16 +62,21 @@ def check_flags(args) -> None:
     sizes(args.resolution)
 
 
-def trained_sigmas(config, width: int, height: int, count: int, seed: int):
-    """`count` sigmas of the law the config trains on at width x height (float32), and that law's name."""
-    import torch
-
-    from library.models import flow_matching as fm
+def config_model(config):
+    """(family, its transformer built on the meta device from the files' headers): what tells the model's own law."""
     from library.models.family import get_family
     from library.training.config import base_precision, compute_dtype
 
     family = get_family(config)
-    model = family.load_transformer(compute_dtype(config), base_precision(config), read_weights=False)
+    return family, family.load_transformer(compute_dtype(config), base_precision(config), read_weights=False)
+
+
+def trained_sigmas(config, family, model, width: int, height: int, count: int, seed: int):
+    """`count` sigmas of the law the config trains on at width x height (float32), and that law's name."""
+    import torch
+
+    from library.models import flow_matching as fm
+
     lh, lw = height // family.vae_downsample, width // family.vae_downsample
     generator = torch.Generator().manual_seed(seed)
     sigmas = fm.sigmas_in_range(lambda n: family.draw_sigmas(model, config, generator, lh, lw, n), count,
@@ -142,9 +147,9 @@ def main(argv=None) -> int:
         config = load_config(["--config_file", args.config_file, *overrides])
         if config.model_type == "llm":
             raise ValueError(f"{args.config_file}: model_type llm draws no sigmas (a diffusion model's config)")
-        draws = {}
+        draws, (family, model) = {}, config_model(config)
         for width, height in sizes(args.resolution):
-            sigmas, law = trained_sigmas(config, width, height, args.draws, args.seed)
+            sigmas, law = trained_sigmas(config, family, model, width, height, args.draws, args.seed)
             print(summary(sigmas, width, height, law))
             draws[f"{width}x{height}"] = sigmas
         title = f"{config.model_type}: timestep_sampling {law}{range_said(config)}"
