@@ -221,10 +221,6 @@ class Trainer:
         if args.ema_decay:  # after prepare and network_weights: the EMA starts from the weights training starts from
             self.ema = TrainableEMA(task.named_trainable_parameters(), args.ema_decay, args.ema_warmup,
                                     args.ema_start_step, args.ema_device, args.ema_inv_gamma, args.ema_power)
-        for key in ("validate_every_n_steps", "validate_every_n_epochs"):
-            if getattr(args, key, 0) and not task.validation_size():
-                raise ConfigError(f"{args.dataset_config}: {key} is set but no image is held out; set "
-                                  f"validation_split or add [[validation_datasets]]")
         self.samples_cut = None  # the samples a stop cut: {tag, step, prompts done}, for the resume to finish
         self.resample = None  # those of the state resumed, at its step
         if state:

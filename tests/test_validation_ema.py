@@ -197,7 +197,9 @@ def test_val_loss_of_unchanged_weights_is_the_same_number(tiny_set, tmp_path, mo
     assert pairs[0][0] != pairs[1][0]  # the weights did change between the validations
 
 
-def test_validate_every_n_steps_without_held_out_images_stops_before_caching(tiny_set, tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("key", ["validate_every_n_steps", "validate_every_n_epochs"])
+def test_validate_every_n_steps_without_held_out_images_stops_before_caching(tiny_set, tmp_path, monkeypatch, capsys,
+                                                                              key):
     """The old line found it after the latents and captions were cached (minutes on a real set)."""
     from library.training.diffusion_task import DiffusionTask
 
@@ -205,8 +207,8 @@ def test_validate_every_n_steps_without_held_out_images_stops_before_caching(tin
         raise AssertionError("cached before the refusal")
 
     monkeypatch.setattr(DiffusionTask, "_fill_caches", no_caching)
-    assert train_lora.main(flux_args(tiny_set, tmp_path / "out", "--validate_every_n_steps", "2")) == 2
-    assert "validate_every_n_steps is set but no image is held out" in capsys.readouterr().err
+    assert train_lora.main(flux_args(tiny_set, tmp_path / "out", f"--{key}", "2")) == 2
+    assert f"{key} is set but no image is held out" in capsys.readouterr().err
 
 
 def test_an_output_dir_that_is_an_image_dir_stops_before_caching(tiny_set, tmp_path, monkeypatch, capsys):
