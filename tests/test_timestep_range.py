@@ -9,7 +9,7 @@ import torch
 
 from library.models import flow_matching as fm
 from library.models.flux1.family import FluxFamily
-from library.training.config import ConfigError, load_config
+from library.training.config import ConfigError, base_precision, compute_dtype, load_config
 from library.training.diffusion_checks import check_timestep_range
 
 LO, HI = 0.7, 0.95
@@ -128,12 +128,15 @@ def test_a_range_its_law_hardly_reaches_is_refused_before_caching(tiny_set):
     family = FluxFamily(tiny_set["flux_bfl"])
     args = load_config(FLUX[:2] + ["--pretrained_model_name_or_path", tiny_set["flux_bfl"], *FLUX[4:],
                                    "--min_timestep", "995", "--preserve_distribution_shape", "true"])
+    def meta_model():
+        return family.load_transformer(compute_dtype(args), base_precision(args), read_weights=False)
+
     with pytest.raises(ConfigError, match=r"min_timestep 995 / max_timestep None with preserve_distribution_shape: "
                                           r"the sigma law \(timestep_sampling unset: flux_shift\) puts 0\.0\d+% of its "
                                           r"draws in \[0\.995, 1\] at 1024 px"):
-        check_timestep_range(args, family)
-    check_timestep_range(argparse.Namespace(**{**vars(args), "preserve_distribution_shape": False}), family)
-    check_timestep_range(argparse.Namespace(**{**vars(args), "min_timestep": 900}), family)
+        check_timestep_range(args, family, meta_model)
+    check_timestep_range(argparse.Namespace(**{**vars(args), "preserve_distribution_shape": False}), family, meta_model)
+    check_timestep_range(argparse.Namespace(**{**vars(args), "min_timestep": 900}), family, meta_model)
 
 
 @pytest.mark.parametrize("lo_hi", [(None, None), (300, 600)])

@@ -4,6 +4,7 @@ and tools/plan_memory.py run check_before_caching, so a config one refuses the o
 
 from __future__ import annotations
 
+import functools
 import os
 
 from library.data.controls import check_prompt_controls
@@ -38,11 +39,14 @@ def check_before_caching(args, family) -> tuple[str | None, str | None]:
     check_network_settings(args, family.arch)
     check_lora_inputs(args, family.arch)  # network_weights, base_loras: their headers
     check_prompt_references(args, family)
-    check_timestep_range(args, family)
+    # the model on the meta device (no weights read, seconds at full size), built once for the checks that ask it
+    meta_model = functools.cache(lambda: family.load_transformer(compute_dtype(args), base_precision(args),
+                                                                 read_weights=False))
+    check_timestep_range(args, family, meta_model)
     stored_and_widened = check_base_layout(args, family)
-    # network_args against the model's blocks and names, network_weights' ranks against the network's
-    check_network_fits(args, family.arch, lambda: family.load_transformer(
-        compute_dtype(args), base_precision(args), read_weights=False))
+    # network_args against the model's blocks and names, network_weights' ranks against the network's (it wraps
+    # the model's Linears: after the checks that read the bare model)
+    check_network_fits(args, family.arch, meta_model)
     return stored_and_widened
 
 
@@ -51,11 +55,11 @@ def check_before_caching(args, family) -> tuple[str | None, str | None]:
 LEAST_RANGE_SHARE = 1e-3
 
 
-def check_timestep_range(args, family) -> None:
+def check_timestep_range(args, family, meta_model) -> None:
     """preserve_distribution_shape redraws a sample's sigma until one falls in min_timestep / max_timestep: a range
     its law hardly reaches (sigma above 0.99 under the plain logit-normal draw: 2 in a million) would stop the run
-    at its first step, after caching. Its share of the law's draws at 1024 px, now (a model on the meta device
-    tells the model's own law)."""
+    at its first step, after caching. Its share of the law's draws at 1024 px, now (meta_model(): the model on the
+    meta device, which tells the model's own law)."""
     import torch
 
     from library.models import flow_matching as fm
@@ -63,7 +67,7 @@ def check_timestep_range(args, family) -> None:
     lo, hi = fm.timestep_range(args)
     if not args.preserve_distribution_shape or (lo, hi) == (0.0, 1.0):
         return
-    model = family.load_transformer(compute_dtype(args), base_precision(args), read_weights=False)
+    model = meta_model()
     side = 1024 // family.vae_downsample
     draws = family.draw_sigmas(model, args, torch.Generator().manual_seed(0), side, side,
                                fm.REDRAW_CHUNK * fm.REDRAW_ROUNDS)
