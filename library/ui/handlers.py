@@ -4,6 +4,7 @@ LoRA tools. Values in, plain values out (strings, dicts, pandas frames), so each
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import sys
@@ -147,6 +148,7 @@ def check_steps_override(settings: dict, changed: dict) -> None:
                                            f"TOML to train {steps} step{'s' if steps != 1 else ''}")
 
 
+FORM_CONFIG = "the job form's config"  # how a tool's output names form_config_file's temporary TOML
 TIMESTEP_DRAWS = 20_000  # the timesteps plot's sigmas per size: a histogram of 100 bins, drawn in well under a second
 
 # A job's compute dtype as generate.py names it (mixed_precision "no": float32, as the run computed).
@@ -475,22 +477,14 @@ class WebUI:
             settings = self.settings(text, form) if source != "preset" else None
         except (JobError, ValueError) as e:
             return self._plan_refused(str(e))
-        config_file = None
-        if settings is not None:  # the planner reads the files it names (headers, images): the roots first
-            answer = self.checker.check(toml_dumps(settings), self.store.root, self.roots.roots, reads_only=True)
-            if not answer["ok"]:
-                return self._plan_refused(answer["error"])
-            with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=self.store.root, delete=False) as f:
-                f.write(toml_dumps(settings))
-                config_file = f.name
         try:
-            result, fits = commands.plan(self.workdir, vram, preset if source == "preset" else None, config_file,
-                                         resolution, batch_size, self.python, self.checker)
-        finally:
-            if config_file:
-                os.remove(config_file)
+            with self.form_config_file(settings) if settings is not None else contextlib.nullcontext() as config_file:
+                result, fits = commands.plan(self.workdir, vram, preset if source == "preset" else None, config_file,
+                                             resolution, batch_size, self.python, self.checker)
+        except JobError as e:  # the config names a file outside the roots
+            return self._plan_refused(str(e))
         if config_file:  # the report's errors named the temporary file, removed by now
-            result.output = result.output.replace(config_file, "the job form's config")
+            result.output = result.output.replace(config_file, FORM_CONFIG)
         best = commands.suggestion(fits)
         suggested = {**commands.suggested_keys(best), **commands.caching_keys(result.output)} if best else None
         return {"ok": result.ok, "report": result.output, "fits": [vars(f) for f in fits], "suggested": suggested}
@@ -498,25 +492,33 @@ class WebUI:
     def timesteps(self, sizes: str, text: str, form: dict) -> dict:
         """plot_timesteps.py on the job form's config: the sigmas it trains on at each size, {"ok", "report", "image"
         (the PNG, or None)}; bad input is the report's one line. It reads the model's headers: the roots first."""
-        try:
-            settings = self.settings(text, form)
-        except (JobError, ValueError) as e:
-            return {"ok": False, "report": str(e), "image": None}
-        answer = self.checker.check(toml_dumps(settings), self.store.root, self.roots.roots, reads_only=True)
-        if not answer["ok"]:
-            return {"ok": False, "report": answer["error"], "image": None}
         out = self.tool_output("timesteps.png", "sigma plot")
-        with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=self.store.root, delete=False) as f:
-            f.write(toml_dumps(settings))
-            config_file = f.name
         try:
-            args = ["--config_file", config_file, "--resolution", (sizes or "").strip() or "1024",
-                    "--draws", TIMESTEP_DRAWS, "--out", out]
-            result = commands.run_tool("plot_timesteps.py", args, self.workdir, self.python, helper=self.checker)
-        finally:
-            os.remove(config_file)
-        report = result.output.replace(config_file, "the job form's config")
+            with self.form_config_file(self.settings(text, form)) as config_file:
+                args = ["--config_file", config_file, "--resolution", (sizes or "").strip() or "1024",
+                        "--draws", TIMESTEP_DRAWS, "--out", out]
+                result = commands.run_tool("plot_timesteps.py", args, self.workdir, self.python, helper=self.checker)
+        except (JobError, ValueError) as e:  # not TOML, a bad field, or a file outside the roots
+            return {"ok": False, "report": str(e), "image": None}
+        report = result.output.replace(config_file, FORM_CONFIG)
         return {"ok": result.ok, "report": report, "image": out if result.ok else None}
+
+    @contextlib.contextmanager
+    def form_config_file(self, settings: dict):
+        """The job form's settings as a temporary TOML in the jobs folder for a tool to read (plan_memory.py,
+        plot_timesteps.py), removed after; first the config checker's word that it names no file outside the roots
+        (the tool reads them: headers, images), its line a JobError where it does. A tool's output names the path:
+        FORM_CONFIG says it to the user."""
+        text = toml_dumps(settings)
+        answer = self.checker.check(text, self.store.root, self.roots.roots, reads_only=True)
+        if not answer["ok"]:
+            raise JobError(answer["error"])
+        with tempfile.NamedTemporaryFile("w", suffix=".toml", dir=self.store.root, delete=False) as f:
+            f.write(text)
+        try:
+            yield f.name
+        finally:
+            os.remove(f.name)
 
     @staticmethod
     def _plan_refused(message: str) -> dict:
