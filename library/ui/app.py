@@ -59,6 +59,12 @@ def edited(order: list[str], values: tuple) -> dict:
             for k, v in zip(order, values) if k not in loaded or v != loaded[k]}
 
 
+def job_form_inputs(form: dict) -> list:
+    """An event's inputs for the job form's config, another tab's: the TOML editor, then what edited() reads (the
+    fields, the values Load filled them with, the fields typed in)."""
+    return [form["text"], *[form["fields"][k] for k in form["order"]], form["loaded"], form["typed"]]
+
+
 def unsaved_edits(order: list[str], values: list, loaded: dict, text: str, loaded_text: str) -> list[str]:
     """What the form holds that the last Load did not put there: "the TOML" and the changed fields'
     labels. A field Load left empty and the user too is no edit."""
@@ -440,9 +446,8 @@ def planner_tab(ui: WebUI, form: dict) -> None:
         result = ui.plan(src, name, gib, side, size, text_value, edited(order, values))
         return plan_note(result), result["report"], result["suggested"]
 
-    run.click(on_plan, [source, preset, vram, resolution, batch, form["text"], *[fields[k] for k in order],
-                        form["loaded"], form["typed"]],
-              [suggestion, report, keys], api_name="plan")
+    run.click(on_plan, [source, preset, vram, resolution, batch, *job_form_inputs(form)], [suggestion, report, keys],
+              api_name="plan")
 
     def on_apply(best, text_value, *values):
         if not best:
@@ -453,8 +458,8 @@ def planner_tab(ui: WebUI, form: dict) -> None:
         loaded = {**values[-2], **{k: best[k] for k in order if k in best and new_values[k] == best[k]}}
         return [new_text] + [new_values[k] for k in order] + [loaded]
 
-    apply.click(on_apply, [keys, form["text"], *[fields[k] for k in order], form["loaded"], form["typed"]],
-                [form["text"], *[fields[k] for k in order], form["loaded"]], api_name="apply_plan")
+    apply.click(on_apply, [keys, *job_form_inputs(form)], [form["text"], *[fields[k] for k in order], form["loaded"]],
+                api_name="apply_plan")
     timesteps_section(ui, form)
 
 
@@ -468,14 +473,12 @@ def timesteps_section(ui: WebUI, form: dict) -> None:
     with gr.Row():
         plot = gr.Image(label="trained sigmas", type="filepath", elem_id="timesteps-plot")
         report = gr.Textbox(label="quantiles per size", lines=6, elem_id="timesteps-report")
-    order, fields = form["order"], form["fields"]
 
     def on_draw(sizes_value, text_value, *values):
-        result = ui.timesteps(sizes_value, text_value, edited(order, values))
+        result = ui.timesteps(sizes_value, text_value, edited(form["order"], values))
         return result["image"], result["report"]
 
-    draw.click(on_draw, [sizes, form["text"], *[fields[k] for k in order], form["loaded"], form["typed"]],
-               [plot, report], api_name="timesteps")
+    draw.click(on_draw, [sizes, *job_form_inputs(form)], [plot, report], api_name="timesteps")
 
 
 def dataset_tab(ui: WebUI) -> None:
