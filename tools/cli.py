@@ -79,6 +79,13 @@ def one_line(error: Exception) -> str:
     return f"error: {' '.join(str(error).split())}"
 
 
+def check_png_out(out: str) -> None:
+    """A plot's --out is a .png file name, checked before the work: a folder failed after the drawing, naming a
+    temporary file."""
+    if not out.lower().endswith(".png") or os.path.isdir(out):
+        raise ValueError(f"--out {out}: expected a .png file name (the plot is written as a PNG)")
+
+
 def check_out_folder(flag: str, path: str, what: str) -> None:
     """The folder a tool writes into: a file at `path`, or a file where one of its parents goes, is one
     line before the work, not an OSError after it ('File exists', 'Not a directory')."""

@@ -20,7 +20,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 # The drawing is library's (train_lora.py draws its run too); that module loads no torch until it draws.
 from library.errors import exit_without_collecting  # noqa: E402
-from tools.cli import Parser  # noqa: E402
+from tools.cli import Parser, check_png_out  # noqa: E402
 from library.training.lr_plot import find_logs, plot_runs  # noqa: E402
 
 
@@ -36,8 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
 def check_out(out: str, runs: list[str]) -> None:
     """--out is a .png file that is none of the logs, checked before anything is read or drawn: a log
     named as --out was replaced by the PNG; a folder failed after the drawing, naming a temporary file."""
-    if not out.lower().endswith(".png") or os.path.isdir(out):
-        raise ValueError(f"--out {out}: expected a .png file name (the plot is written as a PNG)")
+    check_png_out(out)
     if os.path.exists(out) and any(os.path.samefile(out, log) for run in runs for log in find_logs(run)):
         raise ValueError(f"--out {out}: is one of the logs read; write the plot elsewhere")
 

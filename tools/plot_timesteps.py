@@ -21,7 +21,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from library.errors import exit_without_collecting  # noqa: E402
-from tools.cli import Parser, check_command_line  # noqa: E402
+from tools.cli import Parser, check_command_line, check_png_out  # noqa: E402
 
 QUANTILES = (0.05, 0.25, 0.5, 0.75, 0.95)
 
@@ -55,8 +55,7 @@ def sizes(text: str) -> list[tuple[int, int]]:
 
 
 def check_flags(args) -> None:
-    if not args.out.lower().endswith(".png") or os.path.isdir(args.out):
-        raise ValueError(f"--out {args.out}: expected a .png file name (the plot is written as a PNG)")
+    check_png_out(args.out)
     if args.draws < 100:
         raise ValueError(f"--draws {args.draws}: expected at least 100 (a histogram of 100 bins)")
     sizes(args.resolution)
