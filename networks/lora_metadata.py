@@ -54,6 +54,7 @@ METADATA_KEYS = {
     "min_timestep": "ss_min_timestep",  # the sigmas trained, in thousandths (written where set)
     "max_timestep": "ss_max_timestep",
     "preserve_distribution_shape": "ss_preserve_distribution_shape",  # written where true
+    "num_timestep_buckets": "ss_num_timestep_buckets",  # written where > 1 (stratified sigmas)
     "logsnr": "ss_logsnr_mean_std",  # [mean, std] of timestep_sampling = "logsnr" (written with it only)
     "shift": "ss_discrete_flow_shift",
     "guidance": "ss_guidance_scale",

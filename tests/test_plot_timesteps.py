@@ -53,6 +53,15 @@ def test_a_timestep_range_is_drawn_as_the_trainer_keeps_it(tmp_path, capsys, pre
         assert values[2] == pytest.approx(expected(plain[(plain >= 0.3) & (plain <= 0.9)])[2], abs=0.02)
 
 
+def test_stratified_draws_are_the_laws_quantiles(tmp_path, capsys):
+    """num_timestep_buckets = --draws: one draw per stratum, so the printed quantiles are the sigmoid law's own,
+    sigmoid(the normal's quantile), within a stratum's width (2,000 independent draws miss them by ~3e-3 each)."""
+    assert main(["--config_file", QUICKSTART, "--draws", "2000", "--out", str(tmp_path / "s.png"), "--",
+                 "--timestep_sampling", "sigmoid", "--num_timestep_buckets", "2000"]) == 0
+    law = torch.sigmoid(torch.special.ndtri(torch.tensor(QUANTILES, dtype=torch.float64))).tolist()
+    assert printed_quantiles(capsys.readouterr().out.splitlines()[0]) == pytest.approx(law, abs=1.2e-3)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--out", "s.txt"], "--out s.txt: expected a .png file name"),
     (["--resolution", "1024,big"], "--resolution 'big': expected a size in pixels"),

@@ -1,7 +1,7 @@
 """The sigmas a training config trains on: their histogram at one or more image sizes, and the loss weighting over
 sigma, as musubi-tuner's --show_timesteps shows its draw, from the config's own keys (timestep_sampling or the
 model's own, discrete_flow_shift, sigmoid_scale, timestep_bias, logsnr_mean / logsnr_std, min_timestep /
-max_timestep, preserve_distribution_shape, weighting_scheme).
+max_timestep, preserve_distribution_shape, num_timestep_buckets, weighting_scheme).
 
     python tools/plot_timesteps.py --config_file my_run.toml [--resolution 512,1024,1024x768] [--out sigmas.png]
     python tools/plot_timesteps.py --config_file my_run.toml -- --timestep_sampling logsnr --min_timestep 200
@@ -78,7 +78,12 @@ def trained_sigmas(config, family, model, width: int, height: int, count: int, s
 
     lh, lw = height // family.vae_downsample, width // family.vae_downsample
     generator = torch.Generator().manual_seed(seed)
-    sigmas = fm.sigmas_in_range(lambda n: family.draw_sigmas(model, config, generator, lh, lw, n), count,
+    buckets = config.num_timestep_buckets or 1
+    quantiles = None  # num_timestep_buckets: the draws stratified as one epoch of `count` samples
+    if buckets > 1:
+        strata = torch.arange(count, dtype=torch.float64) * buckets // count
+        quantiles = (strata + torch.rand(count, generator=generator, dtype=torch.float64)) / buckets
+    sigmas = fm.sigmas_in_range(lambda n: family.draw_sigmas(model, config, generator, lh, lw, n, quantiles), count,
                                *fm.timestep_range(config), config.preserve_distribution_shape)
     return sigmas, config.timestep_sampling or f"{family.default_timestep_sampling(model)} (the model's own)"
 

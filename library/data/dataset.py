@@ -64,7 +64,7 @@ class ImageDataset(torch.utils.data.Dataset):
         return [item for i, item in enumerate(self.items) if i in drawn]
 
     def __getitem__(self, key) -> dict:
-        entry, epoch = key if isinstance(key, tuple) else (key, 0)
+        entry, epoch, *stratum = key if isinstance(key, tuple) else (key, 0)
         item = self.items[self.entries[entry]]
         rng = random.Random(f"{self.seed}:{epoch}:{entry}")
         flip = item.subset.flip_aug and not self.validation and rng.random() < 0.5
@@ -79,6 +79,8 @@ class ImageDataset(torch.utils.data.Dataset):
         caption, variant = self._caption(item, epoch, rng)
         sample = {"image_path": item.image_path, "key": key, "bucket": item.bucket, "caption": caption,
                   "is_reg": item.subset.is_reg}
+        if stratum:  # num_timestep_buckets: the stratum of the uniform quantile its sigma is drawn at
+            sample["stratum"] = stratum[0]
         if item.latent_cache is not None:
             cached = read_cache(item.latent_cache)
             sample["latents"] = cached["latents_flipped" if flip else "latents"].float()
@@ -129,10 +131,14 @@ class ImageDataset(torch.utils.data.Dataset):
 class BucketBatchSampler(torch.utils.data.Sampler):
     """Batches of `(entry, epoch)` keys where every batch holds one bucket of one dataset (with
     that dataset's batch_size) and one size of reference images. Entries and batches are shuffled per epoch from (seed, epoch).
-    Each iteration advances the epoch; batches(epoch) gives any epoch's explicitly (EpochBatches)."""
+    Each iteration advances the epoch; batches(epoch) gives any epoch's explicitly (EpochBatches).
+    timestep_buckets (num_timestep_buckets, musubi-tuner's stratified sigmas): keys `(entry, epoch, stratum)`, the
+    epoch's samples dealt the strata 0 .. buckets - 1 evenly (counts within one) in a random order of their own."""
 
-    def __init__(self, dataset: ImageDataset, seed: int = 0, shuffle: bool = True, drop_last: bool = False):
+    def __init__(self, dataset: ImageDataset, seed: int = 0, shuffle: bool = True, drop_last: bool = False,
+                 timestep_buckets: int | None = None):
         self.seed, self.shuffle, self.drop_last, self.epoch = seed, shuffle, drop_last, 0
+        self.timestep_buckets = timestep_buckets if timestep_buckets and timestep_buckets > 1 else None
         self.groups: dict[tuple, list[int]] = {}
         for entry, i in enumerate(dataset.entries):
             item = dataset.items[i]
@@ -154,7 +160,16 @@ class BucketBatchSampler(torch.utils.data.Sampler):
                     batches.append([(e, epoch) for e in chunk])
         if self.shuffle:
             rng.shuffle(batches)
-        return batches
+        return self._stratified(batches, epoch) if self.timestep_buckets else batches
+
+    def _stratified(self, batches: list[list[tuple[int, int]]], epoch: int) -> list[list[tuple[int, int, int]]]:
+        """Each key with its stratum: the epoch's n samples take strata j * buckets // n (j < n), shuffled (musubi-
+        tuner's pool: ceil(n / buckets) of each, shuffled, cut to n)."""
+        n = sum(len(batch) for batch in batches)
+        strata = [j * self.timestep_buckets // n for j in range(n)]
+        random.Random(f"{self.seed}:{epoch}:strata").shuffle(strata)
+        dealt = iter(strata)
+        return [[(entry, ep, next(dealt)) for entry, ep in batch] for batch in batches]
 
     def __iter__(self):
         epoch, self.epoch = self.epoch, self.epoch + 1
@@ -227,6 +242,8 @@ def collate_batch(samples: list[dict]) -> dict:
     if "preserved" in samples[0]:
         batch["preserved"] = torch.tensor([s["preserved"] for s in samples])
     batch["is_reg"] = torch.tensor([s.get("is_reg", False) for s in samples])
+    if "stratum" in samples[0]:
+        batch["strata"] = [s["stratum"] for s in samples]
     if any("mask" in s for s in samples):  # unmasked samples of a mixed batch train everywhere
         like = next(s["mask"] for s in samples if "mask" in s)
         batch["masks"] = torch.stack([s.get("mask", torch.ones_like(like)) for s in samples])

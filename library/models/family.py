@@ -483,7 +483,8 @@ class DiffusionFamily:
     # -- training objective --------------------------------------------------------------------
     def training_loss(self, model, latents: torch.Tensor, text: dict, args, generators: list[torch.Generator],
                       mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
-                      control: list[torch.Tensor] | None = None, preservation: Preservation | None = None):
+                      control: list[torch.Tensor] | None = None, preservation: Preservation | None = None,
+                      strata: list[int] | None = None):
         """Flow-matching loss for a batch of latents [B, C, H/8, W/8] (float32). One CPU
         generator per sample draws its noise and sigma, so a sample's draw does not depend on its
         batch position or process. mask: [B, 1, H/8, W/8] loss masks; sample_weights: [B] (e.g.
@@ -492,31 +493,36 @@ class DiffusionFamily:
         and the sigmas. A family whose VAE downsamples more (16x) gets the masks area-averaged to
         its latent grid, one without a VAE (pixels) repeated onto it (they are cached on the 8-pixel grid:
         they broadcast nowhere else).
-        preservation: a second prompt's term added to the loss (Preservation)."""
+        preservation: a second prompt's term added to the loss (Preservation). strata: each sample's stratum of
+        num_timestep_buckets (its sigma's quantile drawn within it: fm.stratified_quantiles)."""
         lh, lw = latents.shape[-2:]
         if mask is not None:
             mask = on_latent_grid(mask, (lh, lw))
         noise = torch.stack([torch.randn(latents.shape[1:], generator=g, dtype=torch.float32) for g in generators])
         lo, hi = fm.timestep_range(args)
         preserve = getattr(args, "preserve_distribution_shape", False)
-        sigmas = torch.cat([fm.sigmas_in_range(lambda n, g=g: self.draw_sigmas(model, args, g, lh, lw, n), 1, lo,
-                                               hi, preserve) for g in generators])
+        quantiles = ([None] * len(generators) if strata is None else
+                     fm.stratified_quantiles(strata, args.num_timestep_buckets, generators))
+        sigmas = torch.cat([fm.sigmas_in_range(lambda n, g=g, q=q: self.draw_sigmas(model, args, g, lh, lw, n, q), 1,
+                                               lo, hi, preserve) for g, q in zip(generators, quantiles)])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
                             args.loss_type, args.huber_c, mask, sample_weights, control=control,
                             preservation=preservation, input_noise=input_perturbation(noise, args, generators))
         return loss, sigmas
 
-    def draw_sigmas(self, model, args, generator: torch.Generator, lh: int, lw: int, count: int) -> torch.Tensor:
+    def draw_sigmas(self, model, args, generator: torch.Generator, lh: int, lw: int, count: int,
+                    quantiles: torch.Tensor | None = None) -> torch.Tensor:
         """`count` sigmas of this model's training law (timestep_sampling, or the model's own; its shift at one
-        lh x lw latent frame's token count), float32 [count], from one sample's generator; training_loss keeps them
-        in min_timestep / max_timestep (fm.sigmas_in_range)."""
+        lh x lw latent frame's token count), float32 [count], from one sample's generator, or of its given uniform
+        quantiles [count] (num_timestep_buckets); training_loss keeps them in min_timestep / max_timestep
+        (fm.sigmas_in_range)."""
         method = args.timestep_sampling or self.default_timestep_sampling(model)
         return fm.sample_sigmas(count, method, generator=generator, shift=args.discrete_flow_shift,
                                 sigmoid_scale=args.sigmoid_scale, image_seq_len=(lh // self.patch) * (lw // self.patch),
                                 bias=getattr(args, "timestep_bias", "none"),
                                 logsnr=(getattr(args, "logsnr_mean", fm.LOGSNR[0]),
-                                        getattr(args, "logsnr_std", fm.LOGSNR[1])))
+                                        getattr(args, "logsnr_std", fm.LOGSNR[1])), quantiles=quantiles)
 
     def loss_at(self, model, latents: torch.Tensor, text: dict, noise: torch.Tensor, sigmas: torch.Tensor,
                 guidance: float | None, weighting: str = "none", loss_type: str = "l2", huber_c: float = 0.1,

@@ -81,14 +81,26 @@ def time_shift(mu: float, sigmas: torch.Tensor) -> torch.Tensor:
 
 
 def standard_normal(batch: int, generator: torch.Generator | None, bias: str = "none",
-                    dtype: torch.dtype = torch.float32) -> torch.Tensor:
+                    dtype: torch.dtype = torch.float32, quantiles: torch.Tensor | None = None) -> torch.Tensor:
     """[batch] N(0, 1) draws; with a timestep_bias, the normal quantile of the biased q (TIMESTEP_BIASES), so a
-    law made of the normal (sigmoid(n), its shifts) keeps its shape and leans to high or low sigmas."""
+    law made of the normal (sigmoid(n), its shifts) keeps its shape and leans to high or low sigmas.
+    quantiles: [batch] given uniform quantiles in (0, 1) (num_timestep_buckets' stratified ones) instead of draws."""
     device = generator.device if generator is not None else torch.device("cpu")
-    if bias == "none":
+    if bias == "none" and quantiles is None:
         return torch.randn(batch, generator=generator, device=device, dtype=dtype)
-    q = biased_quantile(batch, generator, bias, dtype).double()  # erfinv near +-1 in float64: q ~ 1e-6 keeps digits
+    if quantiles is None:
+        q = biased_quantile(batch, generator, bias, dtype).double()  # erfinv near +-1 in float64: q ~ 1e-6 keeps digits
+    else:
+        q = lean(quantiles.double(), bias).clamp(QUANTILE_EDGE, 1.0 - QUANTILE_EDGE)
     return (math.sqrt(2.0) * torch.special.erfinv(2.0 * q - 1.0)).to(dtype)
+
+
+def lean(u: torch.Tensor, bias: str) -> torch.Tensor:
+    """A uniform quantile u leaned by timestep_bias: 1 - u^3 (high_noise: sigma near 1 more often), u^3
+    (low_noise), u itself (none)."""
+    if bias not in TIMESTEP_BIASES:
+        raise ValueError(f"timestep_bias {bias!r} is not one of {', '.join(TIMESTEP_BIASES)}")
+    return u if bias == "none" else 1.0 - u ** 3 if bias == "high_noise" else u ** 3
 
 
 def biased_quantile(batch: int, generator: torch.Generator | None, bias: str, dtype=torch.float32) -> torch.Tensor:
@@ -96,13 +108,20 @@ def biased_quantile(batch: int, generator: torch.Generator | None, bias: str, dt
     if bias not in TIMESTEP_BIASES[1:]:
         raise ValueError(f"timestep_bias {bias!r} is not one of {', '.join(TIMESTEP_BIASES)}")
     device = generator.device if generator is not None else torch.device("cpu")
-    cubed = torch.rand(batch, generator=generator, device=device, dtype=dtype) ** 3
-    return (1.0 - cubed if bias == "high_noise" else cubed).clamp(QUANTILE_EDGE, 1.0 - QUANTILE_EDGE)
+    u = torch.rand(batch, generator=generator, device=device, dtype=dtype)
+    return lean(u, bias).clamp(QUANTILE_EDGE, 1.0 - QUANTILE_EDGE)
+
+
+def stratified_quantiles(strata: list[int], buckets: int, generators: list[torch.Generator]) -> list[torch.Tensor]:
+    """num_timestep_buckets (musubi-tuner's stratified draw): sample i's uniform quantile, float64 [1], drawn
+    uniform within its stratum [k / buckets, (k + 1) / buckets) from its own generator (where its sigma draw was:
+    noise first, then this). The sampler deals an epoch's samples the strata evenly (BucketBatchSampler)."""
+    return [(k + torch.rand(1, generator=g, dtype=torch.float64)) / buckets for k, g in zip(strata, generators)]
 
 
 def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None, shift: float = 3.0,
                   sigmoid_scale: float = 1.0, image_seq_len: int | None = None, bias: str = "none",
-                  logsnr: tuple[float, float] = LOGSNR) -> torch.Tensor:
+                  logsnr: tuple[float, float] = LOGSNR, quantiles: torch.Tensor | None = None) -> torch.Tensor:
     """One sigma per sample, float32 [batch] in [0, 1], on the generator's device.
 
     uniform: U(0, 1]; sigmoid: sigmoid(sigmoid_scale * randn); shift: the sigmoid draw then
@@ -112,18 +131,24 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
     sampling.method):
     the sigmoid draw then the time_shift with that architecture's mu for image_seq_len (at its
     train_mu_steps where mu depends on a step count; ln of its constant train shift where it has one).
-    bias: timestep_bias (TIMESTEP_BIASES), the uniform draw's quantile or the normal's biased; "none": as ever."""
+    bias: timestep_bias (TIMESTEP_BIASES), the uniform draw's quantile or the normal's biased; "none": as ever.
+    quantiles: [batch] uniform quantiles to map through the law instead of drawing (stratified_quantiles); the
+    law's sigma is monotone in its quantile."""
     if method not in SAMPLING_METHODS:
         raise ValueError(f"timestep_sampling {method!r} is not one of {', '.join(SAMPLING_METHODS)}")
     device = generator.device if generator is not None else torch.device("cpu")
+    if method == "uniform" and quantiles is not None:  # as the draws below: the quantile, or 1 - u unbiased
+        u = lean(quantiles.double(), bias).clamp(QUANTILE_EDGE, 1.0 - QUANTILE_EDGE)
+        return (u if bias != "none" else 1.0 - u).to(torch.float32)
     if method == "uniform" and bias != "none":  # sigma = the quantile itself (in (0, 1))
         return biased_quantile(batch, generator, bias)
     if method == "uniform":  # 1 - U[0, 1): never exactly 0, where sigma_sqrt weighting is infinite
         return 1.0 - torch.rand(batch, generator=generator, device=device, dtype=torch.float32)
+    normal = standard_normal(batch, generator, bias, quantiles=quantiles)
     if method == "logsnr":
         mean, std = logsnr
-        return torch.sigmoid((std * standard_normal(batch, generator, bias) - mean) / 2.0)
-    sigmas = torch.sigmoid(sigmoid_scale * standard_normal(batch, generator, bias))
+        return torch.sigmoid((std * normal - mean) / 2.0)
+    sigmas = torch.sigmoid(sigmoid_scale * normal)
     if method == "shift":
         return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
     if method == "sigmoid":

@@ -548,7 +548,7 @@ def validate(args: argparse.Namespace, where: str, origins: dict[str, str] | Non
 RANGES = {
     ">= 1": ("network_dim", "max_train_steps", "max_train_epochs", "gradient_accumulation_steps",
              "text_encoder_batch_size", "vae_batch_size", "block_swap_prefetch", "lr_scheduler_num_cycles",
-             "lr_scheduler_timescale",
+             "lr_scheduler_timescale", "num_timestep_buckets",
              "max_length", "stride", "batch_size", "sample_max_new_tokens",
              *(k for k, a in FAMILY_KEYS.items() if a.type is int)),  # the families' counts and sizes: tokens, layers, px
     ">= 0": ("blocks_to_swap", "validate_every_n_steps", "validate_every_n_epochs", "save_every_n_steps",
@@ -574,6 +574,11 @@ def _validate_timestep_range(args: argparse.Namespace, origins: dict[str, str], 
     if lo is not None and hi is not None and lo >= hi:
         raise ConfigError(f"{blame(origins, where, 'min_timestep', 'max_timestep')}: min_timestep ({lo}) must be below "
                           f"max_timestep ({hi})")
+    if (args.num_timestep_buckets or 0) > 1 and args.preserve_distribution_shape and (lo, hi) != (None, None):
+        raise ConfigError(f"{blame(origins, where, 'num_timestep_buckets', 'preserve_distribution_shape')}: "
+                          f"num_timestep_buckets stratifies the whole sigma law, preserve_distribution_shape redraws "
+                          f"the sigmas outside min_timestep / max_timestep: set one of them (the range scaled: "
+                          f"preserve_distribution_shape = false)")
 
 
 def _validate_counts(args: argparse.Namespace, origins: dict[str, str], where: str) -> None:

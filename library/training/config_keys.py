@@ -19,7 +19,8 @@ LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "
              "dim_from_weights", "scale_weight_norms")
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
                   "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "timestep_bias",
-                  "min_timestep", "max_timestep", "preserve_distribution_shape", "logsnr_mean", "logsnr_std",
+                  "min_timestep", "max_timestep", "preserve_distribution_shape", "num_timestep_buckets",
+                  "logsnr_mean", "logsnr_std",
                   "discrete_flow_shift", "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "ip_noise_gamma",
                   "ip_noise_gamma_random_strength", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",

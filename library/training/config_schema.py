@@ -179,6 +179,9 @@ SCHEMA: dict[str, Arg] = {
     "max_timestep": A(int, None, "train sigmas up to max_timestep / 1000 (musubi-tuner's, 1-1000; unset: 1000)"),
     "preserve_distribution_shape": A(bool, False, "min_timestep / max_timestep cut the sigma law to their range (draws "
                                                   "outside it redrawn) instead of scaling it into it (musubi-tuner's)"),
+    "num_timestep_buckets": A(int, None, "stratified sigmas (musubi-tuner's): each epoch deals its samples this "
+                                         "many equal slices of the sigma law's quantiles evenly; unset or 1: each "
+                                         "sample's own draw"),
     "weighting_scheme": A(str, "none", "loss weighting (sigma_sq: the x0 error, as preconditioned outputs train)",
                           ("none", "sigma_sqrt", "cosmap", "sigma_sq")),
     "loss_type": A(str, "l2", "loss", ("l2", "huber")),

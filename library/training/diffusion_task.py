@@ -64,13 +64,13 @@ class LoRALoss(nn.Module):
     def forward(self, latents: torch.Tensor, text: dict, generators: list[torch.Generator],
                 mask: torch.Tensor | None = None, sample_weights: torch.Tensor | None = None,
                 control: list[torch.Tensor] | None = None, preservation_text: dict | None = None,
-                preserved: torch.Tensor | None = None) -> torch.Tensor:
+                preserved: torch.Tensor | None = None, strata: list[int] | None = None) -> torch.Tensor:
         kept = None
         if preservation_text is not None:  # output preservation's second prompt (library/training/preservation.py)
             kept = Preservation(preservation_text, preserved, preservation.multiplier(self.args),
                                 lambda: preservation.network_off(self.network))
         loss, _ = self.family.training_loss(self.base, latents, text, self.args, generators, mask, sample_weights,
-                                            control, kept)
+                                            control, kept, strata)
         if kept is not None:
             self.preservation_losses.append(float(kept.loss))
         elif preservation.preserving(self.args):  # a batch without a second prompt: its term is 0, not computed
@@ -157,7 +157,7 @@ class DiffusionTask:
         self.dataset, self.validation_set = self._read_images(limit, largest)
         check_config_against_data(args, bool(self.validation_set),
                                   any(item.subset.is_reg for item in self.dataset.items))  # before minutes of caching
-        self.sampler = BucketBatchSampler(self.dataset, seed=args.seed)
+        self.sampler = BucketBatchSampler(self.dataset, seed=args.seed, timestep_buckets=args.num_timestep_buckets)
         self._loader = None  # the DataLoader kept across epochs (persistent_data_loader_workers)
         check_planned_steps(args, plan_steps(args, self.batches_per_epoch(), state.progress if state else None))
         if state:
@@ -528,7 +528,8 @@ class DiffusionTask:
         sample's key: its dataset, subset, path inside the subset and repeat number, so every
         occurrence of an image in a step gets its own draw, equal on 1 or N processes and after a
         move or resume;
-        loss masks, sample weights, reference latents): LoRALoss.forward's arguments."""
+        loss masks, sample weights, reference latents, output preservation's prompts and samples, the samples'
+        num_timestep_buckets strata): LoRALoss.forward's arguments."""
         latents = batch["latents"].to(self.device)
         text = {k: v.to(self.device) for k, v in batch["text"].items()}
         gens = [torch.Generator().manual_seed(sample_seed(self.args.seed, step, key)) for key in batch["keys"]]
@@ -537,10 +538,11 @@ class DiffusionTask:
         if batch["is_reg"].any():
             weights = torch.where(batch["is_reg"], self.args.prior_loss_weight, 1.0).to(self.device)
         control = [c.to(self.device) for c in batch["controls"]] if "controls" in batch else None
-        if "preservation_text" not in batch or not batch["preserved"].any():  # no sample has a term: no two forwards
-            return latents, text, gens, mask, weights, control
-        kept = {k: v.to(self.device) for k, v in batch["preservation_text"].items()}
-        return latents, text, gens, mask, weights, control, kept, batch["preserved"].float().to(self.device)
+        kept = preserved = None
+        if "preservation_text" in batch and batch["preserved"].any():  # no sample with a term: no second forward
+            kept = {k: v.to(self.device) for k, v in batch["preservation_text"].items()}
+            preserved = batch["preserved"].float().to(self.device)
+        return latents, text, gens, mask, weights, control, kept, preserved, batch.get("strata")
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return self.network.trainable_parameters()

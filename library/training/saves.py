@@ -22,6 +22,12 @@ from networks.lora_files import PEFT_WEIGHTS_FILE
 SAVED_FOLDER_WEIGHTS = (PEFT_WEIGHTS_FILE, "model.safetensors")
 
 
+def stratified_buckets(args) -> int | None:
+    """num_timestep_buckets where it stratifies (> 1), for the header; None else (an LLM's args have none)."""
+    buckets = getattr(args, "num_timestep_buckets", None)
+    return buckets if buckets and buckets > 1 else None
+
+
 def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int, started: float) -> dict:
     from library.models.registry import spec_of
     from networks.lora_files import build_metadata, modelspec_fields
@@ -51,6 +57,7 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         timestep_bias=None if getattr(args, "timestep_bias", "none") == "none" else args.timestep_bias,
         min_timestep=getattr(args, "min_timestep", None), max_timestep=getattr(args, "max_timestep", None),
         preserve_distribution_shape=getattr(args, "preserve_distribution_shape", False) or None,
+        num_timestep_buckets=stratified_buckets(args),
         mixed_precision=args.mixed_precision, resolution=facts["resolution"],
         steps=step, max_steps=max_steps, epochs=epochs, epoch=epoch,
         batch_size=facts["batch_size"], optimizer=args.optimizer_type

@@ -208,15 +208,15 @@ class Ideogram4Family(DiffusionFamily):
                                        f"(timestep_sampling = \"sigmoid\") reads it")
         return unread
 
-    def draw_sigmas(self, model, args, generator, lh, lw, count):
+    def draw_sigmas(self, model, args, generator, lh, lw, count, quantiles=None):
         """The pipeline's law, sigma = expit(mu + 1.5 n) at the image's resolution, unless the config
         names another timestep_sampling."""
         if args.timestep_sampling not in (None, self.arch + "_shift"):
-            return super().draw_sigmas(model, args, generator, lh, lw, count)
+            return super().draw_sigmas(model, args, generator, lh, lw, count, quantiles)
         from library.models.ideogram4.sampling import training_sigmas
 
         return training_sigmas(count, lh * self.vae_downsample, lw * self.vae_downsample, generator,
-                               bias=getattr(args, "timestep_bias", "none"))
+                               bias=getattr(args, "timestep_bias", "none"), quantiles=quantiles)
 
     @torch.no_grad()
     def sample_latents(self, model, text, width, height, steps, seed, guidance, negative_text=None, control=None,

@@ -41,10 +41,11 @@ def inference_sigmas(steps: int, height: int, width: int, base_mu: float = BASE_
 
 
 def training_sigmas(batch: int, height: int, width: int, generator: torch.Generator | None = None,
-                    base_mu: float = BASE_MU, std: float = STD, bias: str = "none") -> torch.Tensor:
+                    base_mu: float = BASE_MU, std: float = STD, bias: str = "none",
+                    quantiles: torch.Tensor | None = None) -> torch.Tensor:
     """[batch] float32 sigmas drawn from the pipeline's logit-normal law at this resolution (pixels); bias: the
-    config's timestep_bias (flow_matching.standard_normal)."""
-    n = fm.standard_normal(batch, generator, bias, torch.float64)
+    config's timestep_bias, quantiles: given uniform quantiles (flow_matching.standard_normal)."""
+    n = fm.standard_normal(batch, generator, bias, torch.float64, quantiles)
     return _clamp_sigma(torch.special.expit(resolution_mu(height, width, base_mu) + std * n)).to(torch.float32)
 
 

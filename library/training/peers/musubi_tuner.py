@@ -213,6 +213,21 @@ def _weighting_scheme(t: Translation, key: str, value: Any, run: Run) -> None:
         t.drop(key, value, f"unread by musubi-tuner's {run.peer_draw()} draw (no loss weighting)")
 
 
+def _timestep_buckets(t: Translation, key: str, value: Any, run: Run) -> None:
+    """Stratified draws, where musubi-tuner stratifies: not its sigma draw (weighting_scheme's density ignores
+    them), not 0 / 1 (off); ours refuses them with preserve_distribution_shape's cut range."""
+    ranged = run.flat.get("min_timestep") is not None or run.flat.get("max_timestep") is not None
+    if value is None or value < 2:
+        t.drop(key, value, "off (below 2): each sample's own draw, ours' default")
+    elif run.peer_draw() == "sigma":
+        t.drop(key, value, "unread by musubi-tuner's sigma draw (weighting_scheme's density)")
+    elif ranged and is_true(run.flat.get("preserve_distribution_shape")):
+        t.refuse(key, value, "with preserve_distribution_shape's cut range (musubi-tuner redraws stratified): ours "
+                             "stratifies the whole law only")
+    else:
+        t.set(key, value, key, value)
+
+
 def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
     """logit_mean / logit_std: the logit_normal sigma draw's (logit_std is our sigmoid_scale there) and logsnr's."""
     draw = run.peer_draw()
@@ -595,7 +610,7 @@ RULES: dict[str, Rule] = {
     "min_timestep": same(),
     "max_timestep": same(),
     "preserve_distribution_shape": same(),
-    "num_timestep_buckets": implied(lambda v: v is None or v < 2, "stratified timesteps: ours draws each independently"),
+    "num_timestep_buckets": joint(_timestep_buckets),
     "show_timesteps": unsupported("plots the timesteps and exits: nothing is trained (ours: tools/plot_timesteps.py)"),
     # network
     "no_metadata": ignored("ours always writes the header's metadata"),
