@@ -2,6 +2,7 @@
 warmup_stable_decay, inverse_sqrt): built as their get_scheduler_fix builds them, their keys checked before
 training, and carried from the peers' configs."""
 
+import os
 import re
 
 import pytest
@@ -109,7 +110,7 @@ def test_lr_decay_steps_is_steps_or_a_fraction_rounded_down_as_sd_scripts_does(d
      'key \'lr_decay_steps\' does nothing with lr_scheduler = "cosine"; it needs lr_scheduler = "warmup_stable_decay"'),
     ('lr_scheduler = "cosine"\nlr_scheduler_min_lr_ratio = 0.1\n',
      'key \'lr_scheduler_min_lr_ratio\' does nothing with lr_scheduler = "cosine"; it needs lr_scheduler = '
-     '"cosine_with_min_lr" or "warmup_stable_decay"'),
+     '"cosine_with_min_lr", "warmup_stable_decay" or "rex"'),
     ('lr_scheduler = "cosine_with_min_lr"\nlr_scheduler_min_lr_ratio = 0.1\nlr_scheduler_timescale = 5\n',
      'key \'lr_scheduler_timescale\' does nothing with lr_scheduler = "cosine_with_min_lr"; it needs lr_scheduler = '
      '"inverse_sqrt"'),
@@ -202,3 +203,85 @@ def test_a_peer_schedule_without_the_key_it_needs_is_not_carried_with_why(keys, 
         line = next(line for line in t.lines if line.key == "lr_scheduler")
         assert (line.verdict, line.text.startswith(why.format(peer=t.peer))) == ("not carried", True), line.text
         assert "lr_scheduler" not in t.config
+
+
+# ----------------------------------------------------------------------------------------------
+# rex (musubi-tuner's REX schedule)
+
+
+def rex_curve(steps: int, warmup: int = 0, floor: float = 0.01, alpha: float = 0.1, beta: float = 0.9) -> list[float]:
+    """The paper's curve after a linear warmup from the floor: r + (1 - r) z / (alpha + beta z), z the share of the
+    decay's steps left."""
+    decay = steps - warmup
+    return [floor + (1 - floor) * k / warmup if k < warmup else
+            floor + (1 - floor) * ((decay - k + warmup) / decay) / (alpha + beta * (decay - k + warmup) / decay)
+            for k in range(steps)]
+
+
+@pytest.mark.parametrize("lines, steps, expected", [
+    ("", 100, rex_curve(100)),
+    ("lr_warmup_steps = 10\nlr_scheduler_min_lr_ratio = 0.1\n", 100, rex_curve(100, 10, 0.1)),
+    ("lr_scheduler_rex_alpha = 0.5\nlr_scheduler_rex_beta = 0.5\n", 50, rex_curve(50, alpha=0.5, beta=0.5)),
+])
+def test_rex_is_the_papers_curve_from_its_keys(tmp_path, lines, steps, expected):
+    """Starts at learning_rate (alpha + beta = 1), holds near it longer than a linear decay (0.91 at half the run
+    with musubi-tuner's 0.1 / 0.9, the linear 0.5), ends near the floor (0.01 by default, as musubi-tuner)."""
+    args = load(tmp_path, f'lr_scheduler = "rex"\nmax_train_steps = {steps}\n{lines}')
+    ours = lrs(lambda o: optim.run_scheduler(o, args, steps), steps)
+    assert ours == pytest.approx(expected, abs=1e-12)
+    if not lines:
+        assert ours[0] == 1.0 and ours[50] == pytest.approx(0.01 + 0.99 * 0.5 / 0.55) and ours[-1] < 0.12
+
+
+MUSUBI = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".peers", "musubi-tuner", "src")
+
+
+@pytest.mark.parametrize("warmup", [0, 10])
+def test_rex_is_musubi_tuners_past_its_warmup(tmp_path, warmup, monkeypatch):
+    """musubi-tuner's RexLR, where its checkout is (.peers/musubi-tuner): equal at every step past the warmup (its
+    warmup climbs one step later, and its step 0 reads a negative step's modulo)."""
+    checkout = os.environ.get("MUSUBI_TUNER_CHECKOUT", MUSUBI)
+    if not os.path.isdir(os.path.join(checkout, "musubi_tuner", "modules")):
+        pytest.skip("no musubi-tuner checkout (.peers/musubi-tuner or MUSUBI_TUNER_CHECKOUT)")
+    monkeypatch.syspath_prepend(checkout)
+    from musubi_tuner.modules.lr_schedulers import RexLR
+
+    args = load(tmp_path, f'lr_scheduler = "rex"\nmax_train_steps = 80\nlr_warmup_steps = {warmup}\n'
+                          'lr_scheduler_rex_alpha = 0.2\nlr_scheduler_rex_beta = 0.7\n')
+    ours = lrs(lambda o: optim.run_scheduler(o, args, 80), 80)
+    theirs = lrs(lambda o: RexLR(o, max_lr=1.0, min_lr=0.01, num_steps=80, num_warmup_steps=warmup, rex_alpha=0.2,
+                                 rex_beta=0.7), 80)
+    assert ours[warmup:] == pytest.approx(theirs[warmup:], abs=1e-12)
+
+
+@pytest.mark.parametrize("lines, message", [
+    ('lr_scheduler = "cosine"\nlr_scheduler_rex_alpha = 0.2\n',
+     'key \'lr_scheduler_rex_alpha\' does nothing with lr_scheduler = "cosine"; it needs lr_scheduler = "rex"'),
+    ('lr_scheduler = "rex"\nlr_scheduler_rex_alpha = 0\nlr_scheduler_rex_beta = 0\n',
+     "rex divides by alpha + beta z: lr_scheduler_rex_alpha (0) + lr_scheduler_rex_beta (0) must be > 0"),
+    ('lr_scheduler = "rex"\nlr_scheduler_rex_beta = -1\n', "key 'lr_scheduler_rex_beta' must be >= 0, got -1"),
+])
+def test_rex_keys_that_cannot_work_are_one_line(tmp_path, lines, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load(tmp_path, "max_train_steps = 100\n" + lines)
+
+
+@pytest.mark.parametrize("args, verdict, ours", [
+    (["rex_alpha=0.2", "rex_beta=0.8"], "renamed", {"lr_scheduler_rex_alpha": 0.2, "lr_scheduler_rex_beta": 0.8}),
+    (["rex_alpha=0.2", "gamma=3"], "not carried", {}),
+    ([], "dropped", {}),
+])
+def test_musubi_tuners_rex_is_carried_with_its_arguments(args, verdict, ours):
+    t = musubi_tuner.translate({"network_module": "networks.lora_zimage", "lr_scheduler": "rex",
+                                "lr_scheduler_min_lr_ratio": 0.05, "lr_scheduler_args": args}, "x.toml")
+    assert (t.config["lr_scheduler"], t.config["lr_scheduler_min_lr_ratio"]) == ("rex", 0.05)
+    assert next(line.verdict for line in t.lines if line.key == "lr_scheduler_args") == verdict
+    assert {k: v for k, v in t.config.items() if k.startswith("lr_scheduler_rex")} == ours
+    cosine = musubi_tuner.translate({"network_module": "networks.lora_zimage", "lr_scheduler": "cosine",
+                                     "lr_scheduler_args": ["power=2"]}, "x.toml")
+    assert next(line.verdict for line in cosine.lines if line.key == "lr_scheduler_args") == "not carried"
+
+
+def test_sd_scripts_has_no_rex():
+    t = sd_scripts.translate({"network_train_unet_only": True, "lr_scheduler": "rex"}, "x.toml")
+    assert next(line.verdict for line in t.lines if line.key == "lr_scheduler") == "not carried"

@@ -311,9 +311,10 @@ def load_config(argv: list[str] | None = None) -> argparse.Namespace:
         raise ConfigError(f"{blame(origins, where, *keys)}: {e}") from None
     try:
         check_scheduler(args.lr_scheduler, args.learning_rate, args.lr_scheduler_power, args.lr_scheduler_min_lr_ratio,
-                        args.lr_scheduler_timescale)
+                        args.lr_scheduler_timescale, (args.lr_scheduler_rex_alpha, args.lr_scheduler_rex_beta))
     except ConfigError as e:
-        raise ConfigError(f"{blame(origins, where, 'learning_rate', 'lr_scheduler')}: {e}") from None
+        keys = ("lr_scheduler_rex_alpha", "lr_scheduler_rex_beta") if args.lr_scheduler == "rex" else ("learning_rate",)
+        raise ConfigError(f"{blame(origins, where, *keys, 'lr_scheduler')}: {e}") from None
     return args
 
 
@@ -554,6 +555,7 @@ RANGES = {
     ">= 0": ("blocks_to_swap", "validate_every_n_steps", "validate_every_n_epochs", "save_every_n_steps",
              "save_every_n_epochs",
              "save_last_n_saves", "sample_every_n_steps", "sample_every_n_epochs", "max_grad_norm",
+             "lr_scheduler_rex_alpha", "lr_scheduler_rex_beta",
              "lr_warmup_steps", "max_data_loader_n_workers", "ema_start_step", "prior_loss_weight", "eval_every_n_steps",
              "guidance_scale", "temperature", "top_k", "ip_noise_gamma"),
     "> 0": ("learning_rate", "scale_weight_norms", "discrete_flow_shift", "sigmoid_scale", "logsnr_std", "huber_c",

@@ -49,14 +49,18 @@ def validate_unread_keys(args: argparse.Namespace, origins: dict[str, str]) -> N
 
 
 # Each schedule key -> the lr_scheduler values that read it: ours, and sd-scripts' get_scheduler_fix's (musubi-tuner's
-# copy adds its rex); transformers' two read lr_scheduler_num_cycles as half-waves.
+# copy adds its rex, whose alpha / beta it takes as lr_scheduler_args: REX_KEYS); transformers' two read
+# lr_scheduler_num_cycles as half-waves.
 SCHEDULE_KEY_READERS = {
     "lr_scheduler_num_cycles": ("cosine_with_restarts", "cosine_with_min_lr", "warmup_stable_decay"),
     "lr_scheduler_power": ("polynomial",),
-    "lr_scheduler_min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay"),
+    "lr_scheduler_min_lr_ratio": ("cosine_with_min_lr", "warmup_stable_decay", "rex"),
+    "lr_scheduler_rex_alpha": ("rex",),
+    "lr_scheduler_rex_beta": ("rex",),
     "lr_decay_steps": ("warmup_stable_decay",),
     "lr_scheduler_timescale": ("inverse_sqrt",),
 }
+REX_KEYS = ("lr_scheduler_rex_alpha", "lr_scheduler_rex_beta")
 # A schedule -> the key it cannot run without, and why (sd-scripts: transformers stops on the first without it
 # at the scheduler's build, after caching; the second's default 0 never decays, a constant_with_warmup).
 SCHEDULE_NEEDS = {

@@ -95,16 +95,22 @@ SCHEMA: dict[str, Arg] = {
                                       "(schedulefree's), or module.Class"),
     "optimizer_args": A(list, [], "optimizer options as 'key=value' strings (values are Python literals)"),
     "learning_rate": A(float, 1e-4, "base learning rate (for Prodigy: 1.0, the step is d * lr)"),
-    "lr_scheduler": A(str, "constant", "diffusers' schedules, and transformers' three that sd-scripts and musubi-tuner "
-                                       "offer (cosine_with_min_lr, warmup_stable_decay, inverse_sqrt)",
+    "lr_scheduler": A(str, "constant", "diffusers' schedules, transformers' three that sd-scripts and musubi-tuner "
+                                       "offer (cosine_with_min_lr, warmup_stable_decay, inverse_sqrt) and musubi-"
+                                       "tuner's rex",
                       ("constant", "constant_with_warmup", "linear", "cosine", "cosine_with_restarts", "polynomial",
-                       "cosine_with_min_lr", "warmup_stable_decay", "inverse_sqrt")),
+                       "cosine_with_min_lr", "warmup_stable_decay", "inverse_sqrt", "rex")),
     "lr_warmup_steps": A(float, 0, "warmup: steps if >= 1, a fraction of max_train_steps if < 1 (or '10%')"),
     "lr_scheduler_num_cycles": A(int, 1, "cycles for cosine_with_restarts; half-waves of the cosine for "
                                          "cosine_with_min_lr and warmup_stable_decay's decay (1: down once)"),
     "lr_scheduler_power": A(float, 1.0, "power for polynomial"),
-    "lr_scheduler_min_lr_ratio": A(float, None, "cosine_with_min_lr (needed) and warmup_stable_decay (default 0): "
-                                                "the lr the decay ends at, as a fraction of learning_rate"),
+    "lr_scheduler_min_lr_ratio": A(float, None, "cosine_with_min_lr (needed), warmup_stable_decay (default 0) and "
+                                                "rex (default 0.01): the lr the decay ends at, as a fraction of "
+                                                "learning_rate"),
+    "lr_scheduler_rex_alpha": A(float, 0.1, "rex: lr = learning_rate x (r + (1 - r) z / (alpha + beta z)), z the "
+                                            "share of the decay left (musubi-tuner's rex_alpha)"),
+    "lr_scheduler_rex_beta": A(float, 0.9, "rex: beta of that curve (musubi-tuner's rex_beta; alpha + beta = 1 "
+                                           "starts the decay at learning_rate)"),
     "lr_decay_steps": A(float, None, "warmup_stable_decay (needed): the decay's steps if >= 1, a fraction of "
                                      "max_train_steps if < 1; the run's last steps"),
     "lr_scheduler_timescale": A(int, None, "inverse_sqrt: lr = learning_rate x sqrt(timescale / (step - warmup + "

@@ -186,26 +186,37 @@ def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, grou
 
 
 def check_scheduler(name: str, lr: float, power: float = 1.0, min_lr_ratio: float | None = None,
-                    timescale: int | None = None) -> None:
+                    timescale: int | None = None, rex: tuple[float, float] = (0.1, 0.9)) -> None:
     """The schedule built on a stand-in optimizer at learning_rate: a value it refuses is a ConfigError
     now, not after caching and loading (diffusers' polynomial decays to a fixed lr_end of 1e-7, which
     learning_rate must exceed). The step counts are stand-ins: no schedule's check reads them."""
     stand_in = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=lr)
     try:
         create_scheduler(stand_in, name, 0, 2, power=power, min_lr_ratio=min_lr_ratio, decay_steps=1,
-                         timescale=timescale)
+                         timescale=timescale, rex=rex)
     except ValueError as e:
+        if name == "rex":  # its curve's own keys
+            raise ConfigError(str(e)) from None
         raise ConfigError(f"learning_rate = {lr:g} does not fit lr_scheduler = \"{name}\": {e}") from None
 
 
 # The schedules diffusers' get_scheduler lacks, which sd-scripts and musubi-tuner take from transformers.
 TRANSFORMERS_SCHEDULES = ("cosine_with_min_lr", "warmup_stable_decay", "inverse_sqrt")
+# lr_scheduler = "rex" (musubi-tuner's): its alpha and beta (lr_scheduler_rex_alpha / _beta), and its floor unless
+# lr_scheduler_min_lr_ratio is given, musubi-tuner's defaults (IvanVassi/REX_LR's; the paper's are 0.5 / 0.5)
+REX = (0.1, 0.9)
+REX_MIN_LR_RATIO = 0.01
 
 
 def create_scheduler(optimizer, name: str, warmup_steps: int, max_steps: int, num_cycles: int = 1, power: float = 1.0,
-                     min_lr_ratio: float | None = None, decay_steps: int = 0, timescale: int | None = None):
-    """diffusers' schedules, and transformers' TRANSFORMERS_SCHEDULES; warmup_steps and decay_steps in steps
-    (run_length reads their fraction forms). run_scheduler gives these from a run's keys."""
+                     min_lr_ratio: float | None = None, decay_steps: int = 0, timescale: int | None = None,
+                     rex: tuple[float, float] = REX):
+    """diffusers' schedules, transformers' TRANSFORMERS_SCHEDULES and musubi-tuner's rex (its (alpha, beta): rex);
+    warmup_steps and decay_steps in steps (run_length reads their fraction forms). run_scheduler gives these from a
+    run's keys."""
+    if name == "rex":
+        return rex_scheduler(optimizer, warmup_steps, max_steps, REX_MIN_LR_RATIO if min_lr_ratio is None else
+                             min_lr_ratio, *rex)
     if name in TRANSFORMERS_SCHEDULES:
         return _transformers_scheduler(optimizer, name, warmup_steps, max_steps, num_cycles, min_lr_ratio,
                                        decay_steps, timescale)
@@ -213,6 +224,29 @@ def create_scheduler(optimizer, name: str, warmup_steps: int, max_steps: int, nu
 
     return get_scheduler(name, optimizer, num_warmup_steps=warmup_steps, num_training_steps=max_steps,
                          num_cycles=num_cycles, power=power)
+
+
+def rex_scheduler(optimizer, warmup: int, max_steps: int, min_lr_ratio: float, alpha: float, beta: float):
+    """REX, the reflected exponential schedule (Chen et al. 2021, arXiv 2107.04197; musubi-tuner's rex, from
+    IvanVassi/REX_LR): after a linear warmup from min_lr_ratio x learning_rate, lr = learning_rate x (r + (1 - r)
+    z / (alpha + beta z)), z = the share of the decay's steps left (1 -> 1 / its steps), r = min_lr_ratio: it holds
+    near learning_rate longer than a linear decay and drops at the end. musubi-tuner's warmup steps 1 .. W - 1 climb
+    from the floor to (W - 2) / (W - 1) and its step 0 reads z = W / (steps - W) (a negative step's modulo); ours
+    climbs k / W from step 0. Past the run: the floor."""
+    if not alpha + beta > 0:  # z / (alpha + beta z) at z = 1
+        raise ValueError(f"rex divides by alpha + beta z: lr_scheduler_rex_alpha ({alpha:g}) + lr_scheduler_rex_beta "
+                         f"({beta:g}) must be > 0 (musubi-tuner's 0.1 + 0.9)")
+    decay = max_steps - warmup
+
+    def factor(step: int) -> float:
+        if step < warmup:
+            return min_lr_ratio + (1.0 - min_lr_ratio) * step / warmup
+        if step >= max_steps:
+            return min_lr_ratio
+        z = (decay - (step - warmup)) / decay
+        return min_lr_ratio + (1.0 - min_lr_ratio) * z / (alpha + beta * z)
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def _transformers_scheduler(optimizer, name: str, warmup: int, max_steps: int, num_cycles: int,
@@ -239,7 +273,8 @@ def run_scheduler(optimizer, args, max_steps: int):
     warmup = run_length.warmup_steps(args.lr_warmup_steps, max_steps)
     return create_scheduler(optimizer, args.lr_scheduler, warmup, max_steps, args.lr_scheduler_num_cycles,
                             args.lr_scheduler_power, args.lr_scheduler_min_lr_ratio,
-                            run_length.decay_steps(args.lr_decay_steps, max_steps), args.lr_scheduler_timescale)
+                            run_length.decay_steps(args.lr_decay_steps, max_steps), args.lr_scheduler_timescale,
+                            (args.lr_scheduler_rex_alpha, args.lr_scheduler_rex_beta))
 
 
 def adapts_step_size(optimizer) -> bool:

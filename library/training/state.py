@@ -43,7 +43,7 @@ KEPT_SINCE = ("network_dropout",  # its own key: network_args' dropout=... was c
 # The schedule's shape: the scheduler's state holds its step, not its lambda, which the resumed run
 # rebuilds from these. Compared where the state has them (states written before they were kept resume).
 SCHEDULE_IDENTITY = ("lr_warmup_steps", "lr_scheduler_num_cycles", "lr_scheduler_power", "lr_scheduler_min_lr_ratio",
-                     "lr_decay_steps", "lr_scheduler_timescale")
+                     "lr_decay_steps", "lr_scheduler_timescale", "lr_scheduler_rex_alpha", "lr_scheduler_rex_beta")
 
 # An LLM's windows (and its held-out share): another max_length / stride cuts the text into other batches,
 # so the resumed run would skip batches of another set; train_on_all_tokens changes which targets are

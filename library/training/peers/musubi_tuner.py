@@ -20,7 +20,7 @@ from typing import Any
 
 from library.models.registry import arch_specs, spec_of
 from library.models.spec import MusubiModels
-from library.training.config_keys import SCHEDULE_KEY_READERS
+from library.training.config_keys import REX_KEYS, SCHEDULE_KEY_READERS
 from library.training.config_schema import SCHEMA
 from library.training.peers import musubi_models as models
 from library.training.peers.musubi_dataset import translate_dataset
@@ -499,8 +499,7 @@ def _cfg_as_ours(flags: list[str], cfg) -> list[str]:
 SCHEDULERS = SCHEMA["lr_scheduler"].choices  # ours: diffusers' six, and transformers' three as musubi-tuner calls them
 # musubi-tuner's scheduler keys -> the schedulers that read them (its get_scheduler: sd-scripts' get_scheduler_fix,
 # and its rex, which ours lacks, reads the min lr ratio).
-SCHEDULER_KEYS = {**SCHEDULE_KEY_READERS,
-                  "lr_scheduler_min_lr_ratio": (*SCHEDULE_KEY_READERS["lr_scheduler_min_lr_ratio"], "rex")}
+SCHEDULER_KEYS = {key: readers for key, readers in SCHEDULE_KEY_READERS.items() if key not in REX_KEYS}
 
 
 def _lr_scheduler(t: Translation, key: str, value: Any, run: Run) -> None:
@@ -509,6 +508,22 @@ def _lr_scheduler(t: Translation, key: str, value: Any, run: Run) -> None:
 
 def _scheduler_key(t: Translation, key: str, value: Any, run: Run) -> None:
     schedule_key(t, key, value, run.flat, run.flat.get("lr_scheduler", "constant"), SCHEDULER_KEYS[key])
+
+
+def _scheduler_args(t: Translation, key: str, value: Any, run: Run) -> None:
+    """lr_scheduler_args: its rex's rex_alpha / rex_beta are ours' lr_scheduler_rex_alpha / _beta; others go to a
+    scheduler class of its own (lr_scheduler_type) or to diffusers' schedule function, which ours does not take."""
+    args = dict(str(a).partition("=")[::2] for a in _as_list(value)) if not is_off(value) else {}
+    if not args:
+        t.drop(key, value, "none given")
+    elif run.flat.get("lr_scheduler") != "rex" or run.flat.get("lr_scheduler_type"):
+        t.refuse(key, value, "that scheduler's arguments: ours reads its schedules' own keys")
+    elif set(args) - {"rex_alpha", "rex_beta"}:
+        other = sorted(set(args) - {"rex_alpha", "rex_beta"})[0]
+        t.refuse(key, value, f"rex takes rex_alpha and rex_beta (musubi-tuner stops on {other})")
+    else:
+        for name, text in args.items():
+            t.set(f"lr_scheduler_{name}", float(text), key, value, RENAMED)
 
 
 def _dataset_config(t: Translation, key: str, value: Any, run: Run) -> None:
@@ -587,7 +602,7 @@ RULES: dict[str, Rule] = {
         "lr_warmup_steps": joint(lambda t, key, value, run: warmup_steps(t, key, value, run.flat)),
         **{key: joint(_scheduler_key) for key in SCHEDULER_KEYS},
         "lr_scheduler_type": unsupported("a scheduler class of its own: ours offers the lr_scheduler schedules"),
-        "lr_scheduler_args": unsupported("that scheduler class's arguments"),
+        "lr_scheduler_args": joint(_scheduler_args),
     }.items()},
     # memory
     "fp8_base": same(), "fp8_scaled": same(),

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from library.models.registry import SAMPLING_METHODS
-from library.training.config_keys import SCHEDULE_KEY_READERS
+from library.training.config_keys import REX_KEYS, SCHEDULE_KEY_READERS
 from library.training.config_schema import SCHEMA
 from library.training.peers import sd_scripts_models as models
 from library.training.peers.rules import (
@@ -64,8 +64,11 @@ def _optimizer_switch(t: Translation, key: str, value: Any) -> None:
         t.lines[-1].value = value
 
 
-SCHEDULERS = SCHEMA["lr_scheduler"].choices  # ours: diffusers' six, and transformers' three as sd-scripts calls them
-SCHEDULER_KEYS = SCHEDULE_KEY_READERS  # sd-scripts' scheduler keys: train_util.get_scheduler_fix reads them as ours
+# ours: diffusers' six, and transformers' three as sd-scripts calls them (not musubi-tuner's rex, nor its keys);
+# sd-scripts' scheduler keys: train_util.get_scheduler_fix reads them as ours
+SCHEDULERS = tuple(name for name in SCHEMA["lr_scheduler"].choices if name != "rex")
+SCHEDULER_KEYS = {key: tuple(name for name in readers if name != "rex")
+                  for key, readers in SCHEDULE_KEY_READERS.items() if key not in REX_KEYS}
 
 
 def _lr_scheduler(t: Translation, key: str, value: Any) -> None:
