@@ -55,7 +55,8 @@ METADATA_KEYS = {
     "max_timestep": "ss_max_timestep",
     "preserve_distribution_shape": "ss_preserve_distribution_shape",  # written where true
     "num_timestep_buckets": "ss_num_timestep_buckets",  # written where > 1 (stratified sigmas)
-    "logsnr": "ss_logsnr_mean_std",  # [mean, std] of timestep_sampling = "logsnr" (written with it only)
+    "logsnr": "ss_logsnr_mean_std",  # [mean, std] of timestep_sampling = "logsnr" or "qinglong" (written with them)
+    "qinglong": "ss_qinglong",  # {logsnr_share, detail_share, mid} of timestep_sampling = "qinglong" (with it only)
     "shift": "ss_discrete_flow_shift",
     "guidance": "ss_guidance_scale",
     "seed": "ss_seed",

@@ -259,7 +259,7 @@ def verdict_of(t, key):
     ({"timestep_sampling": "logsnr", "logit_std": 2.0, "network_module": "networks.lora_qwen_image"},
      "logit_mean (unset)", KEPT, ("logsnr_mean", 0.0)),
     ({"timestep_sampling": "qinglong_qwen", "network_module": "networks.lora_qwen_image"}, "timestep_sampling",
-     NOT_CARRIED, None),
+     RENAMED, ("timestep_sampling", "qinglong")),
     ({"weighting_scheme": "logit_normal", "logit_std": 1.5, "network_module": "networks.lora_zimage"},
      "logit_std", RENAMED, ("sigmoid_scale", 1.5)),
     ({"xformers": True, "network_module": "networks.lora_zimage"}, "xformers", DROPPED, None),

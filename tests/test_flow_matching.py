@@ -22,7 +22,7 @@ def gen(seed=0):
     return torch.Generator().manual_seed(seed)
 
 
-@pytest.mark.parametrize("method", fm.SAMPLING_METHODS)
+@pytest.mark.parametrize("method", fm.SAMPLING_METHODS[:-1])  # (qinglong, a mixture of these: test_qinglong.py)
 def test_sampled_sigmas_are_float32_within_unit_interval(method):
     s = fm.sample_sigmas(4096, method, generator=gen(), image_seq_len=4096)
     assert s.dtype == torch.float32 and s.shape == (4096,)

@@ -516,8 +516,21 @@ class DiffusionFamily:
         """`count` sigmas of this model's training law (timestep_sampling, or the model's own; its shift at one
         lh x lw latent frame's token count), float32 [count], from one sample's generator, or of its given uniform
         quantiles [count] (num_timestep_buckets); training_loss keeps them in min_timestep / max_timestep
-        (fm.sigmas_in_range)."""
+        (fm.sigmas_in_range). qinglong: the mixture, its mid draw qinglong_mid's law (unset: the model's own)."""
         method = args.timestep_sampling or self.default_timestep_sampling(model)
+        if method != "qinglong":
+            return self.law_sigmas(model, args, method, generator, lh, lw, count, quantiles)
+        mid = getattr(args, "qinglong_mid", None) or self.default_timestep_sampling(model)
+        return fm.qinglong_sigmas(count, generator,
+                                  lambda: self.law_sigmas(model, args, mid, generator, lh, lw, count, quantiles),
+                                  (args.qinglong_logsnr_share, args.qinglong_detail_share),
+                                  (args.logsnr_mean, args.logsnr_std), getattr(args, "timestep_bias", "none"),
+                                  quantiles)
+
+    def law_sigmas(self, model, args, method: str, generator: torch.Generator, lh: int, lw: int, count: int,
+                   quantiles: torch.Tensor | None = None) -> torch.Tensor:
+        """`count` sigmas of one law (a timestep_sampling value but qinglong) at lh x lw, as draw_sigmas says;
+        a family whose own law is not flow_matching's (its default_timestep_sampling's) overrides this."""
         return fm.sample_sigmas(count, method, generator=generator, shift=args.discrete_flow_shift,
                                 sigmoid_scale=args.sigmoid_scale, image_seq_len=(lh // self.patch) * (lw // self.patch),
                                 bias=getattr(args, "timestep_bias", "none"),

@@ -34,6 +34,13 @@ LOSS_TYPES = ("l2", "huber")
 # timestep_sampling = "logsnr": the log-SNR's mean and std by default, the Style-Friendly paper's (Choi et al. 2024,
 # arXiv 2411.14793; musubi-tuner's docs): mostly high noise, where a style is set (median sigma 0.95)
 LOGSNR = (-6.0, 2.0)
+# timestep_sampling = "qinglong" (musubi-tuner's qinglong_* hybrid sampler, its PR #407): each sample's sigma from the
+# mid draw (the model's own, or qinglong_mid), the logsnr draw (logsnr_mean / logsnr_std) or the detail draw, the
+# log-SNR normal at 5.36 / 1 (low noise: median sigma 0.064), by shares; QINGLONG_SHARES: the logsnr and detail
+# shares of musubi-tuner's first qinglong draw (its second's: 0 / 0.05; each family's spec names its own), the mid
+# draw the rest
+QINGLONG_DETAIL = (5.36, 1.0)
+QINGLONG_SHARES = (0.11, 0.10)
 
 
 def calculate_shift(image_seq_len: int, base_seq_len: int, max_seq_len: int, base_shift: float, max_shift: float) -> float:
@@ -134,8 +141,8 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
     bias: timestep_bias (TIMESTEP_BIASES), the uniform draw's quantile or the normal's biased; "none": as ever.
     quantiles: [batch] uniform quantiles to map through the law instead of drawing (stratified_quantiles); the
     law's sigma is monotone in its quantile."""
-    if method not in SAMPLING_METHODS:
-        raise ValueError(f"timestep_sampling {method!r} is not one of {', '.join(SAMPLING_METHODS)}")
+    if method not in SAMPLING_METHODS or method == "qinglong":  # (a mixture of laws: qinglong_sigmas)
+        raise ValueError(f"timestep_sampling {method!r} is not one of {', '.join(SAMPLING_METHODS[:-1])}")
     device = generator.device if generator is not None else torch.device("cpu")
     if method == "uniform" and quantiles is not None:  # as the draws below: the quantile, or 1 - u unbiased
         u = lean(quantiles.double(), bias).clamp(QUANTILE_EDGE, 1.0 - QUANTILE_EDGE)
@@ -157,6 +164,21 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
     if image_seq_len is None and sampling.shift is None:
         raise ValueError(f"timestep_sampling {method!r} needs image_seq_len (image tokens per sample)")
     return time_shift(resolution_mu(sampling, image_seq_len), sigmas)
+
+
+def qinglong_sigmas(count: int, generator: torch.Generator | None, mid: Callable[[], torch.Tensor],
+                    shares: tuple[float, float] = QINGLONG_SHARES, logsnr: tuple[float, float] = LOGSNR,
+                    bias: str = "none", quantiles: torch.Tensor | None = None) -> torch.Tensor:
+    """`count` sigmas of the qinglong mixture, float32: a uniform pick per draw (first, from the generator), then
+    the mid draw (`mid()`: count sigmas of that law), the logsnr draw and the detail draw, each of all `count`, in
+    that order; draw i takes the mid's below 1 - logsnr share - detail share, the logsnr's below 1 - detail share,
+    else the detail's (musubi-tuner's masks). quantiles / bias: each draw's (num_timestep_buckets, timestep_bias)."""
+    pick = torch.rand(count, generator=generator, dtype=torch.float64)
+    laws = torch.stack([mid(), *(sample_sigmas(count, "logsnr", generator=generator, bias=bias, logsnr=law,
+                                               quantiles=quantiles) for law in (logsnr, QINGLONG_DETAIL))])
+    edges = torch.tensor([1.0 - sum(shares), 1.0 - shares[1]], dtype=torch.float64)
+    which = torch.searchsorted(edges, pick, right=True)
+    return laws.gather(0, which[None].to(laws.device)).squeeze(0)
 
 
 # min_timestep / max_timestep (musubi-tuner's): the sigmas trained, in thousandths.

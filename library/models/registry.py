@@ -163,7 +163,7 @@ def spec_of(model_type: str):
 # each architecture's resolution shift (its spec's sampling.method: flux_shift, qwen_shift, ...), each
 # once: an architecture whose released scheduler shifts with another's constants names that method.
 SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "logsnr") + tuple(dict.fromkeys(
-    s.sampling.method for s in arch_specs().values() if s.sampling))
+    s.sampling.method for s in arch_specs().values() if s.sampling)) + ("qinglong",)  # (a mixture of the others: last)
 # timestep_bias values: the draw's quantile q = 1 - u^3 (high_noise) or u^3 (low_noise) in place of a uniform one,
 # as ai-toolkit's content_or_style "content" / "style" (its UI's Timestep Bias: High Noise / Low Noise) indexes its
 # timesteps with u^3 (diffusers' T2I-Adapter training's cubic sampling); the law is the method's as without it

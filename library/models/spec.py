@@ -389,6 +389,15 @@ class PeerDraw:
 
 
 @dataclass(frozen=True)
+class PeerMixture:
+    """A peer's hybrid timestep_sampling named after this family's model (musubi-tuner's qinglong_<model>): ours'
+    timestep_sampling = "qinglong" with these shares, its mid draw the peer's `mid` draw as carried on the model."""
+    mid: str  # the peer's timestep_sampling value its mid draw is
+    logsnr_share: float
+    detail_share: float
+
+
+@dataclass(frozen=True)
 class PeerFixed:
     """A peer's own option for this family's models (musubi-tuner's script argument, ai-toolkit's model_kwargs entry)
     that ours reads at one value: given at it, dropped; given otherwise, not carried (with `why` for both)."""
@@ -474,7 +483,7 @@ class MusubiModels:
     weighting: dict[str, str] = field(default_factory=dict)
     weighting_note: str = ""
     token_grid: bool = False  # its latents are the token grid (else a 2x2 patch of them is one token)
-    logsnr_draws: tuple[str, ...] = ()  # its logSNR-normal draws named after this model (ours has none)
+    mixtures: dict[str, PeerMixture] = field(default_factory=dict)  # its hybrid draws named after this model
     lora_args: tuple[PeerLoRAArg, ...] = ()
     ignored_args: dict[str, str] = field(default_factory=dict)  # its script's own arguments ours reads nothing of -> why
     same_args: tuple[str, ...] = ()  # its script's own arguments that are this folder's config_keys of the same meaning

@@ -576,6 +576,18 @@ def _validate_timestep_range(args: argparse.Namespace, origins: dict[str, str], 
     if lo is not None and hi is not None and lo >= hi:
         raise ConfigError(f"{blame(origins, where, 'min_timestep', 'max_timestep')}: min_timestep ({lo}) must be below "
                           f"max_timestep ({hi})")
+    shares = (args.qinglong_logsnr_share, args.qinglong_detail_share)
+    if not all(0 <= share <= 1 for share in shares) or sum(shares) > 1:
+        raise ConfigError(f"{blame(origins, where, 'qinglong_logsnr_share', 'qinglong_detail_share')}: the qinglong "
+                          f"draw's logsnr and detail shares must be in [0, 1] with a sum <= 1 (the mid draw takes the "
+                          f"rest), got {shares[0]:g} and {shares[1]:g}")
+    mid = args.qinglong_mid  # qinglong's mid draw reads these as its law does (config_keys.IDLE_UNLESS)
+    for key, reads, needs in (("discrete_flow_shift", mid == "shift", 'qinglong_mid = "shift"'),
+                              ("sigmoid_scale", mid not in ("uniform", "logsnr"), "a sigmoid mid draw")):
+        if args.timestep_sampling == "qinglong" and key in origins and getattr(args, key) != SCHEMA[key].default \
+                and not reads:
+            raise ConfigError(f"{blame(origins, where, key, 'qinglong_mid')}: key '{key}' does nothing with "
+                              f"timestep_sampling = \"qinglong\" and qinglong_mid = {mid or 'unset'}; it needs {needs}")
     if (args.num_timestep_buckets or 0) > 1 and args.preserve_distribution_shape and (lo, hi) != (None, None):
         raise ConfigError(f"{blame(origins, where, 'num_timestep_buckets', 'preserve_distribution_shape')}: "
                           f"num_timestep_buckets stratifies the whole sigma law, preserve_distribution_shape redraws "

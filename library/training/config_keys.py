@@ -20,7 +20,7 @@ LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
                   "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "timestep_bias",
                   "min_timestep", "max_timestep", "preserve_distribution_shape", "num_timestep_buckets",
-                  "logsnr_mean", "logsnr_std",
+                  "logsnr_mean", "logsnr_std", "qinglong_logsnr_share", "qinglong_detail_share", "qinglong_mid",
                   "discrete_flow_shift", "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "ip_noise_gamma",
                   "ip_noise_gamma_random_strength", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
@@ -84,11 +84,14 @@ def _read_by_schedules(readers: tuple[str, ...]) -> tuple:
 
 IDLE_UNLESS = {
     **{key: _read_by_schedules(readers) for key, readers in SCHEDULE_KEY_READERS.items()},
-    "discrete_flow_shift": ("timestep_sampling", lambda v: v == "shift", 'timestep_sampling = "shift"'),
+    # (with qinglong, its mid draw's law reads them: config._validate_timestep_range)
+    "discrete_flow_shift": ("timestep_sampling", lambda v: v in ("shift", "qinglong"), 'timestep_sampling = "shift"'),
     "sigmoid_scale": ("timestep_sampling", lambda v: v not in ("uniform", "logsnr"),
                       "a sigmoid draw (any timestep_sampling but uniform and logsnr)"),
-    **{key: ("timestep_sampling", lambda v: v == "logsnr", 'timestep_sampling = "logsnr"')
+    **{key: ("timestep_sampling", lambda v: v in ("logsnr", "qinglong"), 'timestep_sampling = "logsnr" or "qinglong"')
        for key in ("logsnr_mean", "logsnr_std")},
+    **{key: ("timestep_sampling", lambda v: v == "qinglong", 'timestep_sampling = "qinglong"')
+       for key in ("qinglong_logsnr_share", "qinglong_detail_share", "qinglong_mid")},
     "huber_c": ("loss_type", lambda v: v == "huber", 'loss_type = "huber"'),
     "preserve_distribution_shape": (("min_timestep", "max_timestep"), lambda lo, hi: lo is not None or hi is not None,
                                     "min_timestep or max_timestep (the range it keeps the draw in)"),

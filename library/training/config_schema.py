@@ -181,6 +181,14 @@ SCHEMA: dict[str, Arg] = {
                                   "there; -6: the Style-Friendly paper's, mostly high noise)"),
     "logsnr_std": A(float, 2.0, "timestep_sampling = \"logsnr\": the log-SNR's standard deviation (musubi-tuner's "
                                 "logit_std there; the paper's 2 or 3)"),
+    "qinglong_logsnr_share": A(float, 0.11, "timestep_sampling = \"qinglong\": the share of sigmas from the logsnr "
+                                            "draw (logsnr_mean / logsnr_std; 0.11 as musubi-tuner's first qinglong "
+                                            "draw, its other's 0)"),
+    "qinglong_detail_share": A(float, 0.10, "timestep_sampling = \"qinglong\": the share from the detail draw, log-SNR "
+                                            "normal at 5.36 / 1 (low noise; musubi-tuner's 0.10, its other's 0.05); "
+                                            "the rest from the mid draw"),
+    "qinglong_mid": A(str, None, "timestep_sampling = \"qinglong\": its mid draw (unset: the model's own)",
+                      tuple(m for m in SAMPLING_METHODS if m != "qinglong")),
     "min_timestep": A(int, None, "train sigmas from min_timestep / 1000 up (musubi-tuner's, 0-999; unset: 0)"),
     "max_timestep": A(int, None, "train sigmas up to max_timestep / 1000 (musubi-tuner's, 1-1000; unset: 1000)"),
     "preserve_distribution_shape": A(bool, False, "min_timestep / max_timestep cut the sigma law to their range (draws "

@@ -28,6 +28,17 @@ def stratified_buckets(args) -> int | None:
     return buckets if buckets and buckets > 1 else None
 
 
+def qinglong_mid(args) -> str | None:
+    """timestep_sampling = "qinglong": its mid draw's law as set (None: the model's own, or another draw)."""
+    return getattr(args, "qinglong_mid", None) if getattr(args, "timestep_sampling", None) == "qinglong" else None
+
+
+def qinglong_draw(args) -> dict:
+    """The qinglong mixture for the header: its shares and mid draw ("own": the model's)."""
+    return {"logsnr_share": args.qinglong_logsnr_share, "detail_share": args.qinglong_detail_share,
+            "mid": args.qinglong_mid or "own"}
+
+
 def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int, started: float) -> dict:
     from library.models.registry import spec_of
     from networks.lora_files import build_metadata, modelspec_fields
@@ -65,8 +76,9 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         lr=args.learning_rate, lr_scheduler=args.lr_scheduler, timestep_sampling=facts["timestep_sampling"],
         **{key: getattr(args, key, None)  # sd-scripts' keys (an LLM's args have them too)
            for key in ("lr_warmup_steps", "gradient_accumulation_steps", "max_grad_norm")},
-        shift=args.discrete_flow_shift if facts["timestep_sampling"] == "shift" else None,  # read by that draw only
-        logsnr=[args.logsnr_mean, args.logsnr_std] if facts["timestep_sampling"] == "logsnr" else None,
+        shift=args.discrete_flow_shift if "shift" in (facts["timestep_sampling"], qinglong_mid(args)) else None,
+        logsnr=[args.logsnr_mean, args.logsnr_std] if facts["timestep_sampling"] in ("logsnr", "qinglong") else None,
+        qinglong=qinglong_draw(args) if facts["timestep_sampling"] == "qinglong" else None,
         guidance=facts.get("guidance"), seed=args.seed, dataset=facts["dataset"],
         **{key: facts.get(key) for key in ("dataset_dirs", "tag_frequency", "num_train_images", "num_reg_images")},
         num_batches_per_epoch=task.batches_per_epoch(),

@@ -170,7 +170,8 @@ MUSUBI = S.MusubiModels(
     text_encoder_files={"text_encoder1": "t5xxl", "text_encoder2": "clip_l"},
     swap_scale=2,
     draws={"flux_shift": S.PeerDraw("flux_shift")},
-    logsnr_draws=("qinglong_flux",),
+    # its hybrid sampler's qinglong_flux (PR #407): 79% flux_shift, 11% logsnr, 10% log-SNR 5.36 / 1
+    mixtures={"qinglong_flux": S.PeerMixture("flux_shift", 0.11, 0.10)},
     lora_args=(S.PeerLoRAArg("train_modulation=false", "its default exclude_patterns leave the modulation out",
                              unless="exclude_patterns"),),
 )

@@ -208,11 +208,11 @@ class Ideogram4Family(DiffusionFamily):
                                        f"(timestep_sampling = \"sigmoid\") reads it")
         return unread
 
-    def draw_sigmas(self, model, args, generator, lh, lw, count, quantiles=None):
-        """The pipeline's law, sigma = expit(mu + 1.5 n) at the image's resolution, unless the config
-        names another timestep_sampling."""
-        if args.timestep_sampling not in (None, self.arch + "_shift"):
-            return super().draw_sigmas(model, args, generator, lh, lw, count, quantiles)
+    def law_sigmas(self, model, args, method, generator, lh, lw, count, quantiles=None):
+        """The pipeline's law, sigma = expit(mu + 1.5 n) at the image's resolution, for its own method (the
+        default, or named); flow_matching's for another."""
+        if method != self.arch + "_shift":
+            return super().law_sigmas(model, args, method, generator, lh, lw, count, quantiles)
         from library.models.ideogram4.sampling import training_sigmas
 
         return training_sigmas(count, lh * self.vae_downsample, lw * self.vae_downsample, generator,

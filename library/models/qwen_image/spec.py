@@ -138,7 +138,8 @@ MUSUBI = S.MusubiModels(
     dataset_renames={"qwen_image_edit_no_resize_control": "no_resize_control",
                      "qwen_image_edit_control_resolution": "control_resolution"},
     draws={"qwen_shift": S.PeerDraw("qwen_shift")},
-    logsnr_draws=("qinglong_qwen",),
+    # its hybrid sampler's qinglong_qwen: 95% qwen_shift, no logsnr, 5% log-SNR 5.36 / 1
+    mixtures={"qinglong_qwen": S.PeerMixture("qwen_shift", 0.0, 0.05)},
     lora_args=(S.PeerLoRAArg("train_modulation=true", "its exclude '.*(_mod_).*' matches no dotted module name: "
                                                       "it trains img_mod / txt_mod"),),
 )

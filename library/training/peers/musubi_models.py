@@ -6,7 +6,7 @@ trains is a line in its spec.py, not in these modules. No torch."""
 from __future__ import annotations
 
 from library.models.registry import arch_specs, spec_of
-from library.models.spec import MusubiModels, PeerDraw, PeerFixed
+from library.models.spec import MusubiModels, PeerDraw, PeerFixed, PeerMixture
 
 PEER = "musubi-tuner"
 
@@ -66,9 +66,9 @@ def draws() -> dict[str, tuple[MusubiModels, PeerDraw]]:
     return {name: (m, draw) for m in every_model() for name, draw in m.draws.items()}
 
 
-def logsnr_draws() -> tuple[str, ...]:
-    """Its logSNR-normal draws: logsnr and those named after a model."""
-    return ("logsnr", *(d for m in every_model() for d in m.logsnr_draws))
+def mixtures() -> dict[str, PeerMixture]:
+    """Its hybrid draws named after a model (qinglong_<model>) -> what ours' qinglong draw takes of each."""
+    return {name: mixture for m in every_model() for name, mixture in m.mixtures.items()}
 
 
 def references() -> dict[str, str]:

@@ -157,8 +157,13 @@ def timestep_draw(flat: dict, model_type: str, peer: str) -> tuple[str | None, s
         return "uniform", "its sigma draw: uniform over 1000 steps, unshifted (discrete_flow_shift unread)"
     if peer == "logsnr":  # logit_mean / logit_std: the log-SNR's (_logit)
         return "logsnr", ""
-    if peer in models.logsnr_draws():
-        return None, "a mixture of draws with logSNR-normal ones: ours has none"
+    if peer in models.mixtures():  # ours' qinglong, its mid draw this one's as carried on the model
+        mixture = models.mixtures()[peer]
+        mid, why = timestep_draw(flat, model_type, mixture.mid)
+        if mid is None:
+            return None, f"its mid draw, {mixture.mid}: {why}"
+        return "qinglong", (f"its mid draw {mid} (qinglong_mid), logsnr share {mixture.logsnr_share:g}, detail share "
+                            f"{mixture.detail_share:g}")
     if peer in models.draws():  # one model's resolution shift: its own, or another's on these latents
         owner, draw = models.draws()[peer]
         if owner is models.models_of(model_type):
@@ -179,8 +184,12 @@ def _timestep_sampling(t: Translation, key: str, value: Any, run: Run) -> None:
     ours, text = run.draw
     if ours is None:
         t.refuse(key, value, text)
-    else:
-        t.set("timestep_sampling", ours, key, value, KEPT if ours == value else RENAMED, note=text)
+        return
+    t.set("timestep_sampling", ours, key, value, KEPT if ours == value else RENAMED, note=text)
+    if ours == "qinglong":
+        mixture = models.mixtures()[value]
+        t.config.update(qinglong_mid=timestep_draw(run.flat, run.model_type, mixture.mid)[0],
+                        qinglong_logsnr_share=mixture.logsnr_share, qinglong_detail_share=mixture.detail_share)
 
 
 def _discrete_flow_shift(t: Translation, key: str, value: Any, run: Run) -> None:
@@ -228,6 +237,14 @@ def _timestep_buckets(t: Translation, key: str, value: Any, run: Run) -> None:
         t.set(key, value, key, value)
 
 
+def reads_logsnr(run: Run) -> bool:
+    """Whether the carried draw reads logit_mean / logit_std as its log-SNR's: logsnr, or a hybrid one with a
+    logsnr share."""
+    draw = run.peer_draw()
+    return run.draw[0] is not None and (draw == "logsnr" or draw in models.mixtures() and
+                                        models.mixtures()[draw].logsnr_share > 0)
+
+
 def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
     """logit_mean / logit_std: the logit_normal sigma draw's (logit_std is our sigmoid_scale there) and logsnr's."""
     draw = run.peer_draw()
@@ -236,9 +253,11 @@ def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
             t.set("sigmoid_scale", float(value), key, value, RENAMED, note="the logit_normal sigma draw's scale")
         else:
             t.drop(key, value, "0: the sigmoid draw")
-    elif draw == "logsnr":
+    elif reads_logsnr(run):
         t.set(key.replace("logit", "logsnr"), float(value), key, value, RENAMED, note="the log-SNR's")
-    elif draw == "sigma" or draw in models.logsnr_draws():
+    elif draw in models.mixtures() and run.draw[0]:
+        t.drop(key, value, f"its {draw} draws no logsnr sigmas (share 0)")
+    elif draw == "sigma" or draw in models.mixtures() or draw == "logsnr":
         t.drop(key, value, "read by the draw timestep_sampling's line names, which is not carried")
     else:
         t.drop(key, value, f"unread by musubi-tuner's {draw} draw")
@@ -710,7 +729,7 @@ def settle_defaults(t: Translation, run: Run) -> None:
         else:
             default("timestep_sampling", ours, "timestep_sampling", f", {text}; ours is the model's own")
     for key, ours, value in (("logit_mean", "logsnr_mean", 0.0), ("logit_std", "logsnr_std", 1.0)):
-        if run.draw[0] == "logsnr" and key not in flat:  # its defaults, not ours (the Style-Friendly paper's)
+        if reads_logsnr(run) and key not in flat:  # its defaults, not ours (the Style-Friendly paper's)
             default(ours, value, key, f" (its log-SNR's); ours is {SCHEMA[ours].default:g}")
     if run.draw[0] == "shift" and "discrete_flow_shift" not in flat:
         default("discrete_flow_shift", 1.0, "discrete_flow_shift", "; ours is 3")
