@@ -128,7 +128,7 @@ def test_toml_config_with_defaults_and_an_unknown_key(tiny_set, tmp_path, capsys
 
 
 @pytest.mark.parametrize("keys, verdicts", [
-    ({}, {"timestep_sampling (default)": "not carried"}),  # a uniform draw shifted by 3: none of ours
+    ({}, {"timestep_sampling (default)": "renamed"}),  # a uniform draw shifted by 3: shift, shifted_draw uniform
     ({"timestep_sampling": "sigma", "discrete_flow_shift": 1}, {"timestep_sampling": "renamed"}),  # -> uniform
     ({"weighting_scheme": "sigma_sqrt", "model_prediction_type": "raw"}, {"weighting_scheme": "dropped"}),
     ({"weighting_scheme": "cosmap"}, {"weighting_scheme": "not carried"}),  # weighs the sigma_scaled loss

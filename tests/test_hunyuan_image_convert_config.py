@@ -63,8 +63,8 @@ def hunyuan_command(tiny_set, dataset: str, out: str, *extra: str) -> str:
 
 def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path, capsys):
     """text_encoder / byt5 kept, vae -> ae, its fp8 switches as our precisions, blocks_to_swap 18 -> 27, the memory
-    switches dropped; its default draw "sigma" not carried (ours' own draw then); the FLUX.1 script's guidance_scale
-    and Lumina's sample_batch_size unknown (its parser has neither)."""
+    switches dropped; its default draw "sigma" ours' shift of a uniform draw at its 5.0; the FLUX.1 script's
+    guidance_scale and Lumina's sample_batch_size unknown (its parser has neither)."""
     dataset = their_dataset(tmp_path, tiny_set["image_dir"])
     command = hunyuan_command(tiny_set, dataset, str(tmp_path / "run"), "--fp8_scaled", "--fp8_base", "--fp8_vl",
                               "--text_encoder_cpu", "--vae_chunk_size=16", "--guidance_scale=1.0",
@@ -74,14 +74,13 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
     assert code == 0, text
     assert (rows["text_encoder"], rows["byt5"], rows["vae"]) == (("kept", ""), ("kept", ""), ("renamed", "ae"))
     for dropped in ("attn_mode", "split_attn", "vae_chunk_size", "text_encoder_cpu", "model_prediction_type",
-                    "discrete_flow_shift", "fp8_base", "network_train_unet_only", "cache_latents"):
+                    "fp8_base", "network_train_unet_only", "cache_latents"):
         assert rows[dropped][0] == "dropped", (dropped, rows[dropped])
     assert rows["fp8_scaled"] == ("renamed", 'base_precision = "fp8_scaled"')
     assert rows["fp8_vl"] == ("renamed", 'text_encoder_precision = "fp8"')
     assert rows["blocks_to_swap"][1].startswith("blocks_to_swap = 27: sd-scripts' 18 swaps 9 double and 18 single")
-    assert rows["timestep_sampling (default)"][0] == "not carried"
-    assert "sigmoid_scale = 1.7" in rows["timestep_sampling (default)"][1]
-    assert "int64(1000 sigma)" in rows["timestep_sampling (default)"][1]  # the feed's note
+    assert rows["timestep_sampling (default)"][0] == "renamed" and rows["discrete_flow_shift"] == ("kept", "")
+    assert "int64(1000 sigma)" in text  # the feed's note
     assert rows["guidance_scale"][0] == rows["sample_batch_size"][0] == "unknown"
     assert "network_args (default)" not in rows  # its default trains ours' default modules
     assert "check: train_lora.py reads it as written" in text
@@ -90,7 +89,8 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
         "hunyuan_image", tiny_set["hunyuan_image_qwen_single_file"], tiny_set["hunyuan_image_glyph_single_file"],
         tiny_set["hunyuan_image_vae_single"])
     assert (ours["base_precision"], ours["text_encoder_precision"], ours["blocks_to_swap"]) == ("fp8_scaled", "fp8", 27)
-    assert "timestep_sampling" not in ours and "network_args" not in ours
+    assert (ours["timestep_sampling"], ours["shifted_draw"], ours["discrete_flow_shift"]) == ("shift", "uniform", 5.0)
+    assert "network_args" not in ours
     args = load_config(["--config_file", str(out)])
     assert (args.model_type, args.network_dim, args.network_alpha) == ("hunyuan_image", 16, 1.0)
 
@@ -146,38 +146,29 @@ def test_toml_reads_its_scripts_defaults_and_draws(tiny_set, tmp_path, capsys):
     assert v["fp8_base"] == RENAMED and c["base_precision"] == "fp8"
 
 
-def test_default_sigma_draws_closest_is_within_the_distance_it_states():
+def test_default_sigma_draw_is_ours_shift_of_a_uniform_draw():
     """Its default: u ~ U(0, 1) picks one of the 1000 sigmas of the scheduler shifted by 5 (diffusers'
-    FlowMatchEulerDiscreteScheduler's, as its own); ours' shift draw of sigmoid(1.7 randn) at k = 5 is within 0.0106
-    in CDF of it at every sigma (ours' own default, scale 1: 0.118), measured on both laws; ours' sampler draws the
-    law the CDF below says. Left out, ours trains with the family's draw."""
+    FlowMatchEulerDiscreteScheduler's, as its own); ours' shift at k = 5 of a uniform draw (shifted_draw) is that law
+    continuous: at the quantiles of its grid ours' sigmas are its, and ours' sampler's CDF is within 1 / 1000 of the
+    grid's at every sigma (the grid's steps). Ours' old closest, the shift of sigmoid(1.7 randn), was 0.0106 off."""
     from diffusers import FlowMatchEulerDiscreteScheduler
 
     theirs = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=5.0).sigmas[:1000].double().sort().values
-    x = torch.cat([torch.linspace(1e-6, 1 - 1e-6, 400_001, dtype=torch.float64), theirs[theirs < 1]])
-
-    def ours_cdf(x: torch.Tensor, scale: float, k: float = 5.0) -> torch.Tensor:
-        s = x / (k - (k - 1) * x)  # the unshifted sigma of x (k s / (1 + (k - 1) s) inverted)
-        return 0.5 * (1 + torch.erf(torch.log(s / (1 - s)) / scale / math.sqrt(2)))
-
-    right = torch.searchsorted(theirs, x, right=True).double() / 1000  # its CDF at x, and just below x
-    left = torch.searchsorted(theirs, x, right=False).double() / 1000
-
-    def distance(scale: float) -> float:
-        cdf = ours_cdf(x, scale)
-        return torch.maximum((cdf - right).abs(), (cdf - left).abs()).max().item()
-
-    assert 0.0105 < distance(1.7) <= 0.0106, distance(1.7)
-    assert distance(1.0) > 0.11 and min(distance(1.6), distance(1.8)) > distance(1.7)
+    q = 1 - (torch.arange(1000, dtype=torch.float64) + 1) / 1000  # its grid: sigma_i = shift(i / 1000), i = 1 .. 1000
+    ours = fm.sample_sigmas(1000, "shift", generator=None, shift=5.0, quantiles=q.clamp(1e-6, 1 - 1e-6),
+                            shifted="uniform").double().sort().values
+    assert (ours - theirs).abs().max().item() < 1e-5
     draws = fm.sample_sigmas(200_000, "shift", generator=torch.Generator().manual_seed(0), shift=5.0,
-                             sigmoid_scale=1.7).double().sort().values
+                             shifted="uniform").double().sort().values
     grid = torch.linspace(0.01, 0.99, 99, dtype=torch.float64)
     empirical = torch.searchsorted(draws, grid, right=True).double() / len(draws)
-    assert (empirical - ours_cdf(grid, 1.7)).abs().max().item() < 0.005  # 200 000 draws: KS ~ 0.003
+    grid_cdf = torch.searchsorted(theirs, grid, right=True).double() / 1000
+    assert (empirical - grid_cdf).abs().max().item() < 0.005  # 200 000 draws: KS ~ 0.003, the grid's 0.001
     t = sd_scripts.translate({"text_encoder": "q"}, "x.toml")
     line = next(line for line in t.lines if line.key == "timestep_sampling (default)")
-    assert line.verdict == NOT_CARRIED and "discrete_flow_shift = 5" in line.text and "0.011" in line.text
-    assert "timestep_sampling" not in t.config and spec_of("hunyuan_image").sampling.method == "hunyuan_image_shift"
+    assert line.verdict == RENAMED and spec_of("hunyuan_image").sampling.method == "hunyuan_image_shift"
+    assert (t.config["timestep_sampling"], t.config["shifted_draw"], t.config["discrete_flow_shift"]) == (
+        "shift", "uniform", 5.0)
 
 
 def test_flux_shift_is_refused_with_its_one_size_equal():

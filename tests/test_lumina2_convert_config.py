@@ -14,6 +14,7 @@ import torch.nn as nn
 from library.text_files import toml_loads
 from library.training.config import load_config, lora_network_args
 from library.training.peers import ai_toolkit, sd_scripts
+from library.models import flow_matching as fm
 from library.training.peers.rules import NOT_CARRIED, RENAMED
 from networks.lora import LoRANetwork
 from tests.test_convert_config_sd_scripts import CHECKOUT, convert, their_dataset
@@ -41,7 +42,8 @@ def lumina_command(tiny_set, dataset: str, out: str, *extra: str) -> str:
 
 def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path, capsys):
     """gemma2 -> text_encoder, its system prompt kept, its default LoRA (refiners, modulation, final layer) as ours'
-    network_args; nextdit_shift, a Gemma 2 LoRA (no network_train_unet_only) and another token length not carried;
+    network_args; nextdit_shift as ours' flux_shift of a uniform draw; a Gemma 2 LoRA (no network_train_unet_only)
+    and another token length not carried;
     the FLUX.1 script's guidance_scale unknown."""
     dataset = their_dataset(tmp_path, tiny_set["image_dir"])
     command = lumina_command(tiny_set, dataset, str(tmp_path / "run"), "--use_flash_attn", "--sample_batch_size=2",
@@ -54,7 +56,8 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
     for dropped in ("use_flash_attn", "sample_batch_size", "gemma2_max_token_length", "model_prediction_type",
                     "discrete_flow_shift"):  # (nextdit_shift reads no discrete_flow_shift)
         assert rows[dropped][0] == "dropped", (dropped, rows[dropped])
-    assert rows["timestep_sampling"][0] == "not carried" and "flux_shift" in rows["timestep_sampling"][1]
+    assert rows["timestep_sampling"] == ("renamed", 'timestep_sampling = "flux_shift" with shifted_draw = "uniform" '
+                                                    '(the same draw, continuous)')
     assert rows["network_train_unet_only (default)"][0] == "not carried"  # it trains a Gemma 2 LoRA on the cache
     assert rows["guidance_scale"][0] == "unknown" and rows["blocks_to_swap"] == ("kept", "")
     assert rows["network_args (default)"][0] == "renamed"
@@ -63,7 +66,8 @@ def test_documented_command_converts_and_train_lora_reads_it(tiny_set, tmp_path,
     assert (ours["model_type"], ours["text_encoder"], ours["ae"]) == (
         "lumina2", tiny_set["lumina2_text_encoder"], tiny_set["flux_vae_single"])
     assert ours["system_prompt"].startswith("You are an assistant designed")
-    assert ours["network_args"] == DEFAULT_ITEMS and "timestep_sampling" not in ours
+    assert ours["network_args"] == DEFAULT_ITEMS
+    assert (ours["timestep_sampling"], ours["shifted_draw"]) == ("flux_shift", "uniform")
     args = load_config(["--config_file", str(out)])
     assert (args.model_type, args.network_dim, args.blocks_to_swap) == ("lumina2", 8, 4)
 
@@ -96,17 +100,21 @@ def test_toml_reads_its_scripts_defaults(tiny_set, tmp_path, capsys):
     assert verdicts["text_encoder_lr"] == NOT_CARRIED
 
 
-def test_nextdit_shifts_closest_draw_is_within_the_distance_it_states():
-    """nextdit_shift shifts U(0, 1); ours' flux_shift shifts sigmoid(1.7 randn) by the same line: the laws differ
-    (no equal draw, so refused) by at most sup |Phi(x / 1.7) - sigmoid(x)| in CDF, the shift being monotone."""
-    x = torch.linspace(-12, 12, 200_001, dtype=torch.float64)
-    normal_cdf = 0.5 * (1 + torch.erf(x / 1.7 / math.sqrt(2)))
-    distance = (normal_cdf - torch.sigmoid(x)).abs().max().item()
-    assert 0.0095 < distance <= 0.0096, distance  # 0.00956
-    assert (0.5 * (1 + torch.erf(x / math.sqrt(2))) - torch.sigmoid(x)).abs().max().item() > 0.05  # scale 1: far
-    t = sd_scripts.translate({"gemma2": "g", "timestep_sampling": "nextdit_shift"}, "x.toml")
-    line = next(line for line in t.lines if line.key == "timestep_sampling")
-    assert line.verdict == NOT_CARRIED and "sigmoid_scale = 1.7" in line.text and "0.0096" in line.text
+def test_nextdit_shift_is_ours_flux_shift_of_a_uniform_draw():
+    """nextdit_shift (lumina_train_util): t = U(0, 1), mu = FLUX.1's line (256 -> 0.5, 4096 -> 1.15) at the (h/2)(w/2)
+    tokens, t' = e^mu / (e^mu + 1 / t - 1); ours at the same quantiles (ours' uniform sigma is 1 - u) is that law
+    to float32 rounding, at 1024 px (4096 tokens) and 512 px."""
+    q = (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000
+    for tokens in (4096, 1024):
+        mu = 0.5 + (1.15 - 0.5) / (4096 - 256) * (tokens - 256)
+        t = 1 - q
+        theirs = math.exp(mu) / (math.exp(mu) + 1 / t - 1)
+        ours = fm.sample_sigmas(1000, "flux_shift", generator=None, image_seq_len=tokens, quantiles=q,
+                                shifted="uniform")
+        assert (ours.double() - theirs).abs().max().item() < 1e-6
+    t = sd_scripts.translate({"gemma2": "g", "timestep_sampling": "nextdit_shift", "sigmoid_scale": 1.3}, "x.toml")
+    assert (t.config["timestep_sampling"], t.config["shifted_draw"]) == ("flux_shift", "uniform")
+    assert "sigmoid_scale" not in t.config  # (nextdit_shift reads none)
 
 
 def our_lora(network_args: list[str], rank: int) -> dict[str, int]:

@@ -131,20 +131,24 @@ def draw(**config) -> tuple[dict, dict]:
                                             "weighting_scheme": "sigma_sq"}, RENAMED, RENAMED),
     ({"weighting_scheme": "logit_normal", "logit_mean": 0.5}, {"weighting_scheme": "sigma_sq"}, NOT_CARRIED, RENAMED),
     ({"weighting_scheme": "mode"}, {"weighting_scheme": "sigma_sq"}, NOT_CARRIED, RENAMED),
-    ({"weighting_scheme": "cosmap", "training_shift": 3.0}, {}, NOT_CARRIED, NOT_CARRIED),
+    ({"weighting_scheme": "cosmap", "training_shift": 3.0},  # its uniform density shifted: ours' shifted_draw
+     {"timestep_sampling": "shift", "shifted_draw": "uniform", "discrete_flow_shift": 3.0}, RENAMED, NOT_CARRIED),
+    ({"training_shift": 3.0},
+     {"timestep_sampling": "shift", "shifted_draw": "uniform", "discrete_flow_shift": 3.0,
+      "weighting_scheme": "sigma_sq"}, RENAMED, RENAMED),
 ])
 def test_its_draw_and_loss_become_ours_where_the_law_is_the_same(config, ours, draw_verdict, loss_verdict):
     lines, translated = draw(**config)
     assert lines["weighting_scheme (draw)"][0] == draw_verdict and lines["weighting_scheme (loss)"][0] == loss_verdict
-    assert {k: translated[k] for k in ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift",
+    assert {k: translated[k] for k in ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "shifted_draw",
                                        "weighting_scheme") if k in translated} == ours
 
 
 def test_its_draw_arguments_each_say_what_they_became():
     lines, _ = draw(weighting_scheme="uniform", training_shift=3.0, logit_std=2.0, min_timestep=100, max_timestep=1000)
-    assert "sigmoid_scale = 1.7 and discrete_flow_shift = 3, draws sigmas whose CDF is within 0.012" in lines[
-        "weighting_scheme (draw)"][1]
-    assert lines["training_shift"][0] == DROPPED and lines["logit_std"][0] == DROPPED
+    assert lines["weighting_scheme (draw)"][1].startswith(
+        'timestep_sampling = "shift" with shifted_draw = "uniform", discrete_flow_shift = 3 (the same law')
+    assert lines["training_shift"] == (RENAMED, "discrete_flow_shift") and lines["logit_std"][0] == DROPPED
     assert lines["min_timestep"][0] == NOT_CARRIED and lines["max_timestep"][0] == DROPPED
     lines, config = draw(weighting_scheme="logit_normal", logit_std=1.3, logit_mean=0.0, training_shift=3.0)
     assert lines["logit_std"] == (RENAMED, "sigmoid_scale")
@@ -172,8 +176,9 @@ def ours_cdf(x: torch.Tensor, scale: float, k: float) -> torch.Tensor:
 
 def test_the_draws_are_its_laws_within_the_distances_said():
     """logit_normal at shift 3 is ours' shift draw but for its whole-timestep floor (0.0026 in CDF; ours' sampler
-    draws that law: KS of 100 000 draws < 0.006); its uniform draw shifted by 3 is 0.0113 from ours' closest (scale
-    1.7; ours' default scale 1: over 0.11); its mode density at 1.29 is 0.055 from sigmoid(0.84 randn), the closest."""
+    draws that law: KS of 100 000 draws < 0.006); its uniform draw shifted by 3 is ours' shift of a uniform draw
+    (shifted_draw) but for the floor (0.003 in CDF; ours' sampler: KS < 0.006), where the closest shift of a sigmoid
+    draw (scale 1.7) was 0.0113 off; its mode density at 1.29 is 0.055 from sigmoid(0.84 randn), the closest."""
     x = torch.linspace(1e-5, 1 - 1e-5, 100_001, dtype=torch.float64)
     same = (their_cdf(x, sigmoid_cdf(1.0), 3.0) - ours_cdf(x, 1.0, 3.0)).abs().max().item()
     assert 0.002 < same < 0.003, same  # the floor: 0.001 x the law's density, 2.6 at its peak
@@ -187,6 +192,12 @@ def test_the_draws_are_its_laws_within_the_distances_said():
         return (their_cdf(x, lambda u: u, 3.0) - ours_cdf(x, scale, 3.0)).abs().max().item()
 
     assert 0.011 < uniform(1.7) <= 0.012 and uniform(1.0) > 0.11 and min(uniform(1.6), uniform(1.8)) > uniform(1.7)
+    shifted = x / (3.0 - 2.0 * x)  # ours' shifted uniform draw's CDF: the unshifted sigma of x
+    assert (their_cdf(x, lambda u: u, 3.0) - shifted).abs().max().item() < 0.0031  # 0.001 x its density, 3 at 1
+    draws = fm.sample_sigmas(100_000, "shift", generator=torch.Generator().manual_seed(1), shift=3.0,
+                             shifted="uniform").double()
+    empirical = torch.searchsorted(draws.sort().values, grid, right=True).double() / len(draws)
+    assert (empirical - grid / (3.0 - 2.0 * grid)).abs().max().item() < 0.006
     v = torch.linspace(0, 1, 400_001, dtype=torch.float64)
     mode = (1 - v - 1.29 * (torch.cos(math.pi * v / 2) ** 2 - 1 + v)).sort().values  # increasing in v too
 

@@ -535,7 +535,8 @@ class DiffusionFamily:
                                 sigmoid_scale=args.sigmoid_scale, image_seq_len=(lh // self.patch) * (lw // self.patch),
                                 bias=getattr(args, "timestep_bias", "none"),
                                 logsnr=(getattr(args, "logsnr_mean", fm.LOGSNR[0]),
-                                        getattr(args, "logsnr_std", fm.LOGSNR[1])), quantiles=quantiles)
+                                        getattr(args, "logsnr_std", fm.LOGSNR[1])), quantiles=quantiles,
+                                shifted=getattr(args, "shifted_draw", "sigmoid"))
 
     def loss_at(self, model, latents: torch.Tensor, text: dict, noise: torch.Tensor, sigmas: torch.Tensor,
                 guidance: float | None, weighting: str = "none", loss_type: str = "l2", huber_c: float = 0.1,

@@ -24,7 +24,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from library.models.registry import SAMPLING_METHODS, TIMESTEP_BIASES, arch_specs  # the names the config offers
+from library.models.registry import SAMPLING_METHODS, SHIFTED_DRAWS, TIMESTEP_BIASES, arch_specs  # the config's names
 from library.models.spec import MuLine, Sampling, load_symbol
 
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap", "sigma_sq")
@@ -128,7 +128,8 @@ def stratified_quantiles(strata: list[int], buckets: int, generators: list[torch
 
 def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None, shift: float = 3.0,
                   sigmoid_scale: float = 1.0, image_seq_len: int | None = None, bias: str = "none",
-                  logsnr: tuple[float, float] = LOGSNR, quantiles: torch.Tensor | None = None) -> torch.Tensor:
+                  logsnr: tuple[float, float] = LOGSNR, quantiles: torch.Tensor | None = None,
+                  shifted: str = "sigmoid") -> torch.Tensor:
     """One sigma per sample, float32 [batch] in [0, 1], on the generator's device.
 
     uniform: U(0, 1]; sigmoid: sigmoid(sigmoid_scale * randn); shift: the sigmoid draw then
@@ -140,22 +141,21 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
     train_mu_steps where mu depends on a step count; ln of its constant train shift where it has one).
     bias: timestep_bias (TIMESTEP_BIASES), the uniform draw's quantile or the normal's biased; "none": as ever.
     quantiles: [batch] uniform quantiles to map through the law instead of drawing (stratified_quantiles); the
-    law's sigma is monotone in its quantile."""
+    law's sigma is monotone in its quantile. shifted (shifted_draw): the draw a shift moves, sigmoid(sigmoid_scale
+    randn) or "uniform" (sd-scripts' sigma draw on its shifted scheduler, its nextdit_shift; ai-toolkit's shifts)."""
     if method not in SAMPLING_METHODS or method == "qinglong":  # (a mixture of laws: qinglong_sigmas)
         raise ValueError(f"timestep_sampling {method!r} is not one of {', '.join(SAMPLING_METHODS[:-1])}")
-    device = generator.device if generator is not None else torch.device("cpu")
-    if method == "uniform" and quantiles is not None:  # as the draws below: the quantile, or 1 - u unbiased
-        u = lean(quantiles.double(), bias).clamp(QUANTILE_EDGE, 1.0 - QUANTILE_EDGE)
-        return (u if bias != "none" else 1.0 - u).to(torch.float32)
-    if method == "uniform" and bias != "none":  # sigma = the quantile itself (in (0, 1))
-        return biased_quantile(batch, generator, bias)
-    if method == "uniform":  # 1 - U[0, 1): never exactly 0, where sigma_sqrt weighting is infinite
-        return 1.0 - torch.rand(batch, generator=generator, device=device, dtype=torch.float32)
-    normal = standard_normal(batch, generator, bias, quantiles=quantiles)
-    if method == "logsnr":
+    if shifted not in SHIFTED_DRAWS:
+        raise ValueError(f"shifted_draw {shifted!r} is not one of {', '.join(SHIFTED_DRAWS)}")
+    if method == "uniform" or shifted == "uniform" and method not in ("sigmoid", "logsnr"):
+        sigmas = uniform_sigmas(batch, generator, bias, quantiles)
+        if method == "uniform":
+            return sigmas
+    elif method == "logsnr":
         mean, std = logsnr
-        return torch.sigmoid((std * normal - mean) / 2.0)
-    sigmas = torch.sigmoid(sigmoid_scale * normal)
+        return torch.sigmoid((std * standard_normal(batch, generator, bias, quantiles=quantiles) - mean) / 2.0)
+    else:
+        sigmas = torch.sigmoid(sigmoid_scale * standard_normal(batch, generator, bias, quantiles=quantiles))
     if method == "shift":
         return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
     if method == "sigmoid":
@@ -164,6 +164,19 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
     if image_seq_len is None and sampling.shift is None:
         raise ValueError(f"timestep_sampling {method!r} needs image_seq_len (image tokens per sample)")
     return time_shift(resolution_mu(sampling, image_seq_len), sigmas)
+
+
+def uniform_sigmas(batch: int, generator: torch.Generator | None, bias: str = "none",
+                   quantiles: torch.Tensor | None = None) -> torch.Tensor:
+    """[batch] float32 sigmas uniform in (0, 1]: 1 - U[0, 1) (never exactly 0, where sigma_sqrt weighting is
+    infinite); with a timestep_bias the biased quantile itself; of given quantiles, as these."""
+    device = generator.device if generator is not None else torch.device("cpu")
+    if quantiles is not None:
+        u = lean(quantiles.double(), bias).clamp(QUANTILE_EDGE, 1.0 - QUANTILE_EDGE)
+        return (u if bias != "none" else 1.0 - u).to(torch.float32)
+    if bias != "none":
+        return biased_quantile(batch, generator, bias)
+    return 1.0 - torch.rand(batch, generator=generator, device=device, dtype=torch.float32)
 
 
 def qinglong_sigmas(count: int, generator: torch.Generator | None, mid: Callable[[], torch.Tensor],

@@ -168,3 +168,6 @@ SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "logsnr") + tuple(dict.fromke
 # as ai-toolkit's content_or_style "content" / "style" (its UI's Timestep Bias: High Noise / Low Noise) indexes its
 # timesteps with u^3 (diffusers' T2I-Adapter training's cubic sampling); the law is the method's as without it
 TIMESTEP_BIASES = ("none", "high_noise", "low_noise")
+# shifted_draw: the draw a shift (timestep_sampling "shift" or an architecture's) moves: sigmoid(sigmoid_scale randn),
+# or uniform, as sd-scripts' "sigma" draw picks one of a shifted scheduler's 1000 sigmas and its nextdit_shift shifts
+SHIFTED_DRAWS = ("sigmoid", "uniform")

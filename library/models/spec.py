@@ -526,6 +526,7 @@ class SdScriptsModels:
     same_args: tuple[str, ...] = ()  # its own arguments ours reads by the same name and meaning
     # its timestep_sampling values ours has no equal draw of -> why, with ours' closest setting
     draws_refused: dict[str, str] = field(default_factory=dict)
+    draws_carried: dict[str, dict[str, str]] = field(default_factory=dict)  # its own timestep_sampling -> our keys
     # "module:function" (its network_args {name: text}, network_dim) -> (ours' network_args items, {its arg: (verdict
     # "renamed" / "dropped" / "not carried", why)}): where its LoRA module's default or rank arguments train other
     # modules than ours' by the same names; called with no arguments too (its default). "": the args one by one

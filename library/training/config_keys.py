@@ -20,7 +20,8 @@ LORA_KEYS = ("network_module", "network_dim", "network_alpha", "network_args", "
 DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_encoder_outputs_to_disk",
                   "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "timestep_bias",
                   "min_timestep", "max_timestep", "preserve_distribution_shape", "num_timestep_buckets",
-                  "logsnr_mean", "logsnr_std", "qinglong_logsnr_share", "qinglong_detail_share", "qinglong_mid",
+                  "logsnr_mean", "logsnr_std", "shifted_draw", "qinglong_logsnr_share", "qinglong_detail_share",
+                  "qinglong_mid",
                   "discrete_flow_shift", "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "ip_noise_gamma",
                   "ip_noise_gamma_random_strength", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
@@ -88,6 +89,8 @@ IDLE_UNLESS = {
     "discrete_flow_shift": ("timestep_sampling", lambda v: v in ("shift", "qinglong"), 'timestep_sampling = "shift"'),
     "sigmoid_scale": ("timestep_sampling", lambda v: v not in ("uniform", "logsnr"),
                       "a sigmoid draw (any timestep_sampling but uniform and logsnr)"),
+    "shifted_draw": ("timestep_sampling", lambda v: v not in ("uniform", "sigmoid", "logsnr"),
+                     "a shift (timestep_sampling \"shift\", a model's own, or unset)"),
     **{key: ("timestep_sampling", lambda v: v in ("logsnr", "qinglong"), 'timestep_sampling = "logsnr" or "qinglong"')
        for key in ("logsnr_mean", "logsnr_std")},
     **{key: ("timestep_sampling", lambda v: v == "qinglong", 'timestep_sampling = "qinglong"')

@@ -79,6 +79,7 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         shift=args.discrete_flow_shift if "shift" in (facts["timestep_sampling"], qinglong_mid(args)) else None,
         logsnr=[args.logsnr_mean, args.logsnr_std] if facts["timestep_sampling"] in ("logsnr", "qinglong") else None,
         qinglong=qinglong_draw(args) if facts["timestep_sampling"] == "qinglong" else None,
+        shifted_draw="uniform" if getattr(args, "shifted_draw", "sigmoid") == "uniform" else None,
         guidance=facts.get("guidance"), seed=args.seed, dataset=facts["dataset"],
         **{key: facts.get(key) for key in ("dataset_dirs", "tag_frequency", "num_train_images", "num_reg_images")},
         num_batches_per_epoch=task.batches_per_epoch(),

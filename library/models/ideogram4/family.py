@@ -206,6 +206,8 @@ class Ideogram4Family(DiffusionFamily):
             unread["sigmoid_scale"] = (f"timestep_sampling {args.timestep_sampling or 'unset'}: model_type {self.name} "
                                        f"draws sigma = expit(mu + 1.5 n), its pipeline's law; a sigmoid draw "
                                        f"(timestep_sampling = \"sigmoid\") reads it")
+            unread["shifted_draw"] = (f"timestep_sampling {args.timestep_sampling or 'unset'}: model_type {self.name} "
+                                      f"draws its pipeline's law, sigma = expit(mu + 1.5 n), no shift of another draw")
         return unread
 
     def law_sigmas(self, model, args, method, generator, lh, lw, count, quantiles=None):

@@ -152,11 +152,9 @@ MODELSPEC = {"lumina2": S.ModelSpecNames("lumina-2", "https://github.com/Alpha-V
 # sets none translates to system_prompt = ""). Its LoRA module trains more than ours by default (sd_scripts_lora.py).
 _MEMORY = "memory and speed only: ours runs PyTorch's SDPA on whole batches and encodes latents once, before training"
 # its nextdit_shift (lumina_train_util.get_noisy_model_input_and_timesteps): u ~ U(0, 1) time-shifted by mu =
-# lin(256 -> 0.5, 4096 -> 1.15) of the (h/2)(w/2) tokens; ours shifts sigmoid(scale * randn) by that line (flux_shift).
-# sigmoid(1.7 randn)'s CDF is within 0.0096 of U(0, 1)'s (the logistic's best normal), the shift keeps that distance
-_NEXTDIT_SHIFT = ("uniform sigmas time-shifted by FLUX.1's resolution line: ours has no uniform draw shifted so; the "
-                  "closest, timestep_sampling = \"flux_shift\" with sigmoid_scale = 1.7 (the same shift of "
-                  "sigmoid(1.7 randn)), draws sigmas whose CDF is within 0.0096 of its at every sigma")
+# lin(256 -> 0.5, 4096 -> 1.15) of the (h/2)(w/2) tokens: ours' flux_shift (that line, ours' token count) of a
+# uniform draw (shifted_draw)
+_NEXTDIT_SHIFT = {"timestep_sampling": "flux_shift", "shifted_draw": "uniform"}
 SD_SCRIPTS = S.SdScriptsModels(
     script="lumina_train_network.py", lora_module="networks.lora_lumina", models={}, model_type="lumina2",
     sample_scale=3.5,  # lumina_train_util.sample_image_inference: scale (--l) 3.5, no --g
@@ -166,7 +164,7 @@ SD_SCRIPTS = S.SdScriptsModels(
     same_args=("system_prompt",),
     defaults={"timestep_sampling": "shift", "discrete_flow_shift": 6.0, "model_prediction_type": "raw",
               "system_prompt": "", "network_args": []},
-    draws_refused={"nextdit_shift": _NEXTDIT_SHIFT},
+    draws_carried={"nextdit_shift": _NEXTDIT_SHIFT},
     token_lengths={"gemma2_max_token_length": 256},  # LuminaTokenizeStrategy's max_length (None: 256), the pipeline's
     ignored_args={**dict.fromkeys(("use_flash_attn", "use_sage_attn"), _MEMORY),
                   "sample_batch_size": "ours renders each sample prompt alone"},

@@ -21,23 +21,18 @@ KEPT, RENAMED, DROPPED, NOT_CARRIED = "kept", "renamed", "dropped", "not carried
 ARGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "training_shift", "min_timestep", "max_timestep")
 UNIFORM_DENSITY = ("uniform", "none", "sigma_sqrt", "cosmap")  # its density for these: U[0, 1)
 FLOOR = "sd-scripts floors 1000 sigma to a whole timestep (0 included); ours draws sigma continuously"
-# U(0, 1) against sigmoid(1.7 randn): their CDFs are within 0.0096 (the logistic's closest normal), the shift keeps the
-# distance, its floor to 1/1000 adds 0.0017 at k = 3: 0.0113 (tests/test_sd3_convert_config.py measures it)
-UNIFORM_CLOSEST = 1.7
 # its mode density at its default mode_scale 1.29 against sigmoid(s randn): closest at s = 0.84, 0.055 in CDF
 MODE_CLOSEST = (1.29, 0.84, 0.055)
 
 
 def _draw(values: dict) -> tuple[dict | None, str]:
-    """Ours' draw keys of the same law as its draw ({timestep_sampling, sigmoid_scale, discrete_flow_shift}), or
-    (None, why ours has none, with the closest)."""
+    """Ours' draw keys of the same law as its draw ({timestep_sampling, sigmoid_scale, discrete_flow_shift,
+    shifted_draw}), or (None, why ours has none, with the closest)."""
     scheme, k = values["weighting_scheme"], float(values["training_shift"])
     if scheme in UNIFORM_DENSITY:
         if k == 1:
             return {"timestep_sampling": "uniform"}, ""
-        return None, (f"u ~ U[0, 1) shifted by training_shift {k:g}: ours has no uniform draw shifted so; the closest, "
-                      f"timestep_sampling = \"shift\" with sigmoid_scale = {UNIFORM_CLOSEST} and discrete_flow_shift = "
-                      f"{k:g}, draws sigmas whose CDF is within 0.012 of its at every sigma (its floor included)")
+        return {"timestep_sampling": "shift", "shifted_draw": "uniform", "discrete_flow_shift": k}, ""
     if scheme == "logit_normal":
         mean, std = float(values["logit_mean"]), float(values["logit_std"])
         if mean != 0:
@@ -76,7 +71,8 @@ def sd3_draw(values: dict) -> dict[str, tuple[str, str, dict]]:
     if keys is None:
         lines = {"weighting_scheme (draw)": (NOT_CARRIED, why, {})}
     else:
-        extra = ", ".join(f"{name} = {value:g}" for name, value in keys.items() if name != "timestep_sampling")
+        extra = ", ".join(f'{name} = "{value}"' if isinstance(value, str) else f"{name} = {value:g}"
+                          for name, value in keys.items() if name != "timestep_sampling")
         lines = {"weighting_scheme (draw)": (RENAMED, f"timestep_sampling = \"{keys['timestep_sampling']}\""
                                              + (f" with {extra}" if extra else "") + f" (the same law; {FLOOR})", keys)}
     lines["weighting_scheme (loss)"] = _loss(scheme)

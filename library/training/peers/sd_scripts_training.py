@@ -88,9 +88,11 @@ def sampling_of(t: Translation) -> tuple[dict | None, str]:
     method = their(t, "timestep_sampling")
     if method == "sigma":
         return sigma_draw(t)
-    refused = models.entry(script_of(t)).draws_refused
+    refused, carried = models.entry(script_of(t)).draws_refused, models.entry(script_of(t)).draws_carried
     if method in refused:
         return None, f"{method!r}: {refused[method]}"
+    if method in carried:  # its own draw, ours by these keys
+        return dict(carried[method]), ""
     if method == "logsnr":  # ours by musubi-tuner's name: not one of sd-scripts' (its parser refuses it)
         return None, "'logsnr': not one of sd-scripts' draws (ours reads musubi-tuner's)"
     if method not in SAMPLING_METHODS:
@@ -119,12 +121,8 @@ def sigma_draw(t: Translation) -> tuple[dict | None, str]:
         return None, "'sigma' with weighting_scheme mode: ours has no such draw"
     if shift == 1:
         return {"timestep_sampling": "uniform"}, ""
-    # the shift is monotone, so the CDF distance is the unshifted one: U on the 1000-sigma grid vs sigmoid(1.7 randn),
-    # 0.0106 at every k (a family's convert_config test measures it; scale 1: 0.118)
-    return None, (f"'sigma': a uniform draw over the 1000 sigmas of a scheduler shifted by discrete_flow_shift "
-                  f"{shift:g}; ours has no uniform draw shifted so: the closest, timestep_sampling = \"shift\" with "
-                  f"sigmoid_scale = 1.7 and discrete_flow_shift = {shift:g}, draws sigmas whose CDF is within 0.011 "
-                  f"of its at every sigma")
+    # a uniform draw moved by the shift: ours continuous, its on the 1000-sigma grid (CDF within 1 / 1000)
+    return {"timestep_sampling": "shift", "shifted_draw": "uniform", "discrete_flow_shift": shift}, ""
 
 
 def _timestep_sampling(t: Translation, key: str, value: Any) -> None:
@@ -134,8 +132,11 @@ def _timestep_sampling(t: Translation, key: str, value: Any) -> None:
     else:
         ours = keys["timestep_sampling"]
         t.set(key, ours, key, value, KEPT if ours == value else RENAMED)
+        if "shifted_draw" in keys:  # (the shift and scale are their keys' own lines)
+            t.config["shifted_draw"] = keys["shifted_draw"]
         if ours != value:
-            extra = ", ".join(f"{k} = {v:g}" for k, v in keys.items() if k != key)
+            extra = ", ".join(f'{k} = "{v}"' if isinstance(v, str) else f"{k} = {v:g}" for k, v in keys.items()
+                              if k != key)
             note(t, f'timestep_sampling = "{ours}"{" with " + extra if extra else ""} (the same draw, continuous)')
     t.lines[-1].note = models.entry(script_of(t)).timestep_feed  # its script's feed of the draw, where not ours'
 

@@ -1,0 +1,58 @@
+"""shifted_draw = "uniform": a shift (timestep_sampling "shift" or a model's own) moves a uniform draw instead of
+sigmoid(sigmoid_scale randn), as sd-scripts' default "sigma" draw (a uniform pick of a shifted scheduler's 1000 sigmas)
+and its Lumina nextdit_shift draw; the converters' tests check those carry (test_hunyuan_image_convert_config.py,
+test_lumina2_convert_config.py, test_sd3_convert_config.py)."""
+
+import json
+import math
+import re
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import train_lora
+from library.models import flow_matching as fm
+from library.training.config import ConfigError, load_config
+from tests.test_reliability import flux_args
+from tests.test_timestep_range import FLUX
+
+
+def test_the_shift_moves_the_uniform_draw_from_the_same_generator():
+    """shift k: k s / (1 + (k - 1) s) of s = 1 - U, U the generator's own draw; an architecture's: its time shift at
+    the token count; unset: the sigmoid draw as before."""
+    u = torch.rand(64, generator=torch.Generator().manual_seed(9))
+    s = 1.0 - u
+    ours = fm.sample_sigmas(64, "shift", generator=torch.Generator().manual_seed(9), shift=3.0, shifted="uniform")
+    torch.testing.assert_close(ours, 3.0 * s / (1.0 + 2.0 * s), rtol=0, atol=1e-6)
+    flux = fm.sample_sigmas(64, "flux_shift", generator=torch.Generator().manual_seed(9), image_seq_len=4096,
+                            shifted="uniform")
+    mu = fm.resolution_mu(fm.sampling_of("flux"), 4096)
+    torch.testing.assert_close(flux, math.exp(mu) / (math.exp(mu) + 1.0 / s - 1.0), rtol=0, atol=1e-6)
+    assert torch.equal(fm.sample_sigmas(64, "shift", generator=torch.Generator().manual_seed(9), shift=3.0),
+                       fm.sample_sigmas(64, "shift", generator=torch.Generator().manual_seed(9), shift=3.0,
+                                        shifted="sigmoid"))
+    with pytest.raises(ValueError, match="shifted_draw 'normal' is not one of sigmoid, uniform"):
+        fm.sample_sigmas(4, "shift", generator=None, shifted="normal")
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--timestep_sampling", "sigmoid", "--shifted_draw", "uniform"],
+     "key 'shifted_draw' does nothing with timestep_sampling = \"sigmoid\"; it needs a shift"),
+    (["--timestep_sampling", "shift", "--shifted_draw", "uniform", "--sigmoid_scale", "1.5"],
+     "key 'sigmoid_scale' does nothing with shifted_draw = \"uniform\" (the shift moves a uniform draw)"),
+])
+def test_keys_it_makes_idle_are_one_line(flags, message):
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(FLUX + flags)
+
+
+def test_a_run_records_it(tiny_set, tmp_path):
+    assert load_config(FLUX + ["--shifted_draw", "uniform"]).shifted_draw == "uniform"  # (the model's own shift)
+    out = tmp_path / "out"
+    assert train_lora.main(flux_args(tiny_set, out, "--timestep_sampling", "shift", "--shifted_draw", "uniform",
+                                     "--discrete_flow_shift", "3")) == 0
+    with safe_open(str(out / "tiny_flux_lora.safetensors"), framework="pt") as f:
+        header = f.metadata()
+    assert (header["ss_shifted_draw"], header["ss_discrete_flow_shift"]) == ("uniform", "3.0")
+    assert "ss_qinglong" not in header and json.loads(header.get("ss_logsnr_mean_std", "null")) is None
