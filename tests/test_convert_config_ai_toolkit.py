@@ -5,6 +5,7 @@ gives it, an arch we do not train is one line, and a list of resolutions becomes
 import os
 
 import pytest
+import torch
 import yaml
 
 from library.data.dataset_config import load_dataset_config, parse_dataset_config
@@ -640,3 +641,22 @@ def test_the_network_trains_at_the_alpha_ai_toolkit_gives_it(network, arch, alph
     assert t.config["network_alpha"] == alpha
     shown = next(line for line in t.lines if line.key.startswith("network.linear_alpha"))
     assert ("alpha = rank" in shown.note) == (alpha != float(network.get("linear_alpha") or 1.0))
+
+
+def test_a_fixed_shift_models_shift_types_are_ours_shift_of_a_uniform_draw():
+    """HiDream's training scheduler there shifts by 3, not by the image size: its shift / flux_shift types pick one of
+    999 evenly spaced sigmas (1 down to its scheduler's sigma_min, 0.003) shifted by 3, uniformly: ours' shift of a
+    uniform draw at 3, continuous, within 0.005 in CDF of its grid at every sigma. FLUX.1's shifts by the image size
+    with its own constants: not carried (above)."""
+    k, sigma_min = 3.0, 3.0 * 0.001 / (1 + 2.0 * 0.001)
+    unshifted = torch.linspace(1.0, sigma_min, 1000, dtype=torch.float64)[:999]  # randint(0, 999): not the last
+    grid = (k * unshifted / (1 + (k - 1) * unshifted)).sort().values
+    x = torch.linspace(1e-4, 1 - 1e-4, 20_001, dtype=torch.float64)
+    ours_cdf = x / (k - (k - 1) * x)  # P(k s / (1 + (k - 1) s) <= x), s uniform
+    assert (torch.searchsorted(grid, x, right=True).double() / 999 - ours_cdf).abs().max().item() < 0.005
+    for kind in ("shift", "flux_shift"):
+        t = translate(job(model={"name_or_path": "HiDream-ai/HiDream-I1-Full", "arch": "hidream"},
+                          train={"timestep_type": kind}), "run.yaml")
+        assert verdict(t, "train.timestep_type")[0] == RENAMED
+        assert (t.config["timestep_sampling"], t.config["shifted_draw"], t.config["discrete_flow_shift"]) == (
+            "shift", "uniform", 3.0)

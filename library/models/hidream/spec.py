@@ -165,7 +165,9 @@ SPEC = S.ArchSpec(
     # models/); its bucket divisibility
     peer_bucket_steps={"ai-toolkit": 16},
     # (its LoRA names the diffusers modules, ours: its example's ignore_if_contains ff_i.experts carries)
+    # (ai-toolkit's training scheduler: CustomFlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=3.0),
+    # no dynamic shifting: its shift timestep types pick uniformly among evenly spaced sigmas shifted by 3)
     peer_models={"ai-toolkit": {"hidream": {"model_type": "hidream", "llama": "unsloth/Meta-Llama-3.1-8B-Instruct",
-                                            "same_module_names": "yes"}}},
+                                            "same_module_names": "yes", "fixed_shift": "3.0"}}},
     learned="library.models.hidream.learned:LEARNED",  # the learned tiny base (learned.py; learned/hidream/)
 )

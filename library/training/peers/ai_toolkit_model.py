@@ -52,7 +52,7 @@ def read_as(text: str) -> Rule:
 # assistant_lora_path naming a folder or a Hub repository (its other models take a file, or repo/file);
 # same_module_names: its LoRA's module names are ours (only_if_contains / ignore_if_contains carry as patterns)
 ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules", "lokr_format", "file_note", "assistant_file",
-              "same_module_names")
+              "same_module_names", "fixed_shift")
 
 
 def entry_of(model_type: str) -> dict[str, str]:
@@ -105,6 +105,13 @@ def _arch(t: Job, key: str, value: Any) -> None:
         said.append(f"{k} = {v!r}" + (f" (ai-toolkit's own file for it, a Hub id, which ours does not download: "
                                       f"`hf download {hub} --local-dir {v}`)" if hub else ""))
     t.lines.append(Line(key, value, RENAMED, ", ".join(said)))
+
+
+def fixed_shift(t: Job) -> float | None:
+    """The fixed shift of the arch's training scheduler (its spec entry's fixed_shift: use_dynamic_shifting off),
+    which its shift timestep types apply to evenly spaced sigmas; None where it shifts by the image size."""
+    keys = _peer_models().get(_arch_name(t.section("model")), {})
+    return float(keys["fixed_shift"]) if "fixed_shift" in keys else None
 
 
 def entry_config(keys: dict) -> dict:

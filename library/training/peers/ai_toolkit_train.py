@@ -6,7 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from library.training.peers.ai_toolkit_model import Job, as_number, one_of, our_key, read_as, read_elsewhere
+from library.training.peers.ai_toolkit_model import (Job, as_number, fixed_shift, one_of, our_key, read_as,
+                                                     read_elsewhere)
 from library.training.peers.rules import KEPT, RENAMED, Line, Rule, custom, ignored, implied, unsupported
 
 
@@ -157,10 +158,16 @@ def _timesteps(t: Job, key: str, value: Any) -> None:
     elif kind == "weighted":
         t.refuse(key, value, "uniform draws weighted by ai-toolkit's own table of loss weights: not ours (the nearest "
                              "is timestep_sampling = \"uniform\")")
+    elif kind in ("shift", "flux_shift", "lumina2_shift") and fixed_shift(t):  # one branch there, by its scheduler
+        k = fixed_shift(t)
+        t.set("timestep_sampling", "shift", key, value, RENAMED, f"timestep_sampling = \"shift\", shifted_draw = "
+              f"\"uniform\", discrete_flow_shift = {k:g} (its model's scheduler's fixed shift of evenly spaced "
+              f"sigmas, picked uniformly; ours continuous)")
+        t.config.update(shifted_draw="uniform", discrete_flow_shift=k)
     elif kind.endswith("shift"):
-        t.refuse(key, value, "ai-toolkit shifts evenly spaced sigmas (by the image size where its model's scheduler "
-                             "shifts dynamically, else by the scheduler's fixed shift); ours shifts logit-normal draws "
-                             "(each model's default timestep_sampling)")
+        t.refuse(key, value, "ai-toolkit shifts evenly spaced sigmas by the image size where its model's scheduler "
+                             "shifts dynamically (its own constants); ours shifts a uniform draw so only by a fixed "
+                             "shift (shifted_draw), or shifts logit-normal draws (each model's default)")
     else:
         t.refuse(key, value, "ai-toolkit's own timestep draw: not ours")
 
