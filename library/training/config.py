@@ -581,17 +581,6 @@ def _validate_timestep_range(args: argparse.Namespace, origins: dict[str, str], 
         raise ConfigError(f"{blame(origins, where, 'qinglong_logsnr_share', 'qinglong_detail_share')}: the qinglong "
                           f"draw's logsnr and detail shares must be in [0, 1] with a sum <= 1 (the mid draw takes the "
                           f"rest), got {shares[0]:g} and {shares[1]:g}")
-    if args.shifted_draw == "uniform" and args.timestep_sampling != "sigmoid" and "sigmoid_scale" in origins \
-            and args.sigmoid_scale != SCHEMA["sigmoid_scale"].default:
-        raise ConfigError(f"{blame(origins, where, 'sigmoid_scale', 'shifted_draw')}: key 'sigmoid_scale' does nothing "
-                          f"with shifted_draw = \"uniform\" (the shift moves a uniform draw); it needs a sigmoid draw")
-    mid = args.qinglong_mid  # qinglong's mid draw reads these as its law does (config_keys.IDLE_UNLESS)
-    for key, reads, needs in (("discrete_flow_shift", mid == "shift", 'qinglong_mid = "shift"'),
-                              ("sigmoid_scale", mid not in ("uniform", "logsnr"), "a sigmoid mid draw")):
-        if args.timestep_sampling == "qinglong" and key in origins and getattr(args, key) != SCHEMA[key].default \
-                and not reads:
-            raise ConfigError(f"{blame(origins, where, key, 'qinglong_mid')}: key '{key}' does nothing with "
-                              f"timestep_sampling = \"qinglong\" and qinglong_mid = {mid or 'unset'}; it needs {needs}")
     if (args.num_timestep_buckets or 0) > 1 and args.preserve_distribution_shape and (lo, hi) != (None, None):
         raise ConfigError(f"{blame(origins, where, 'num_timestep_buckets', 'preserve_distribution_shape')}: "
                           f"num_timestep_buckets stratifies the whole sigma law, preserve_distribution_shape redraws "

@@ -85,7 +85,7 @@ def _read_by_schedules(readers: tuple[str, ...]) -> tuple:
 
 IDLE_UNLESS = {
     **{key: _read_by_schedules(readers) for key, readers in SCHEDULE_KEY_READERS.items()},
-    # (with qinglong, its mid draw's law reads them: config._validate_timestep_range)
+    # (with qinglong, its mid draw's law reads them: _validate_draw_keys)
     "discrete_flow_shift": ("timestep_sampling", lambda v: v in ("shift", "qinglong"), 'timestep_sampling = "shift"'),
     "sigmoid_scale": ("timestep_sampling", lambda v: v not in ("uniform", "logsnr"),
                       "a sigmoid draw (any timestep_sampling but uniform and logsnr)"),
@@ -149,10 +149,11 @@ def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where:
         key, what = SCHEDULE_NEEDS[args.lr_scheduler]
         raise ConfigError(f"{blame(origins, where, 'lr_scheduler', key)}: lr_scheduler = \"{args.lr_scheduler}\" needs "
                           f"key '{key}' ({what})")
+    _validate_draw_keys(args, origins, where, schema)
     for key, (others, used, needs) in IDLE_UNLESS.items():  # set off its default where nothing reads it
         others = (others,) if isinstance(others, str) else others
         values = [getattr(args, other) for other in others]
-        if key in origins and getattr(args, key) != schema[key].default and not used(*values):
+        if _set_off_default(args, origins, key, schema) and not used(*values):
             shown = " and ".join(_shown(other, value) for other, value in zip(others, values))
             raise ConfigError(f"{blame(origins, where, key, *others)}: key '{key}' does nothing with {shown}; "
                               f"it needs {needs}")
@@ -160,6 +161,29 @@ def validate_idle_keys(args: argparse.Namespace, origins: dict[str, str], where:
     if args.model_type != "llm" and sampling and args.sample_prompts is None:  # "" is an explicit "no samples"
         raise ConfigError(f"{blame(origins, where, sampling[0])}: key '{sampling[0]}' renders the prompts of "
                           f"sample_prompts, which is not set (a prompt file, or \"\" for no samples)")
+
+
+def _set_off_default(args: argparse.Namespace, origins: dict[str, str], key: str, schema: dict) -> bool:
+    """`key` given (a file or the command line) at another value than its default."""
+    return key in origins and getattr(args, key) != schema[key].default
+
+
+def _validate_draw_keys(args: argparse.Namespace, origins: dict[str, str], where: str, schema: dict) -> None:
+    """The draw keys whose reader another key than timestep_sampling names (IDLE_UNLESS takes them with the laws
+    that may read them): sigmoid_scale with shifted_draw = "uniform" (the shift moves a uniform draw), and
+    discrete_flow_shift / sigmoid_scale with qinglong, whose mid draw (qinglong_mid) reads them as its law does."""
+    if (args.shifted_draw == "uniform" and args.timestep_sampling != "sigmoid"
+            and _set_off_default(args, origins, "sigmoid_scale", schema)):
+        raise ConfigError(f"{blame(origins, where, 'sigmoid_scale', 'shifted_draw')}: key 'sigmoid_scale' does nothing "
+                          f"with shifted_draw = \"uniform\" (the shift moves a uniform draw); it needs a sigmoid draw")
+    if args.timestep_sampling != "qinglong":
+        return
+    mid = args.qinglong_mid
+    for key, reads, needs in (("discrete_flow_shift", mid == "shift", 'qinglong_mid = "shift"'),
+                              ("sigmoid_scale", mid not in ("uniform", "logsnr"), "a sigmoid mid draw")):
+        if _set_off_default(args, origins, key, schema) and not reads:
+            raise ConfigError(f"{blame(origins, where, key, 'qinglong_mid')}: key '{key}' does nothing with "
+                              f"timestep_sampling = \"qinglong\" and qinglong_mid = {mid or 'unset'}; it needs {needs}")
 
 
 def unread_family_keys(model_type: str) -> dict[str, str]:

@@ -185,8 +185,14 @@ def check_optimizer(optimizer_type: str, lr: float, optimizer_kwargs: dict, grou
                       f"around 1.0", stacklevel=2)
 
 
+# lr_scheduler = "rex" (musubi-tuner's): its alpha and beta (lr_scheduler_rex_alpha / _beta), and its floor unless
+# lr_scheduler_min_lr_ratio is given, musubi-tuner's defaults (IvanVassi/REX_LR's; the paper's are 0.5 / 0.5)
+REX = (0.1, 0.9)
+REX_MIN_LR_RATIO = 0.01
+
+
 def check_scheduler(name: str, lr: float, power: float = 1.0, min_lr_ratio: float | None = None,
-                    timescale: int | None = None, rex: tuple[float, float] = (0.1, 0.9)) -> None:
+                    timescale: int | None = None, rex: tuple[float, float] = REX) -> None:
     """The schedule built on a stand-in optimizer at learning_rate: a value it refuses is a ConfigError
     now, not after caching and loading (diffusers' polynomial decays to a fixed lr_end of 1e-7, which
     learning_rate must exceed). The step counts are stand-ins: no schedule's check reads them."""
@@ -202,10 +208,6 @@ def check_scheduler(name: str, lr: float, power: float = 1.0, min_lr_ratio: floa
 
 # The schedules diffusers' get_scheduler lacks, which sd-scripts and musubi-tuner take from transformers.
 TRANSFORMERS_SCHEDULES = ("cosine_with_min_lr", "warmup_stable_decay", "inverse_sqrt")
-# lr_scheduler = "rex" (musubi-tuner's): its alpha and beta (lr_scheduler_rex_alpha / _beta), and its floor unless
-# lr_scheduler_min_lr_ratio is given, musubi-tuner's defaults (IvanVassi/REX_LR's; the paper's are 0.5 / 0.5)
-REX = (0.1, 0.9)
-REX_MIN_LR_RATIO = 0.01
 
 
 def create_scheduler(optimizer, name: str, warmup_steps: int, max_steps: int, num_cycles: int = 1, power: float = 1.0,

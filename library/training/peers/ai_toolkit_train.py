@@ -158,8 +158,7 @@ def _timesteps(t: Job, key: str, value: Any) -> None:
     elif kind == "weighted":
         t.refuse(key, value, "uniform draws weighted by ai-toolkit's own table of loss weights: not ours (the nearest "
                              "is timestep_sampling = \"uniform\")")
-    elif kind.endswith("shift") and fixed_shift(t):  # (its three *shift types: one branch there, by the scheduler)
-        k = fixed_shift(t)
+    elif kind.endswith("shift") and (k := fixed_shift(t)):  # (its three *shift types: one branch there)
         t.set("timestep_sampling", "shift", key, value, RENAMED, f"timestep_sampling = \"shift\", shifted_draw = "
               f"\"uniform\", discrete_flow_shift = {k:g} (its model's scheduler's fixed shift of evenly spaced "
               f"sigmas, picked uniformly; ours continuous)")

@@ -257,7 +257,7 @@ def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
         t.set(key.replace("logit", "logsnr"), float(value), key, value, RENAMED, note="the log-SNR's")
     elif draw in models.mixtures() and run.draw[0]:
         t.drop(key, value, f"its {draw} draws no logsnr sigmas (share 0)")
-    elif draw == "sigma" or draw in models.mixtures() or draw == "logsnr":
+    elif draw == "sigma" or draw in models.mixtures():  # (logsnr is always carried: reads_logsnr)
         t.drop(key, value, "read by the draw timestep_sampling's line names, which is not carried")
     else:
         t.drop(key, value, f"unread by musubi-tuner's {draw} draw")
