@@ -5,6 +5,7 @@ test_lumina2_convert_config.py, test_sd3_convert_config.py)."""
 
 import json
 import math
+import pathlib
 import re
 
 import pytest
@@ -14,8 +15,10 @@ from safetensors import safe_open
 import train_lora
 from library.models import flow_matching as fm
 from library.training.config import ConfigError, load_config
-from tests.test_reliability import flux_args
+from tests.test_reliability import ROOT, files_under, flux_args
 from tests.test_timestep_range import FLUX
+
+QUICKSTART = pathlib.Path(ROOT, "configs", "quickstart.toml")
 
 
 def test_the_shift_moves_the_uniform_draw_from_the_same_generator():
@@ -56,3 +59,42 @@ def test_a_run_records_it(tiny_set, tmp_path):
         header = f.metadata()
     assert (header["ss_shifted_draw"], header["ss_discrete_flow_shift"]) == ("uniform", "3.0")
     assert "ss_qinglong" not in header and json.loads(header.get("ss_logsnr_mean_std", "null")) is None
+
+
+@pytest.mark.parametrize("flags", [["--shifted_draw", "uniform"],
+                                   ["--timestep_sampling", "qinglong", "--shifted_draw", "uniform"]])
+def test_the_own_law_of_a_checkpoint_without_a_shift_refuses_it(tiny_set, tmp_path, capsys, flags):
+    """timestep_sampling unset (or qinglong's mid draw unset) is the checkpoint's own law: a schnell file's is the
+    unshifted sigmoid draw, which moves nothing; shifted_draw was taken there, recorded in the header and read by
+    nothing. Refused before caching, from the model on the meta device; a dev file's own shift still reads it."""
+    from tests.test_generate import schnell_like
+
+    schnell = schnell_like(tmp_path, tiny_set)[0][1]
+    config = tmp_path / "own_law.toml"  # the quickstart without its shift: the model's own law
+    config.write_text(re.sub(r"(?m)^(timestep_sampling|discrete_flow_shift) = .*$", "", QUICKSTART.read_text()))
+    out = tmp_path / "out"
+    for name, model in (("dev", tiny_set["flux_bfl"]), ("schnell", schnell)):
+        code = train_lora.main(flux_args(tiny_set, out / name, "--config_file", str(config),
+                                         "--pretrained_model_name_or_path", model, *flags))
+        assert (code == 0) == (name == "dev")
+    unset = "timestep_sampling = \"qinglong\" with qinglong_mid unset" if "qinglong" in flags else \
+        "timestep_sampling unset"
+    assert (f"key 'shifted_draw' = uniform does nothing: {unset} draws {schnell}'s own law, \"sigmoid\"; it needs a "
+            f"shift (timestep_sampling = \"shift\")") in capsys.readouterr().err
+    assert files_under(out / "schnell") == []
+
+
+def test_a_sigmoid_scale_beside_an_own_uniform_law_is_refused():
+    """A family whose own law is the uniform draw (its default_timestep_sampling) reads no sigmoid_scale there."""
+    from library.training.diffusion_checks import check_own_draw_keys
+
+    class UniformOwnLaw:
+        def default_timestep_sampling(self, model):
+            return "uniform"
+
+    args = load_config(FLUX + ["--sigmoid_scale", "1.5"])
+    with pytest.raises(ConfigError, match=re.escape("key 'sigmoid_scale' = 1.5 does nothing: timestep_sampling unset "
+                                                    "draws m's own law, \"uniform\"; it needs a sigmoid draw")):
+        check_own_draw_keys(args, UniformOwnLaw(), lambda: None)
+    check_own_draw_keys(load_config(FLUX + ["--sigmoid_scale", "1.5", "--timestep_sampling", "sigmoid"]),
+                        UniformOwnLaw(), lambda: None)  # a named law: config_keys' to check

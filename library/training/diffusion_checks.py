@@ -11,6 +11,7 @@ from library.data.controls import check_prompt_controls
 from library.data.prompts import read_prompt_file
 from library.training.config import (ConfigError, base_precision, check_fp8_compute_layout, check_stored_precision,
                                      compute_dtype, where_set)
+from library.training.config_keys import IDLE_UNLESS
 from library.training.config_schema import SCHEMA
 from library.training.lora_inputs import check_lora_inputs, check_network_fits, check_network_settings
 from networks.lora_arch import check_model_files
@@ -42,12 +43,37 @@ def check_before_caching(args, family) -> tuple[str | None, str | None]:
     # the model on the meta device (no weights read, seconds at full size), built once for the checks that ask it
     meta_model = functools.cache(lambda: family.load_transformer(compute_dtype(args), base_precision(args),
                                                                  read_weights=False))
+    check_own_draw_keys(args, family, meta_model)
     check_timestep_range(args, family, meta_model)
     stored_and_widened = check_base_layout(args, family)
     # network_args against the model's blocks and names, network_weights' ranks against the network's (it wraps
     # the model's Linears: after the checks that read the bare model)
     check_network_fits(args, family.arch, meta_model)
     return stored_and_widened
+
+
+OWN_LAW_NEEDS = {"shifted_draw": "a shift (timestep_sampling = \"shift\")",
+                 "sigmoid_scale": "a sigmoid draw (timestep_sampling = \"sigmoid\", or a shift)"}
+
+
+def check_own_draw_keys(args, family, meta_model) -> None:
+    """sigmoid_scale and shifted_draw where the law drawn is the model's own (timestep_sampling unset, or qinglong
+    with qinglong_mid unset): config_keys refuses them beside a named law that does not read them, but the own law
+    is known only from the checkpoint (a release whose scheduler has no shift draws unshifted sigmoid, another
+    uniform), so they were taken and recorded in the header while nothing read them."""
+    mid = args.timestep_sampling == "qinglong"
+    if args.timestep_sampling is not None and not (mid and args.qinglong_mid is None):
+        return
+    set_keys = [key for key in ("sigmoid_scale", "shifted_draw") if getattr(args, key) != SCHEMA[key].default]
+    if not set_keys:
+        return
+    own = family.default_timestep_sampling(meta_model())
+    unset = "timestep_sampling = \"qinglong\" with qinglong_mid unset" if mid else "timestep_sampling unset"
+    for key in set_keys:
+        if not IDLE_UNLESS[key][1](own):  # (the test config_keys runs on a named law)
+            raise ConfigError(f"{where_set(args, key)}: key '{key}' = {getattr(args, key)} does nothing: {unset} "
+                              f"draws {args.pretrained_model_name_or_path}'s own law, \"{own}\"; it needs "
+                              f"{OWN_LAW_NEEDS[key]}")
 
 
 # preserve_distribution_shape: the least share of the law's draws in the range (each sample redraws up to 65,536
