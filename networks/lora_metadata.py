@@ -56,7 +56,9 @@ METADATA_KEYS = {
     "preserve_distribution_shape": "ss_preserve_distribution_shape",  # written where true
     "num_timestep_buckets": "ss_num_timestep_buckets",  # written where > 1 (stratified sigmas)
     "logsnr": "ss_logsnr_mean_std",  # [mean, std] of timestep_sampling = "logsnr" or "qinglong" (written with them)
-    "shifted_draw": "ss_shifted_draw",  # "uniform" where the shift moves a uniform draw (written then only)
+    "shifted_draw": "ss_shifted_draw",  # "uniform" / "mode" where the shift moves that draw (written then only)
+    "sigmoid_mean": "ss_sigmoid_mean",  # the sigmoid draw's centre (written where it is not 0)
+    "mode_scale": "ss_mode_scale",  # the mode law's scale (written where a mode draw is drawn)
     "qinglong": "ss_qinglong",  # {logsnr_share, detail_share, mid} of timestep_sampling = "qinglong" (with it only)
     "shift": "ss_discrete_flow_shift",
     "guidance": "ss_guidance_scale",

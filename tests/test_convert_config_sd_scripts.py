@@ -152,6 +152,12 @@ def test_toml_config_with_defaults_and_an_unknown_key(tiny_set, tmp_path, capsys
     ({"network_train_unet_only": False, "text_encoder_lr": [1e-5, 1e-5]},  # the kohya_ss GUI's list
      {"network_train_unet_only": "not carried", "text_encoder_lr": "not carried"}),
     ({"apply_t5_attn_mask": True}, {"apply_t5_attn_mask": "not carried"}),  # ours' FLUX.1 runs T5 unmasked
+    ({"timestep_sampling": "sigma", "weighting_scheme": "logit_normal", "logit_mean": 0.4},  # not carried before
+     {"timestep_sampling": "renamed", "logit_mean": "renamed"}),  # 2026-12-05 (ours' sigmoid draw had no mean)
+    ({"timestep_sampling": "sigma", "weighting_scheme": "mode", "mode_scale": 1.0},  # nor the mode law
+     {"timestep_sampling": "renamed", "mode_scale": "kept"}),
+    ({"timestep_sampling": "sigma", "weighting_scheme": "mode", "mode_scale": 2.5},  # outside (-1, 1.75]
+     {"timestep_sampling": "not carried", "mode_scale": "dropped"}),
 ])
 def test_verdicts_follow_sd_scripts_code(keys, verdicts):
     t = sd_scripts.translate({"network_train_unet_only": True, **keys}, "x.toml")
@@ -163,6 +169,11 @@ def test_verdicts_follow_sd_scripts_code(keys, verdicts):
         assert t.config["base_loras"] == ["a.safetensors:0.5", "b.safetensors:1"]
     if "use_8bit_adam" in keys:
         assert t.config["optimizer_type"] == "AdamW8bit"
+    if "logit_mean" in keys:  # its sigma is the shift of 1 - u: the mean negated
+        assert (t.config["timestep_sampling"], t.config["sigmoid_mean"]) == ("shift", -0.4)
+    if keys.get("mode_scale") == 1.0:
+        assert {k: t.config[k] for k in ("timestep_sampling", "shifted_draw", "mode_scale")} == {
+            "timestep_sampling": "shift", "shifted_draw": "mode", "mode_scale": 1.0}  # (its shift 3: ours' default)
 
 
 def test_dreambooth_folders_become_subsets(tiny_set, tmp_path, capsys):

@@ -161,7 +161,7 @@ def test_compile_compiles_every_block_the_model_lists():
 
 def test_sampling_methods_are_the_generic_draws_and_each_specs_own():
     own = [s.sampling.method for s in arch_specs().values() if s.sampling]
-    assert SAMPLING_METHODS == ("uniform", "sigmoid", "shift", "logsnr", *dict.fromkeys(own), "qinglong")
+    assert SAMPLING_METHODS == ("uniform", "sigmoid", "shift", "logsnr", "mode", *dict.fromkeys(own), "qinglong")
     for method in set(own):  # architectures that share a method name share its constants
         shifts = {(s.sampling.mu, s.sampling.train_mu_steps, s.sampling.shift, s.sampling.train_shift)
                   for s in arch_specs().values()

@@ -21,7 +21,7 @@ from library.models.registry import spec_of
 from library.text_files import toml_loads
 from library.training.config import load_config, lora_network_args
 from library.training.peers import ai_toolkit, sd_scripts
-from library.training.peers.rules import DROPPED, NOT_CARRIED, RENAMED
+from library.training.peers.rules import DROPPED, KEPT, NOT_CARRIED, RENAMED
 from networks.lora import LoRANetwork
 from tests.test_convert_config_ai_toolkit import job, verdict
 from tests.test_convert_config_sd_scripts import CHECKOUT, convert
@@ -129,8 +129,15 @@ def draw(**config) -> tuple[dict, dict]:
      RENAMED, RENAMED),
     ({"weighting_scheme": "logit_normal"}, {"timestep_sampling": "sigmoid", "sigmoid_scale": 1.0,
                                             "weighting_scheme": "sigma_sq"}, RENAMED, RENAMED),
-    ({"weighting_scheme": "logit_normal", "logit_mean": 0.5}, {"weighting_scheme": "sigma_sq"}, NOT_CARRIED, RENAMED),
-    ({"weighting_scheme": "mode"}, {"weighting_scheme": "sigma_sq"}, NOT_CARRIED, RENAMED),
+    ({"weighting_scheme": "logit_normal", "logit_mean": 0.5},  # its sigma is u: the mean as it is
+     {"timestep_sampling": "sigmoid", "sigmoid_scale": 1.0, "sigmoid_mean": 0.5, "weighting_scheme": "sigma_sq"},
+     RENAMED, RENAMED),
+    ({"weighting_scheme": "mode"}, {"timestep_sampling": "mode", "mode_scale": 1.29, "weighting_scheme": "sigma_sq"},
+     RENAMED, RENAMED),
+    ({"weighting_scheme": "mode", "mode_scale": 0.8, "training_shift": 3.0},
+     {"timestep_sampling": "shift", "shifted_draw": "mode", "mode_scale": 0.8, "discrete_flow_shift": 3.0,
+      "weighting_scheme": "sigma_sq"}, RENAMED, RENAMED),
+    ({"weighting_scheme": "mode", "mode_scale": 2.0}, {"weighting_scheme": "sigma_sq"}, NOT_CARRIED, RENAMED),
     ({"weighting_scheme": "cosmap", "training_shift": 3.0},  # its uniform density shifted: ours' shifted_draw
      {"timestep_sampling": "shift", "shifted_draw": "uniform", "discrete_flow_shift": 3.0}, RENAMED, NOT_CARRIED),
     ({"training_shift": 3.0},
@@ -140,8 +147,9 @@ def draw(**config) -> tuple[dict, dict]:
 def test_its_draw_and_loss_become_ours_where_the_law_is_the_same(config, ours, draw_verdict, loss_verdict):
     lines, translated = draw(**config)
     assert lines["weighting_scheme (draw)"][0] == draw_verdict and lines["weighting_scheme (loss)"][0] == loss_verdict
-    assert {k: translated[k] for k in ("timestep_sampling", "sigmoid_scale", "discrete_flow_shift", "shifted_draw",
-                                       "weighting_scheme") if k in translated} == ours
+    assert {k: translated[k] for k in ("timestep_sampling", "sigmoid_scale", "sigmoid_mean", "mode_scale",
+                                       "discrete_flow_shift", "shifted_draw", "weighting_scheme")
+            if k in translated} == ours
 
 
 def test_its_draw_arguments_each_say_what_they_became():
@@ -154,7 +162,11 @@ def test_its_draw_arguments_each_say_what_they_became():
     assert lines["logit_std"] == (RENAMED, "sigmoid_scale")
     assert lines["training_shift"] == (RENAMED, "discrete_flow_shift")
     assert lines["logit_mean"][0] == DROPPED
-    assert "0.84" in draw(weighting_scheme="mode")[0]["weighting_scheme (draw)"][1]
+    assert draw(weighting_scheme="logit_normal", logit_mean=-0.4)[0]["logit_mean"] == (RENAMED, "sigmoid_mean")
+    lines, config = draw(weighting_scheme="mode", mode_scale=1.0, logit_mean=0.5)
+    assert lines["mode_scale"] == (KEPT, "mode_scale") and lines["logit_mean"][0] == DROPPED
+    assert "ours' mode draw takes (-1, 1.75]" in draw(weighting_scheme="mode", mode_scale=2.0)[0][
+        "weighting_scheme (draw)"][1]
     with pytest.raises(ValueError, match="weighting_scheme 'lognorm'"):
         draw(weighting_scheme="lognorm")
 
@@ -178,7 +190,7 @@ def test_the_draws_are_its_laws_within_the_distances_said():
     """logit_normal at shift 3 is ours' shift draw but for its whole-timestep floor (0.0026 in CDF; ours' sampler
     draws that law: KS of 100 000 draws < 0.006); its uniform draw shifted by 3 is ours' shift of a uniform draw
     (shifted_draw) but for the floor (0.003 in CDF; ours' sampler: KS < 0.006), where the closest shift of a sigmoid
-    draw (scale 1.7) was 0.0113 off; its mode density at 1.29 is 0.055 from sigmoid(0.84 randn), the closest."""
+    draw (scale 1.7) was 0.0113 off."""
     x = torch.linspace(1e-5, 1 - 1e-5, 100_001, dtype=torch.float64)
     same = (their_cdf(x, sigmoid_cdf(1.0), 3.0) - ours_cdf(x, 1.0, 3.0)).abs().max().item()
     assert 0.002 < same < 0.003, same  # the floor: 0.001 x the law's density, 2.6 at its peak
@@ -198,13 +210,45 @@ def test_the_draws_are_its_laws_within_the_distances_said():
                              shifted="uniform").double()
     empirical = torch.searchsorted(draws.sort().values, grid, right=True).double() / len(draws)
     assert (empirical - grid / (3.0 - 2.0 * grid)).abs().max().item() < 0.006
-    v = torch.linspace(0, 1, 400_001, dtype=torch.float64)
-    mode = (1 - v - 1.29 * (torch.cos(math.pi * v / 2) ** 2 - 1 + v)).sort().values  # increasing in v too
 
-    def mode_distance(scale: float) -> float:
-        return (torch.searchsorted(mode, x).double() / len(mode) - sigmoid_cdf(scale)(x)).abs().max().item()
 
-    assert 0.054 < mode_distance(0.84) < 0.056 and min(mode_distance(0.80), mode_distance(0.88)) > mode_distance(0.84)
+def ks(draws: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest CDF distance between two samples (Kolmogorov-Smirnov), both float64."""
+    grid = torch.linspace(0, 1, 2001, dtype=torch.float64)
+    cdf = [torch.searchsorted(d.double().sort().values, grid, right=True).double() / len(d) for d in (draws, reference)]
+    return (cdf[0] - cdf[1]).abs().max().item()
+
+
+@pytest.mark.parametrize("scale, k", [(1.29, 1.0), (0.5, 3.0), (-0.5, 1.0), (1.75, 1.0)])
+def test_ours_mode_draw_is_its_mode_law(scale, k):
+    """Its mode density (diffusers' compute_density_for_timestep_sampling, restated: 1 - v - s (cos^2(pi v / 2) - 1 +
+    v) of v ~ U[0, 1)), shifted by training_shift k, against ours' timestep_sampling "mode" (k = 1) or a shift of
+    shifted_draw "mode": KS of 200 000 draws each < 0.006; the sigmoid draw is not it (> 0.03 at the default)."""
+    v = torch.rand(200_000, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    u = 1 - v - scale * (torch.cos(math.pi * v / 2) ** 2 - 1 + v)
+    theirs = k * u / (1 + (k - 1) * u)
+    method = "mode" if k == 1 else "shift"
+    ours = fm.sample_sigmas(200_000, method, generator=torch.Generator().manual_seed(6), shift=k, shifted="mode",
+                            mode_scale=scale)
+    assert ks(ours, theirs) < 0.006
+    if scale == 1.29:
+        assert ks(fm.sample_sigmas(200_000, "sigmoid", generator=torch.Generator().manual_seed(6)), theirs) > 0.03
+    quantiles = (torch.arange(1000, dtype=torch.float64) + 0.5) / 1000  # (num_timestep_buckets: monotone in them)
+    mapped = fm.sample_sigmas(1000, method, generator=None, shift=k, shifted="mode", mode_scale=scale,
+                              quantiles=quantiles)
+    assert (mapped.diff() < 0).all() or (mapped.diff() > 0).all()
+
+
+def test_ours_sigmoid_mean_is_its_logit_mean():
+    """logit_normal at logit_mean m: its sigma sigmoid(N(m, std)) (this script's: sigma is u) is ours' sigmoid draw at
+    sigmoid_mean m; KS < 0.006, and > 0.05 at mean 0."""
+    n = torch.randn(200_000, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
+    theirs = torch.sigmoid(0.7 + 1.2 * n)
+    ours = fm.sample_sigmas(200_000, "sigmoid", generator=torch.Generator().manual_seed(8), sigmoid_scale=1.2,
+                            sigmoid_mean=0.7)
+    assert ks(ours, theirs) < 0.006
+    assert ks(fm.sample_sigmas(200_000, "sigmoid", generator=torch.Generator().manual_seed(8), sigmoid_scale=1.2),
+              theirs) > 0.05
 
 
 def test_its_x0_loss_is_sigma_squared_times_ours_and_sigma_sqrt_cancels_it():

@@ -1,7 +1,7 @@
 """The sigmas a training config trains on: their histogram at one or more image sizes, and the loss weighting over
 sigma, as musubi-tuner's --show_timesteps shows its draw, from the config's own keys (timestep_sampling or the
-model's own, discrete_flow_shift, sigmoid_scale, timestep_bias, logsnr_mean / logsnr_std, min_timestep /
-max_timestep, preserve_distribution_shape, num_timestep_buckets, weighting_scheme).
+model's own, discrete_flow_shift, sigmoid_scale / sigmoid_mean, shifted_draw, mode_scale, timestep_bias, logsnr_mean /
+logsnr_std, min_timestep / max_timestep, preserve_distribution_shape, num_timestep_buckets, weighting_scheme).
 
     python tools/plot_timesteps.py --config_file my_run.toml [--resolution 512,1024,1024x768] [--out sigmas.png]
     python tools/plot_timesteps.py --config_file my_run.toml -- --timestep_sampling logsnr --min_timestep 200

@@ -536,7 +536,9 @@ class DiffusionFamily:
                                 bias=getattr(args, "timestep_bias", "none"),
                                 logsnr=(getattr(args, "logsnr_mean", fm.LOGSNR[0]),
                                         getattr(args, "logsnr_std", fm.LOGSNR[1])), quantiles=quantiles,
-                                shifted=getattr(args, "shifted_draw", "sigmoid"))
+                                shifted=getattr(args, "shifted_draw", "sigmoid"),
+                                sigmoid_mean=getattr(args, "sigmoid_mean", 0.0),
+                                mode_scale=getattr(args, "mode_scale", fm.MODE_SCALE))
 
     def loss_at(self, model, latents: torch.Tensor, text: dict, noise: torch.Tensor, sigmas: torch.Tensor,
                 guidance: float | None, weighting: str = "none", loss_type: str = "l2", huber_c: float = 0.1,

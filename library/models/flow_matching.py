@@ -24,7 +24,8 @@ from typing import Callable
 import numpy as np
 import torch
 
-from library.models.registry import SAMPLING_METHODS, SHIFTED_DRAWS, TIMESTEP_BIASES, arch_specs  # the config's names
+from library.models.registry import (MODE_SCALE, MODE_SCALES, SAMPLING_METHODS, SHIFTED_DRAWS,  # the config's
+                                     TIMESTEP_BIASES, UNSHIFTED_DRAWS, arch_specs)
 from library.models.spec import MuLine, Sampling, load_symbol
 
 WEIGHTING_SCHEMES = ("none", "sigma_sqrt", "cosmap", "sigma_sq")
@@ -129,10 +130,11 @@ def stratified_quantiles(strata: list[int], buckets: int, generators: list[torch
 def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None, shift: float = 3.0,
                   sigmoid_scale: float = 1.0, image_seq_len: int | None = None, bias: str = "none",
                   logsnr: tuple[float, float] = LOGSNR, quantiles: torch.Tensor | None = None,
-                  shifted: str = "sigmoid") -> torch.Tensor:
+                  shifted: str = "sigmoid", sigmoid_mean: float = 0.0, mode_scale: float = MODE_SCALE) -> torch.Tensor:
     """One sigma per sample, float32 [batch] in [0, 1], on the generator's device.
 
-    uniform: U(0, 1]; sigmoid: sigmoid(sigmoid_scale * randn); shift: the sigmoid draw then
+    uniform: U(0, 1]; sigmoid: sigmoid(sigmoid_mean + sigmoid_scale * randn) (sigmoid_mean > 0: more noise);
+    mode: the mode law (Esser et al. 2024) at mode_scale (mode_sigmas); shift: the sigmoid draw then
     s' = k s / (1 + (k - 1) s) with k = shift; logsnr: the log signal-to-noise ratio ln((1 - s)^2 / s^2) drawn
     N(mean, std) (logsnr = (mean, std); the Style-Friendly sampler, musubi-tuner's logsnr), s = sigmoid(-logSNR / 2),
     as sigmoid((std n - mean) / 2) so that a larger n is more noise; an architecture's method (its spec's
@@ -142,24 +144,27 @@ def sample_sigmas(batch: int, method: str, *, generator: torch.Generator | None,
     bias: timestep_bias (TIMESTEP_BIASES), the uniform draw's quantile or the normal's biased; "none": as ever.
     quantiles: [batch] uniform quantiles to map through the law instead of drawing (stratified_quantiles); the
     law's sigma is monotone in its quantile. shifted (shifted_draw): the draw a shift moves, sigmoid(sigmoid_scale
-    randn) or "uniform" (sd-scripts' sigma draw on its shifted scheduler, its nextdit_shift; ai-toolkit's shifts)."""
+    randn), "uniform" (sd-scripts' sigma draw on its shifted scheduler, its nextdit_shift; ai-toolkit's shifts) or
+    "mode" (sd-scripts' sigma draw with weighting_scheme mode; with a training_shift)."""
     if method not in SAMPLING_METHODS or method == "qinglong":  # (a mixture of laws: qinglong_sigmas)
         raise ValueError(f"timestep_sampling {method!r} is not one of {', '.join(SAMPLING_METHODS[:-1])}")
     if shifted not in SHIFTED_DRAWS:
         raise ValueError(f"shifted_draw {shifted!r} is not one of {', '.join(SHIFTED_DRAWS)}")
-    if method == "uniform" or shifted == "uniform" and method not in ("sigmoid", "logsnr"):
+    drawn = method if method in UNSHIFTED_DRAWS else shifted  # the draw the method's shift (if any) moves
+    if drawn == "uniform":
         sigmas = uniform_sigmas(batch, generator, bias, quantiles)
-        if method == "uniform":
-            return sigmas
+    elif drawn == "mode":
+        sigmas = mode_sigmas(uniform_sigmas(batch, generator, bias, quantiles), mode_scale)
     elif method == "logsnr":
         mean, std = logsnr
         return torch.sigmoid((std * standard_normal(batch, generator, bias, quantiles=quantiles) - mean) / 2.0)
     else:
-        sigmas = torch.sigmoid(sigmoid_scale * standard_normal(batch, generator, bias, quantiles=quantiles))
+        logits = sigmoid_scale * standard_normal(batch, generator, bias, quantiles=quantiles)
+        sigmas = torch.sigmoid(logits + sigmoid_mean if sigmoid_mean else logits)
+    if method in UNSHIFTED_DRAWS:
+        return sigmas
     if method == "shift":
         return shift * sigmas / (1.0 + (shift - 1.0) * sigmas)
-    if method == "sigmoid":
-        return sigmas
     sampling = _shift_method(method)
     if image_seq_len is None and sampling.shift is None:
         raise ValueError(f"timestep_sampling {method!r} needs image_seq_len (image tokens per sample)")
@@ -177,6 +182,19 @@ def uniform_sigmas(batch: int, generator: torch.Generator | None, bias: str = "n
     if bias != "none":
         return biased_quantile(batch, generator, bias)
     return 1.0 - torch.rand(batch, generator=generator, device=device, dtype=torch.float32)
+
+
+def mode_sigmas(u: torch.Tensor, scale: float = MODE_SCALE) -> torch.Tensor:
+    """The mode law (Esser et al. 2024, eq. 20) of uniform sigmas u (float32): (1 + s) u - s sin^2(pi u / 2),
+    increasing in u (MODE_SCALES). The peers' f(v) = 1 - v - s (cos^2(pi v / 2) - 1 + v) of v ~ U[0, 1) is 1 - this
+    at u = v, the same law (f(1 - v) = 1 - f(v)): their sigma 1 - f(v) (a scheduler's timesteps indexed by f(v)) and
+    f(v) itself (a sigma drawn as u) are it too. s = 0: uniform; s > 0: more mid sigmas (1.29: the paper's and
+    diffusers' default)."""
+    lo, hi = MODE_SCALES
+    if not lo < scale <= hi:
+        raise ValueError(f"mode_scale {scale:g} is not in ({lo:g}, {hi:g}] (the law's map is monotone there)")
+    u64 = u.double()
+    return ((1.0 + scale) * u64 - scale * torch.sin(math.pi * u64 / 2.0) ** 2).clamp(0.0, 1.0).to(torch.float32)
 
 
 def qinglong_sigmas(count: int, generator: torch.Generator | None, mid: Callable[[], torch.Tensor],

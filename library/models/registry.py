@@ -162,12 +162,20 @@ def spec_of(model_type: str):
 # timestep_sampling values (library/models/flow_matching.py implements them): the generic draws, then
 # each architecture's resolution shift (its spec's sampling.method: flux_shift, qwen_shift, ...), each
 # once: an architecture whose released scheduler shifts with another's constants names that method.
-SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "logsnr") + tuple(dict.fromkeys(
+SAMPLING_METHODS = ("uniform", "sigmoid", "shift", "logsnr", "mode") + tuple(dict.fromkeys(
     s.sampling.method for s in arch_specs().values() if s.sampling)) + ("qinglong",)  # (a mixture of the others: last)
 # timestep_bias values: the draw's quantile q = 1 - u^3 (high_noise) or u^3 (low_noise) in place of a uniform one,
 # as ai-toolkit's content_or_style "content" / "style" (its UI's Timestep Bias: High Noise / Low Noise) indexes its
 # timesteps with u^3 (diffusers' T2I-Adapter training's cubic sampling); the law is the method's as without it
 TIMESTEP_BIASES = ("none", "high_noise", "low_noise")
 # shifted_draw: the draw a shift (timestep_sampling "shift" or an architecture's) moves: sigmoid(sigmoid_scale randn),
-# or uniform, as sd-scripts' "sigma" draw picks one of a shifted scheduler's 1000 sigmas and its nextdit_shift shifts
-SHIFTED_DRAWS = ("sigmoid", "uniform")
+# or uniform, as sd-scripts' "sigma" draw picks one of a shifted scheduler's 1000 sigmas and its nextdit_shift shifts,
+# or the mode law (SD3's), as that sigma draw with weighting_scheme mode does
+SHIFTED_DRAWS = ("sigmoid", "uniform", "mode")
+# the draws no shift moves (a shift's shifted_draw is one of SHIFTED_DRAWS)
+UNSHIFTED_DRAWS = ("uniform", "sigmoid", "logsnr", "mode")
+# timestep_sampling = "mode" (flow_matching.mode_sigmas: the mode law of Esser et al. 2024, eq. 20; diffusers' /
+# sd-scripts' / musubi-tuner's weighting_scheme mode): its default scale, and the scales whose map from a uniform
+# quantile is monotone and inside [0, 1] (its slope (1 + s) - s (pi / 2) sin(pi u) > 0: -1 < s < 1 / (pi / 2 - 1))
+MODE_SCALE = 1.29
+MODE_SCALES = (-1.0, 1.75)

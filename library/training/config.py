@@ -19,7 +19,7 @@ from typing import Any
 import toml
 
 from library.errors import ConfigError, blame, where_set  # where_set: re-exported for the checks after load
-from library.models.registry import FAMILIES, arch_specs
+from library.models.registry import FAMILIES, MODE_SCALES, arch_specs
 from library.text_files import read_utf8, toml_loads
 from library.training.config_schema import FAMILY_KEYS, KEEPING_KEYS, PATH_KEYS, PRECISION_NAMES, SCHEMA
 from library.training.output_names import check_name_length
@@ -581,6 +581,13 @@ def _validate_timestep_range(args: argparse.Namespace, origins: dict[str, str], 
         raise ConfigError(f"{blame(origins, where, 'qinglong_logsnr_share', 'qinglong_detail_share')}: the qinglong "
                           f"draw's logsnr and detail shares must be in [0, 1] with a sum <= 1 (the mid draw takes the "
                           f"rest), got {shares[0]:g} and {shares[1]:g}")
+    least, most = MODE_SCALES
+    if not least < args.mode_scale <= most:  # (the peers take any: one outside leaves [0, 1] or folds back)
+        raise ConfigError(f"{blame(origins, where, 'mode_scale')}: key 'mode_scale' must be > {least:g} and <= "
+                          f"{most:g} (the mode law's map from a uniform draw is monotone in [0, 1] there), got "
+                          f"{args.mode_scale:g}")
+    if not math.isfinite(args.sigmoid_mean):
+        raise ConfigError(f"{blame(origins, where, 'sigmoid_mean')}: key 'sigmoid_mean' must be finite")
     if (args.num_timestep_buckets or 0) > 1 and args.preserve_distribution_shape and (lo, hi) != (None, None):
         raise ConfigError(f"{blame(origins, where, 'num_timestep_buckets', 'preserve_distribution_shape')}: "
                           f"num_timestep_buckets stratifies the whole sigma law, preserve_distribution_shape redraws "

@@ -9,7 +9,7 @@ import argparse
 from typing import Any
 
 from library.errors import ConfigError, blame
-from library.models.registry import FAMILIES, arch_specs, spec_of
+from library.models.registry import FAMILIES, UNSHIFTED_DRAWS, arch_specs, spec_of
 
 LLM_KEYS = ("train_data", "train_on_all_tokens", "attend_across_documents", "max_length", "stride", "packing",
             "val_fraction",
@@ -22,7 +22,8 @@ DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_e
                   "min_timestep", "max_timestep", "preserve_distribution_shape", "num_timestep_buckets",
                   "logsnr_mean", "logsnr_std", "shifted_draw", "qinglong_logsnr_share", "qinglong_detail_share",
                   "qinglong_mid",
-                  "discrete_flow_shift", "sigmoid_scale", "weighting_scheme", "loss_type", "huber_c", "ip_noise_gamma",
+                  "discrete_flow_shift", "sigmoid_scale", "sigmoid_mean", "mode_scale", "weighting_scheme", "loss_type",
+                  "huber_c", "ip_noise_gamma",
                   "ip_noise_gamma_random_strength", "guidance_scale", "prior_loss_weight",
                   "vae_batch_size", "text_encoder_batch_size", "text_encoder_precision", "blocks_to_swap",
                   "validate_every_n_steps", "validate_every_n_epochs", "persistent_data_loader_workers",
@@ -87,10 +88,14 @@ IDLE_UNLESS = {
     **{key: _read_by_schedules(readers) for key, readers in SCHEDULE_KEY_READERS.items()},
     # (with qinglong, its mid draw's law reads them: _validate_draw_keys)
     "discrete_flow_shift": ("timestep_sampling", lambda v: v in ("shift", "qinglong"), 'timestep_sampling = "shift"'),
-    "sigmoid_scale": ("timestep_sampling", lambda v: v not in ("uniform", "logsnr"),
-                      "a sigmoid draw (any timestep_sampling but uniform and logsnr)"),
-    "shifted_draw": ("timestep_sampling", lambda v: v not in ("uniform", "sigmoid", "logsnr"),
+    **{key: ("timestep_sampling", lambda v: v not in ("uniform", "logsnr", "mode"),
+             "a sigmoid draw (any timestep_sampling but uniform, logsnr and mode)")
+       for key in ("sigmoid_scale", "sigmoid_mean")},
+    "shifted_draw": ("timestep_sampling", lambda v: v not in UNSHIFTED_DRAWS,
                      "a shift (timestep_sampling \"shift\", a model's own, or unset)"),
+    "mode_scale": (("timestep_sampling", "shifted_draw"),
+                   lambda v, d: v in ("mode", "qinglong") or d == "mode" and v not in UNSHIFTED_DRAWS,
+                   "a mode draw (timestep_sampling = \"mode\", or shifted_draw = \"mode\")"),
     **{key: ("timestep_sampling", lambda v: v in ("logsnr", "qinglong"), 'timestep_sampling = "logsnr" or "qinglong"')
        for key in ("logsnr_mean", "logsnr_std")},
     **{key: ("timestep_sampling", lambda v: v == "qinglong", 'timestep_sampling = "qinglong"')
@@ -170,17 +175,25 @@ def _set_off_default(args: argparse.Namespace, origins: dict[str, str], key: str
 
 def _validate_draw_keys(args: argparse.Namespace, origins: dict[str, str], where: str, schema: dict) -> None:
     """The draw keys whose reader another key than timestep_sampling names (IDLE_UNLESS takes them with the laws
-    that may read them): sigmoid_scale with shifted_draw = "uniform" (the shift moves a uniform draw), and
-    discrete_flow_shift / sigmoid_scale with qinglong, whose mid draw (qinglong_mid) reads them as its law does."""
-    if (args.shifted_draw == "uniform" and args.timestep_sampling != "sigmoid"
-            and _set_off_default(args, origins, "sigmoid_scale", schema)):
-        raise ConfigError(f"{blame(origins, where, 'sigmoid_scale', 'shifted_draw')}: key 'sigmoid_scale' does nothing "
-                          f"with shifted_draw = \"uniform\" (the shift moves a uniform draw); it needs a sigmoid draw")
+    that may read them): sigmoid_scale / sigmoid_mean with shifted_draw = "uniform" or "mode" (the shift moves that
+    draw), and discrete_flow_shift / sigmoid_scale / sigmoid_mean / mode_scale with qinglong, whose mid draw
+    (qinglong_mid) reads them as its law does."""
+    shifted = args.shifted_draw
+    for key in ("sigmoid_scale", "sigmoid_mean"):
+        if (shifted != "sigmoid" and args.timestep_sampling != "sigmoid"
+                and _set_off_default(args, origins, key, schema)):
+            raise ConfigError(f"{blame(origins, where, key, 'shifted_draw')}: key '{key}' does nothing with "
+                              f"shifted_draw = \"{shifted}\" (the shift moves a {shifted} draw); it needs a sigmoid "
+                              f"draw")
     if args.timestep_sampling != "qinglong":
         return
     mid = args.qinglong_mid
+    moved = mid if mid in UNSHIFTED_DRAWS else shifted  # the draw its mid law (a shift, or unset: the own) moves
+    sigmoid = (moved == "sigmoid", "a sigmoid mid draw")
     for key, reads, needs in (("discrete_flow_shift", mid == "shift", 'qinglong_mid = "shift"'),
-                              ("sigmoid_scale", mid not in ("uniform", "logsnr"), "a sigmoid mid draw")):
+                              ("sigmoid_scale", *sigmoid), ("sigmoid_mean", *sigmoid),
+                              ("mode_scale", moved == "mode", "a mode mid draw"),
+                              ("shifted_draw", mid not in UNSHIFTED_DRAWS, "a shifting mid draw (a shift, or unset)")):
         if _set_off_default(args, origins, key, schema) and not reads:
             raise ConfigError(f"{blame(origins, where, key, 'qinglong_mid')}: key '{key}' does nothing with "
                               f"timestep_sampling = \"qinglong\" and qinglong_mid = {mid or 'unset'}; it needs {needs}")

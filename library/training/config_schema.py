@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from library.models.registry import (BASE_PRECISIONS, FAMILIES, SAMPLING_METHODS, SHIFTED_DRAWS, TIMESTEP_BIASES,
-                                     arch_specs)
+from library.models.registry import (BASE_PRECISIONS, FAMILIES, MODE_SCALE, SAMPLING_METHODS, SHIFTED_DRAWS,
+                                     TIMESTEP_BIASES, arch_specs)
 
 PRECISION_NAMES = ("fp32", "bf16", "fp16")  # save / compute dtypes (config.PRECISION_DTYPES)
 
@@ -178,9 +178,16 @@ SCHEMA: dict[str, Arg] = {
     "timestep_bias": A(str, "none", "lean the sigma draw to high or low noise (ai-toolkit's Timestep Bias, "
                                     "content_or_style content / style): its quantile 1 - u^3 or u^3", TIMESTEP_BIASES),
     "sigmoid_scale": A(float, 1.0, "scale of randn inside the sigmoid"),
+    "sigmoid_mean": A(float, 0.0, "the sigmoid draw's centre: sigma = sigmoid(sigmoid_mean + sigmoid_scale randn), > 0 "
+                                  "more noise (sd-scripts' / musubi-tuner's logit_mean of their sigma draw, negated; "
+                                  "of a draw that takes sigma as u, as it is)"),
     "shifted_draw": A(str, "sigmoid", "the draw a shift moves (timestep_sampling shift or a model's own): "
-                                      "sigmoid(sigmoid_scale randn), or uniform (sd-scripts' sigma draw on its shifted "
-                                      "scheduler, its nextdit_shift)", SHIFTED_DRAWS),
+                                      "sigmoid(sigmoid_scale randn), uniform (sd-scripts' sigma draw on its shifted "
+                                      "scheduler, its nextdit_shift) or mode (mode_scale's law)", SHIFTED_DRAWS),
+    "mode_scale": A(float, MODE_SCALE, "timestep_sampling = \"mode\" (or shifted_draw = \"mode\"): the mode law's "
+                                       "s, sigma = (1 + s) u - s sin^2(pi u / 2) of a uniform u (the peers' "
+                                       "weighting_scheme mode and mode_scale; 0: uniform, > 0: more mid sigmas), in "
+                                       "(-1, 1.75]"),
     "logsnr_mean": A(float, -6.0, "timestep_sampling = \"logsnr\": the log-SNR's mean (musubi-tuner's logit_mean "
                                   "there; -6: the Style-Friendly paper's, mostly high noise)"),
     "logsnr_std": A(float, 2.0, "timestep_sampling = \"logsnr\": the log-SNR's standard deviation (musubi-tuner's "

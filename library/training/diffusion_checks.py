@@ -53,18 +53,19 @@ def check_before_caching(args, family) -> tuple[str | None, str | None]:
 
 
 OWN_LAW_NEEDS = {"shifted_draw": "a shift (timestep_sampling = \"shift\")",
-                 "sigmoid_scale": "a sigmoid draw (timestep_sampling = \"sigmoid\", or a shift)"}
+                 **dict.fromkeys(("sigmoid_scale", "sigmoid_mean"),
+                                 "a sigmoid draw (timestep_sampling = \"sigmoid\", or a shift)")}
 
 
 def check_own_draw_keys(args, family, meta_model) -> None:
-    """sigmoid_scale and shifted_draw where the law drawn is the model's own (timestep_sampling unset, or qinglong
-    with qinglong_mid unset): config_keys refuses them beside a named law that does not read them, but the own law
-    is known only from the checkpoint (a release whose scheduler has no shift draws unshifted sigmoid, another
-    uniform), so they were taken and recorded in the header while nothing read them."""
+    """sigmoid_scale, sigmoid_mean and shifted_draw where the law drawn is the model's own (timestep_sampling unset,
+    or qinglong with qinglong_mid unset): config_keys refuses them beside a named law that does not read them, but
+    the own law is known only from the checkpoint (a release whose scheduler has no shift draws unshifted sigmoid,
+    another uniform), so they were taken and recorded in the header while nothing read them."""
     mid = args.timestep_sampling == "qinglong"
     if args.timestep_sampling is not None and not (mid and args.qinglong_mid is None):
         return
-    set_keys = [key for key in ("sigmoid_scale", "shifted_draw") if getattr(args, key) != SCHEMA[key].default]
+    set_keys = [key for key in OWN_LAW_NEEDS if getattr(args, key) != SCHEMA[key].default]
     if not set_keys:
         return
     own = family.default_timestep_sampling(meta_model())

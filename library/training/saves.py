@@ -33,6 +33,13 @@ def qinglong_mid(args) -> str | None:
     return getattr(args, "qinglong_mid", None) if getattr(args, "timestep_sampling", None) == "qinglong" else None
 
 
+def draws_mode(args, method: str) -> bool:
+    """The run draws the mode law: timestep_sampling "mode", or a shift (or qinglong's mid draw) that moves it."""
+    if getattr(args, "shifted_draw", "sigmoid") == "mode":  # (refused where no shift reads it)
+        return True
+    return "mode" in (method, qinglong_mid(args))
+
+
 def qinglong_draw(args) -> dict:
     """The qinglong mixture for the header: its shares and mid draw ("own": the model's)."""
     return {"logsnr_share": args.qinglong_logsnr_share, "detail_share": args.qinglong_detail_share,
@@ -79,7 +86,9 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         shift=args.discrete_flow_shift if "shift" in (facts["timestep_sampling"], qinglong_mid(args)) else None,
         logsnr=[args.logsnr_mean, args.logsnr_std] if facts["timestep_sampling"] in ("logsnr", "qinglong") else None,
         qinglong=qinglong_draw(args) if facts["timestep_sampling"] == "qinglong" else None,
-        shifted_draw="uniform" if getattr(args, "shifted_draw", "sigmoid") == "uniform" else None,
+        shifted_draw=shifted if (shifted := getattr(args, "shifted_draw", "sigmoid")) != "sigmoid" else None,
+        sigmoid_mean=getattr(args, "sigmoid_mean", 0.0) or None,
+        mode_scale=args.mode_scale if draws_mode(args, facts["timestep_sampling"]) else None,
         guidance=facts.get("guidance"), seed=args.seed, dataset=facts["dataset"],
         **{key: facts.get(key) for key in ("dataset_dirs", "tag_frequency", "num_train_images", "num_reg_images")},
         num_batches_per_epoch=task.batches_per_epoch(),

@@ -156,11 +156,12 @@ MODELSPEC = {"hunyuan-image-2.1": S.ModelSpecNames("hunyuan-image-2.1",
 # Stable Diffusion argument, read for its VAE), and its own draw arguments: timestep_sampling "sigma" by default
 # (u ~ U(0, 1) picks one of the 1000 sigmas of a FlowMatchEulerDiscreteScheduler shifted by discrete_flow_shift,
 # default 5.0: flux_train_utils.get_noisy_model_input_and_timesteps), sigmoid / uniform / shift as ours and FLUX.1's,
-# model_prediction_type default raw (ours). Its "sigma" has no equal draw here (sd_scripts_training.sigma_draw says
-# the closest); its flux_shift reads FLUX.1's line at (h / 2)(w / 2) of the 32x latent, a quarter of this model's
-# patch-1 tokens (ours reads the line at the model's tokens). Its LoRA module trains every Linear of the
-# MMDoubleStreamBlocks and MMSingleStreamBlocks at network_dim (modulation included): ours' default, module for
-# module; its create_network reads none of lora_flux's type ranks, block indices, train_blocks or in_dims.
+# model_prediction_type default raw (ours). Its "sigma" is ours' shift of a uniform draw (of a logit-normal or mode
+# one by its weighting_scheme: sd_scripts_training.sigma_draw); its flux_shift reads FLUX.1's line at (h / 2)(w / 2)
+# of the 32x latent, a quarter of this model's patch-1 tokens (ours reads the line at the model's tokens). Its LoRA
+# module trains every Linear of the MMDoubleStreamBlocks and MMSingleStreamBlocks at network_dim (modulation
+# included): ours' default, module for module; its create_network reads none of lora_flux's type ranks, block
+# indices, train_blocks or in_dims.
 _MEMORY = "memory and speed only: ours runs PyTorch's SDPA on whole batches and encodes latents once, before training"
 # flux_shift at one size: time_shift(mu) of sigmoid(s randn) is the `shift` draw at k = e^mu, mu = 0.5 + 0.65
 # ((h / 2)(w / 2) - 256) / 3840 for an h x w latent (h = height / 32)

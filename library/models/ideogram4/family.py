@@ -203,9 +203,10 @@ class Ideogram4Family(DiffusionFamily):
     def unread_training_keys(self, args) -> dict[str, str]:
         unread = super().unread_training_keys(args)
         if args.timestep_sampling in (None, self.arch + "_shift"):  # its law's spread is the pipeline's 1.5
-            unread["sigmoid_scale"] = (f"timestep_sampling {args.timestep_sampling or 'unset'}: model_type {self.name} "
-                                       f"draws sigma = expit(mu + 1.5 n), its pipeline's law; a sigmoid draw "
-                                       f"(timestep_sampling = \"sigmoid\") reads it")
+            for key in ("sigmoid_scale", "sigmoid_mean"):
+                unread[key] = (f"timestep_sampling {args.timestep_sampling or 'unset'}: model_type {self.name} "
+                               f"draws sigma = expit(mu + 1.5 n), its pipeline's law; a sigmoid draw "
+                               f"(timestep_sampling = \"sigmoid\") reads it")
             unread["shifted_draw"] = (f"timestep_sampling {args.timestep_sampling or 'unset'}: model_type {self.name} "
                                       f"draws its pipeline's law, sigma = expit(mu + 1.5 n), no shift of another draw")
         return unread

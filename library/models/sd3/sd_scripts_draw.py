@@ -17,34 +17,35 @@ sigma_sqrt 0 x 1/0, a NaN, in about 0.1 % / k of its samples).
 
 from __future__ import annotations
 
+from library.models.registry import MODE_SCALES
+
 KEPT, RENAMED, DROPPED, NOT_CARRIED = "kept", "renamed", "dropped", "not carried"  # library/training/peers/rules.py
 ARGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "training_shift", "min_timestep", "max_timestep")
 UNIFORM_DENSITY = ("uniform", "none", "sigma_sqrt", "cosmap")  # its density for these: U[0, 1)
 FLOOR = "sd-scripts floors 1000 sigma to a whole timestep (0 included); ours draws sigma continuously"
-# its mode density at its default mode_scale 1.29 against sigmoid(s randn): closest at s = 0.84, 0.055 in CDF
-MODE_CLOSEST = (1.29, 0.84, 0.055)
 
 
 def _draw(values: dict) -> tuple[dict | None, str]:
-    """Ours' draw keys of the same law as its draw ({timestep_sampling, sigmoid_scale, discrete_flow_shift,
-    shifted_draw}), or (None, why ours has none, with the closest)."""
+    """Ours' draw keys of the same law as its draw ({timestep_sampling, sigmoid_scale, sigmoid_mean, mode_scale,
+    discrete_flow_shift, shifted_draw}), or (None, why ours has none). Its sigma is u itself (shifted): its logit_mean
+    is ours' sigmoid_mean as it is."""
     scheme, k = values["weighting_scheme"], float(values["training_shift"])
+    shifted = {} if k == 1 else {"discrete_flow_shift": k}
     if scheme in UNIFORM_DENSITY:
         if k == 1:
             return {"timestep_sampling": "uniform"}, ""
-        return {"timestep_sampling": "shift", "shifted_draw": "uniform", "discrete_flow_shift": k}, ""
+        return {"timestep_sampling": "shift", "shifted_draw": "uniform", **shifted}, ""
     if scheme == "logit_normal":
         mean, std = float(values["logit_mean"]), float(values["logit_std"])
-        if mean != 0:
-            return None, f"sigmoid(N({mean:g}, {std:g})): ours' sigmoid draw is centred (logit_mean 0)"
-        if k == 1:
-            return {"timestep_sampling": "sigmoid", "sigmoid_scale": std}, ""
-        return {"timestep_sampling": "shift", "sigmoid_scale": std, "discrete_flow_shift": k}, ""
-    scale, closest, distance = MODE_CLOSEST
-    near = (f"; at its mode_scale {scale} the closest, timestep_sampling = \"sigmoid\" with sigmoid_scale = {closest} "
-            f"(and training_shift as discrete_flow_shift), is {distance} away in CDF"
-            if float(values["mode_scale"]) == scale else "")
-    return None, f"its `mode` density (mode_scale {float(values['mode_scale']):g}): ours has no such draw{near}"
+        keys = {"sigmoid_scale": std, **({"sigmoid_mean": mean} if mean else {})}
+        return {"timestep_sampling": "sigmoid" if k == 1 else "shift", **keys, **shifted}, ""
+    scale, (least, most) = float(values["mode_scale"]), MODE_SCALES
+    if not least < scale <= most:
+        return None, (f"its `mode` density at mode_scale {scale:g}: ours' mode draw takes ({least:g}, {most:g}] "
+                      f"(monotone)")
+    if k == 1:
+        return {"timestep_sampling": "mode", "mode_scale": scale}, ""
+    return {"timestep_sampling": "shift", "shifted_draw": "mode", "mode_scale": scale, **shifted}, ""
 
 
 def _loss(scheme: str) -> tuple[str, str, dict]:
@@ -82,16 +83,16 @@ def sd3_draw(values: dict) -> dict[str, tuple[str, str, dict]]:
     else:
         lines["training_shift"] = ((RENAMED, "discrete_flow_shift", {"discrete_flow_shift": k}) if k != 1
                                    else (DROPPED, "1: no shift", {}))
-    for name, density in (("logit_mean", "logit_normal"), ("logit_std", "logit_normal"), ("mode_scale", "mode")):
+    for name, density, ours in (("logit_mean", "logit_normal", "sigmoid_mean"),
+                                ("logit_std", "logit_normal", "sigmoid_scale"), ("mode_scale", "mode", "mode_scale")):
         if scheme != density:
             lines[name] = (DROPPED, f"read only with weighting_scheme {density}", {})
-        elif name == "logit_mean":
-            lines[name] = ((DROPPED, "0: ours' sigmoid draw is centred too", {}) if float(values[name]) == 0 else
-                           (NOT_CARRIED, "ours' sigmoid draw is centred (mean 0)", {}))
-        elif name == "logit_std" and keys is not None:
-            lines[name] = (RENAMED, "sigmoid_scale", {"sigmoid_scale": float(values[name])})
-        else:
+        elif keys is None:
             lines[name] = (DROPPED, carried, {})
+        elif name == "logit_mean" and float(values[name]) == 0:
+            lines[name] = (DROPPED, "0: ours' sigmoid draw is centred too", {})
+        else:
+            lines[name] = (KEPT if name == ours else RENAMED, ours, {ours: float(values[name])})
     bounds = {"min_timestep": 0, "max_timestep": 1000}
     for name, whole in bounds.items():
         given = values[name]

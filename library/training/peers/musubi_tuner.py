@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from library.models.registry import arch_specs, spec_of
+from library.models.registry import MODE_SCALE, MODE_SCALES, arch_specs, spec_of
 from library.models.spec import MusubiModels
 from library.training.config_keys import REX_KEYS, SCHEDULE_KEY_READERS
 from library.training.config_schema import SCHEMA
@@ -147,13 +147,16 @@ def joint(handler) -> Rule:
 def timestep_draw(flat: dict, model_type: str, peer: str) -> tuple[str | None, str]:
     """(our timestep_sampling, a note) for musubi-tuner's draw on this model; (None, why) where we have none."""
     if peer == "sigma":  # FlowMatchDiscreteScheduler's 1000 unshifted sigmas, indexed by weighting_scheme's density
-        scheme = flat.get("weighting_scheme", "none")
+        scheme = flat.get("weighting_scheme", "none")  # (its sigma: 1 - u, the timesteps run from sigma 1 down)
         if scheme == "mode":
-            return None, "its sigma draw follows weighting_scheme mode's density: ours has no such draw"
+            scale, (least, most) = float(flat.get("mode_scale", MODE_SCALE)), MODE_SCALES
+            if not least < scale <= most:
+                return None, (f"its sigma draw by weighting_scheme mode at mode_scale {scale:g}: ours' takes "
+                              f"({least:g}, {most:g}] (monotone)")
+            return "mode", f"its sigma draw by weighting_scheme mode: the mode law at mode_scale {scale:g}, unshifted"
         if scheme == "logit_normal":
-            if flat.get("logit_mean", 0.0) != 0:
-                return None, "its sigma draw by logit_normal at logit_mean != 0: ours' sigmoid draw has no mean"
-            return "sigmoid", "its sigma draw by weighting_scheme logit_normal: sigmoid(logit_std * randn)"
+            return "sigmoid", ("its sigma draw by weighting_scheme logit_normal: sigmoid(logit_std * randn - "
+                               "logit_mean)")
         return "uniform", "its sigma draw: uniform over 1000 steps, unshifted (discrete_flow_shift unread)"
     if peer == "logsnr":  # logit_mean / logit_std: the log-SNR's (_logit)
         return "logsnr", ""
@@ -251,8 +254,11 @@ def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
     if draw == "sigma" and run.flat.get("weighting_scheme") == "logit_normal" and run.draw[0] == "sigmoid":
         if key == "logit_std":
             t.set("sigmoid_scale", float(value), key, value, RENAMED, note="the logit_normal sigma draw's scale")
-        else:
-            t.drop(key, value, "0: the sigmoid draw")
+        elif float(value) == 0:
+            t.drop(key, value, "0: the sigmoid draw is centred too")
+        else:  # its sigma 1 - sigmoid(N(mean, std)) is sigmoid(N(-mean, std))
+            t.set("sigmoid_mean", -float(value), key, value, RENAMED,
+                  note="negated: its draw indexes its scheduler's timesteps from sigma 1 down")
     elif reads_logsnr(run):
         t.set(key.replace("logit", "logsnr"), float(value), key, value, RENAMED, note="the log-SNR's")
     elif draw in models.mixtures() and run.draw[0]:
@@ -261,6 +267,16 @@ def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
         t.drop(key, value, "read by the draw timestep_sampling's line names, which is not carried")
     else:
         t.drop(key, value, f"unread by musubi-tuner's {draw} draw")
+
+
+def _mode_scale(t: Translation, key: str, value: Any, run: Run) -> None:
+    """weighting_scheme mode's scale: read by its sigma draw with that scheme only (carried as ours' mode draw)."""
+    if run.peer_draw() == "sigma" and run.flat.get("weighting_scheme") == "mode" and run.draw[0] == "mode":
+        t.set("mode_scale", float(value), key, value)
+    elif run.peer_draw() == "sigma" and run.flat.get("weighting_scheme") == "mode":
+        t.drop(key, value, "read by the draw timestep_sampling's line names, which is not carried")
+    else:
+        t.drop(key, value, "read only by its sigma draw with weighting_scheme mode")
 
 
 def _blocks_to_swap(t: Translation, key: str, value: Any, run: Run) -> None:
@@ -640,7 +656,7 @@ RULES: dict[str, Rule] = {
     "sigmoid_scale": joint(_sigmoid_scale),
     "weighting_scheme": joint(_weighting_scheme),
     "logit_mean": joint(_logit), "logit_std": joint(_logit),
-    "mode_scale": ignored("weighting_scheme mode's: read by that sigma draw only (timestep_sampling's line)"),
+    "mode_scale": joint(_mode_scale),
     "min_timestep": same(),
     "max_timestep": same(),
     "preserve_distribution_shape": same(),

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from library.models.registry import SAMPLING_METHODS
+from library.models.registry import MODE_SCALES, SAMPLING_METHODS
 from library.training.config_keys import REX_KEYS, SCHEDULE_KEY_READERS
 from library.training.config_schema import SCHEMA
 from library.training.peers import sd_scripts_models as models
@@ -107,18 +107,25 @@ def sampling_of(t: Translation) -> tuple[dict | None, str]:
 
 def sigma_draw(t: Translation) -> tuple[dict | None, str]:
     """sd-scripts' "sigma": u from weighting_scheme's density (uniform; sigmoid(N(logit_mean, logit_std)) for
-    logit_normal; the "mode" curve) picks one of the 1000 timesteps of a scheduler shifted by discrete_flow_shift
-    (k s / (1 + (k - 1) s)). Ours draws the same law, continuously, where it has it."""
+    logit_normal; the "mode" curve at mode_scale) picks one of the 1000 timesteps of a scheduler shifted by
+    discrete_flow_shift (k s / (1 + (k - 1) s)), from sigma 1 down: its sigma is the shift of 1 - u, so its
+    logit_mean is ours' sigmoid_mean negated (the mode law is its own mirror). Ours draws the same law,
+    continuously."""
     scheme, shift = their(t, "weighting_scheme"), float(their(t, "discrete_flow_shift"))
-    if scheme == "logit_normal" and float(their(t, "logit_mean")) == 0:
-        std = float(their(t, "logit_std"))
-        if shift == 1:
-            return {"timestep_sampling": "sigmoid", "sigmoid_scale": std}, ""
-        return {"timestep_sampling": "shift", "sigmoid_scale": std, "discrete_flow_shift": shift}, ""
     if scheme == "logit_normal":
-        return None, "'sigma' with logit_mean != 0: ours draws sigmoid(scale * randn), centred"
+        mean = float(their(t, "logit_mean"))
+        keys = {"sigmoid_scale": float(their(t, "logit_std")), **({"sigmoid_mean": -mean} if mean else {})}
+        if shift == 1:
+            return {"timestep_sampling": "sigmoid", **keys}, ""
+        return {"timestep_sampling": "shift", **keys, "discrete_flow_shift": shift}, ""
     if scheme == "mode":
-        return None, "'sigma' with weighting_scheme mode: ours has no such draw"
+        scale, (least, most) = float(their(t, "mode_scale")), MODE_SCALES
+        if not least < scale <= most:
+            return None, f"'sigma' with mode_scale {scale:g}: ours' mode draw takes ({least:g}, {most:g}] (monotone)"
+        if shift == 1:
+            return {"timestep_sampling": "mode", "mode_scale": scale}, ""
+        return {"timestep_sampling": "shift", "shifted_draw": "mode", "mode_scale": scale,
+                "discrete_flow_shift": shift}, ""
     if shift == 1:
         return {"timestep_sampling": "uniform"}, ""
     # a uniform draw moved by the shift: ours continuous, its on the 1000-sigma grid (CDF within 1 / 1000)
@@ -168,12 +175,17 @@ def _logit_key(t: Translation, key: str, value: Any) -> None:
     scheme = "mode" if key == "mode_scale" else "logit_normal"
     if their(t, "timestep_sampling") != "sigma" or their(t, "weighting_scheme") != scheme:
         t.drop(key, value, f"sd-scripts reads it only with timestep_sampling sigma and weighting_scheme {scheme}")
-    elif key == "logit_std" and keys is not None:
-        t.set("sigmoid_scale", float(value), key, value, RENAMED)
-    elif key == "logit_mean":
-        (t.drop if float(value) == 0 else t.refuse)(key, value, "ours' sigmoid draw is centred (mean 0)")
-    else:
+    elif keys is None:
         t.drop(key, value, "goes with timestep_sampling sigma, not carried")
+    elif key == "logit_std":
+        t.set("sigmoid_scale", float(value), key, value, RENAMED)
+    elif key == "mode_scale":
+        t.set("mode_scale", float(value), key, value)
+    elif float(value) == 0:
+        t.drop(key, value, "0: ours' sigmoid draw is centred too")
+    else:  # its sigma is 1 - u of u = sigmoid(N(mean, std)): ours' sigmoid(N(-mean, std))
+        t.set("sigmoid_mean", -float(value), key, value, RENAMED,
+              note="negated: its draw indexes its scheduler's timesteps from sigma 1 down")
 
 
 def predicts_raw_only(t: Translation) -> bool:
