@@ -79,3 +79,42 @@ def set_toml_keys(text: str, keys: dict, drop: tuple[str, ...] = ()) -> str:
     added = [toml_dumps({k: v}).strip() for k, v in todo.items()] + ([""] if todo and first_table < len(lines) else [])
     kept = [line for line in lines[:first_table] if line is not None]
     return "\n".join(kept + added + [line for line in lines[first_table:] if line is not None])
+
+
+def read_number_list(path: str, what: str = "weight table") -> list[float]:
+    """The numbers of a list a person or a tool wrote: a JSON list, numbers separated by commas or whitespace (a
+    CSV column), or a Python file whose one top-level list literal holds them (ai-toolkit's
+    toolkit/timestep_weighing/default_weighing_scheme.py: read as data, never run). One ValueError naming the file
+    and what it holds otherwise; every number finite."""
+    import ast
+    import math
+
+    text = read_utf8(path, what)
+    numbers = None
+    if path.endswith(".py"):
+        try:
+            tree = ast.parse(text, path)
+        except SyntaxError as e:
+            raise ValueError(f"{path}: {what} is not a Python file ast reads (line {e.lineno}: {e.msg})") from None
+        lists = [node.value for node in tree.body if isinstance(node, ast.Assign) and isinstance(node.value, ast.List)]
+        if len(lists) != 1:
+            raise ValueError(f"{path}: {what}: expected one top-level `name = [numbers]`, found {len(lists)}")
+        try:
+            numbers = ast.literal_eval(lists[0])
+        except ValueError:
+            raise ValueError(f"{path}: {what}: its list holds more than number literals") from None
+    else:
+        try:
+            numbers = json.loads(text)
+        except json.JSONDecodeError:
+            try:
+                numbers = [float(v) for v in text.replace(",", " ").split()]
+            except ValueError as e:
+                raise ValueError(f"{path}: {what} is neither a JSON list nor numbers separated by commas or "
+                                 f"whitespace ({e})") from None
+    if not isinstance(numbers, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                                for v in numbers):
+        raise ValueError(f"{path}: {what}: expected a list of numbers")
+    if not numbers or not all(math.isfinite(v) for v in numbers):
+        raise ValueError(f"{path}: {what}: expected at least one number, each finite")
+    return [float(v) for v in numbers]

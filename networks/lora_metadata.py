@@ -59,6 +59,8 @@ METADATA_KEYS = {
     "shifted_draw": "ss_shifted_draw",  # "uniform" / "mode" where the shift moves that draw (written then only)
     "sigmoid_mean": "ss_sigmoid_mean",  # the sigmoid draw's centre (written where it is not 0)
     "mode_scale": "ss_mode_scale",  # the mode law's scale (written where a mode draw is drawn)
+    # timestep_loss_weights' table: {file (its name), count, mean} (written where set)
+    "timestep_loss_weights": "ss_timestep_loss_weights",
     "qinglong": "ss_qinglong",  # {logsnr_share, detail_share, mid} of timestep_sampling = "qinglong" (with it only)
     "shift": "ss_discrete_flow_shift",
     "guidance": "ss_guidance_scale",

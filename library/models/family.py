@@ -506,6 +506,9 @@ class DiffusionFamily:
         sigmas = torch.cat([fm.sigmas_in_range(lambda n, g=g, q=q: self.draw_sigmas(model, args, g, lh, lw, n, q), 1,
                                                lo, hi, preserve) for g, q in zip(generators, quantiles)])
         noise, sigmas = noise.to(latents.device), sigmas.to(latents.device)
+        if getattr(args, "timestep_loss_weights", None):  # a table of weights over sigma (ai-toolkit's "weighted")
+            table = fm.table_weights(sigmas, fm.loss_table(args.timestep_loss_weights))
+            sample_weights = table if sample_weights is None else sample_weights.float() * table
         loss = self.loss_at(model, latents, text, noise, sigmas, args.guidance_scale, args.weighting_scheme,
                             args.loss_type, args.huber_c, mask, sample_weights, control=control,
                             preservation=preservation, input_noise=input_perturbation(noise, args, generators))

@@ -18,6 +18,7 @@ weighting, plain L2.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable
 
@@ -299,6 +300,23 @@ def loss_weighting(sigmas: torch.Tensor, scheme: str) -> torch.Tensor:
     if scheme == "sigma_sq":
         return s**2
     raise ValueError(f"weighting_scheme {scheme!r} is not one of {', '.join(WEIGHTING_SCHEMES)}")
+
+
+@functools.lru_cache(maxsize=4)
+def loss_table(path: str) -> torch.Tensor:
+    """timestep_loss_weights' table, float32 [N] (text_files.read_number_list: the config check read it first)."""
+    from library.text_files import read_number_list
+
+    return torch.tensor(read_number_list(path, "timestep_loss_weights table"), dtype=torch.float32)
+
+
+def table_weights(sigmas: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """Per-sample loss weights, float32 [B], from a table of N weights over sigma from 1 down, as ai-toolkit's
+    timestep_type "weighted" indexes its 1000 (weight i at sigma (N - i) / N, its timesteps linspace(1000, 1, 1000)):
+    each sigma's nearest entry, i = round(N (1 - sigma)) within [0, N - 1]."""
+    n = len(table)
+    index = torch.round((1.0 - sigmas.double()) * n).long().clamp(0, n - 1)
+    return table.to(sigmas.device)[index]
 
 
 def flow_loss(pred: torch.Tensor, target: torch.Tensor, weighting: torch.Tensor | None = None,

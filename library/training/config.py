@@ -20,7 +20,7 @@ import toml
 
 from library.errors import ConfigError, blame, where_set  # where_set: re-exported for the checks after load
 from library.models.registry import FAMILIES, MODE_SCALES, arch_specs
-from library.text_files import read_utf8, toml_loads
+from library.text_files import read_number_list, read_utf8, toml_loads
 from library.training.config_schema import FAMILY_KEYS, KEEPING_KEYS, PATH_KEYS, PRECISION_NAMES, SCHEMA
 from library.training.output_names import check_name_length
 from library.training.preservation import validate_preservation
@@ -581,6 +581,12 @@ def _validate_timestep_range(args: argparse.Namespace, origins: dict[str, str], 
         raise ConfigError(f"{blame(origins, where, 'qinglong_logsnr_share', 'qinglong_detail_share')}: the qinglong "
                           f"draw's logsnr and detail shares must be in [0, 1] with a sum <= 1 (the mid draw takes the "
                           f"rest), got {shares[0]:g} and {shares[1]:g}")
+    if args.timestep_loss_weights:  # read now, not at the first step after caching
+        try:
+            read_number_list(args.timestep_loss_weights, "timestep_loss_weights table")
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"{blame(origins, where, 'timestep_loss_weights')}: key 'timestep_loss_weights': "
+                              f"{e.strerror + ': ' + str(e.filename) if isinstance(e, OSError) else e}") from None
     least, most = MODE_SCALES
     if not least < args.mode_scale <= most:  # (the peers take any: one outside leaves [0, 1] or folds back)
         raise ConfigError(f"{blame(origins, where, 'mode_scale')}: key 'mode_scale' must be > {least:g} and <= "

@@ -21,7 +21,7 @@ DIFFUSION_KEYS = ("ae", "dataset_config", "cache_latents_to_disk", "cache_text_e
                   "sample_prompts", "sample_bf16_reference", "vae_tiling", "timestep_sampling", "timestep_bias",
                   "min_timestep", "max_timestep", "preserve_distribution_shape", "num_timestep_buckets",
                   "logsnr_mean", "logsnr_std", "shifted_draw", "qinglong_logsnr_share", "qinglong_detail_share",
-                  "qinglong_mid",
+                  "qinglong_mid", "timestep_loss_weights",
                   "discrete_flow_shift", "sigmoid_scale", "sigmoid_mean", "mode_scale", "weighting_scheme", "loss_type",
                   "huber_c", "ip_noise_gamma",
                   "ip_noise_gamma_random_strength", "guidance_scale", "prior_loss_weight",

@@ -200,6 +200,10 @@ SCHEMA: dict[str, Arg] = {
                                             "the rest from the mid draw"),
     "qinglong_mid": A(str, None, "timestep_sampling = \"qinglong\": its mid draw (unset: the model's own)",
                       tuple(m for m in SAMPLING_METHODS if m != "qinglong")),
+    "timestep_loss_weights": A(str, None, "a table of loss weights over sigma (a JSON list, numbers, or a Python file "
+                                          "holding one list literal), N weights from sigma 1 down, each sigma's "
+                                          "nearest taken: ai-toolkit's timestep_type weighted (its table file, with a "
+                                          "uniform draw)"),
     "min_timestep": A(int, None, "train sigmas from min_timestep / 1000 up (musubi-tuner's, 0-999; unset: 0)"),
     "max_timestep": A(int, None, "train sigmas up to max_timestep / 1000 (musubi-tuner's, 1-1000; unset: 1000)"),
     "preserve_distribution_shape": A(bool, False, "min_timestep / max_timestep cut the sigma law to their range (draws "
@@ -296,4 +300,5 @@ KEEPING_KEYS = {"checkpoint_saves_attention": "no attention in the recompute",
 # as the shell would read it, in a TOML too (load_config expands them; a folder named "~" was made before).
 PATH_KEYS = frozenset({"pretrained_model_name_or_path", "ae", "clip_l", "t5xxl", "text_encoder", "siglip",
                        "t5_tokenizer", "byt5", "clip_g", "llama", "tokenizer", "dataset_config", "output_dir",
-                       "resume", "network_weights", "sample_prompts", "logging_dir", "base_loras", "train_data"})
+                       "resume", "network_weights", "sample_prompts", "logging_dir", "base_loras", "train_data",
+                       "timestep_loss_weights"})

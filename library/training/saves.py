@@ -33,6 +33,16 @@ def qinglong_mid(args) -> str | None:
     return getattr(args, "qinglong_mid", None) if getattr(args, "timestep_sampling", None) == "qinglong" else None
 
 
+def loss_table_fact(path: str | None) -> dict | None:
+    """timestep_loss_weights for the header: its file's name, how many weights, their mean (None: unset)."""
+    if not path:
+        return None
+    from library.models.flow_matching import loss_table
+
+    table = loss_table(path)
+    return {"file": os.path.basename(path), "count": len(table), "mean": round(float(table.mean()), 6)}
+
+
 def draws_mode(args, method: str) -> bool:
     """The run draws the mode law: timestep_sampling "mode", or a shift (or qinglong's mid draw) that moves it."""
     if getattr(args, "shifted_draw", "sigmoid") == "mode":  # (refused where no shift reads it)
@@ -88,6 +98,7 @@ def lora_metadata(args, task, step: int, epoch: int, max_steps: int, epochs: int
         qinglong=qinglong_draw(args) if facts["timestep_sampling"] == "qinglong" else None,
         shifted_draw=shifted if (shifted := getattr(args, "shifted_draw", "sigmoid")) != "sigmoid" else None,
         sigmoid_mean=getattr(args, "sigmoid_mean", 0.0) or None,
+        timestep_loss_weights=loss_table_fact(getattr(args, "timestep_loss_weights", None)),
         mode_scale=args.mode_scale if draws_mode(args, facts["timestep_sampling"]) else None,
         guidance=facts.get("guidance"), seed=args.seed, dataset=facts["dataset"],
         **{key: facts.get(key) for key in ("dataset_dirs", "tag_frequency", "num_train_images", "num_reg_images")},

@@ -147,17 +147,71 @@ def _bias(t: Job, key: str, value: Any) -> None:
         t.refuse(key, value, "expected balanced, content or style")
 
 
+# timestep_type "weighted": its table of 1000 loss weights over its timesteps (measured on Flex.1-alpha, its comment
+# says), in its checkout: read from there into a file beside ours (AI_TOOLKIT_CHECKOUT, or a folder above the config)
+WEIGHTED_TABLE = "toolkit/timestep_weighing/default_weighing_scheme.py"
+
+
+def checkout_table(source: str) -> str | None:
+    """The weighted table's file in the ai-toolkit checkout AI_TOOLKIT_CHECKOUT names, or in a folder above the
+    config (its UI writes jobs under the checkout's output/); None where neither holds it."""
+    import os
+
+    folders = [os.environ["AI_TOOLKIT_CHECKOUT"]] if os.environ.get("AI_TOOLKIT_CHECKOUT") else []
+    folder = os.path.dirname(os.path.abspath(source)) if os.path.isfile(source) else None
+    while folder and folder != os.path.dirname(folder):
+        folders.append(folder)
+        folder = os.path.dirname(folder)
+    return next((p for f in folders if os.path.isfile(p := os.path.join(f, WEIGHTED_TABLE))), None)
+
+
+def bell_weights(half: bool) -> list[float]:
+    """ai-toolkit's loss weights of train.linear_timesteps (its CustomFlowMatchEulerDiscreteScheduler, restated in
+    float32): y = exp(-2 ((i - 500) / 1000)^2) over its 1000 timestep indices, less its least, scaled to mean 1;
+    linear_timesteps2 (half) holds the second half at the largest (the low-noise half flat)."""
+    import torch
+
+    x = torch.arange(1000, dtype=torch.float32)
+    y = torch.exp(-2 * ((x - 1000 / 2) / 1000) ** 2)
+    shifted = y - y.min()
+    weights = shifted * (1000 / shifted.sum())
+    if half:
+        weights[500:] = weights[500:].max()
+    return weights.tolist()
+
+
+def _loss_table(t: Job, weights: list[float], what: str) -> None:
+    """timestep_loss_weights: the table, written beside our config (`_timestep_weights.json`)."""
+    import json
+
+    t.config["timestep_loss_weights"] = "_timestep_weights.json"  # (the converter writes the file and its path)
+    t.files["timestep_loss_weights"] = ("_timestep_weights.json", json.dumps(weights) + "\n")
+    t.lines[-1].note = f"its loss weights ({what}) in the file timestep_loss_weights names, beside this config"
+
+
 def _timesteps(t: Job, key: str, value: Any) -> None:
-    """ai-toolkit's flow-matching draws: sigmoid (sigmoid of a normal draw, unshifted) and linear (uniform) are ours."""
+    """ai-toolkit's flow-matching draws: sigmoid (sigmoid of a normal draw, unshifted) and linear (uniform) are ours;
+    linear_timesteps / linear_timesteps2 and weighted weigh each timestep's loss as well (its SDTrainer's
+    do_weighted_timesteps): ours by the same table (timestep_loss_weights)."""
     train = t.section("train")
-    kind = "linear" if train.get("linear_timesteps") or train.get("linear_timesteps2") else str(value)
+    bell = train.get("linear_timesteps") or train.get("linear_timesteps2")
+    kind = "linear" if bell else str(value)
     if kind in ("sigmoid", "linear"):
         ours = "sigmoid" if kind == "sigmoid" else "uniform"
         t.set("timestep_sampling", ours, key, value, RENAMED, f"timestep_sampling = {ours}"
               + (" (train.linear_timesteps)" if kind != str(value) else ""))
+        if bell:
+            half = bool(train.get("linear_timesteps2"))
+            _loss_table(t, bell_weights(half), f"linear_timesteps{'2' if half else ''}'s bell curve")
+    elif kind == "weighted" and (table := checkout_table(t.source)):
+        from library.text_files import read_number_list
+
+        t.set("timestep_sampling", "uniform", key, value, RENAMED, "timestep_sampling = uniform")
+        _loss_table(t, read_number_list(table, "ai-toolkit's weighted table"), f"its table, {table}")
     elif kind == "weighted":
-        t.refuse(key, value, "uniform draws weighted by ai-toolkit's own table of loss weights: not ours (the nearest "
-                             "is timestep_sampling = \"uniform\")")
+        t.refuse(key, value, f"uniform draws weighted by ai-toolkit's own table of loss weights ({WEIGHTED_TABLE}): "
+                             f"no ai-toolkit checkout above the config holds it; set AI_TOOLKIT_CHECKOUT to yours and "
+                             f"convert again (ours reads it as timestep_loss_weights)")
     elif kind.endswith("shift") and (k := fixed_shift(t)):  # (its three *shift types: one branch there)
         t.set("timestep_sampling", "shift", key, value, RENAMED, f"timestep_sampling = \"shift\", shifted_draw = "
               f"\"uniform\", discrete_flow_shift = {k:g} (its model's scheduler's fixed shift of evenly spaced "
