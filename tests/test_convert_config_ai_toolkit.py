@@ -643,20 +643,28 @@ def test_the_network_trains_at_the_alpha_ai_toolkit_gives_it(network, arch, alph
     assert ("alpha = rank" in shown.note) == (alpha != float(network.get("linear_alpha") or 1.0))
 
 
-def test_a_fixed_shift_models_shift_types_are_ours_shift_of_a_uniform_draw():
+@pytest.mark.parametrize("arch, hub, k", [("hidream", "HiDream-ai/HiDream-I1-Full", 3.0),
+                                          ("zimage", "Tongyi-MAI/Z-Image-Turbo", 3.0),  # (its UI's zimage:turbo too)
+                                          ("ernie_image", "baidu/ERNIE-Image", 3.0),
+                                          ("anima", "circlestone-labs/Anima", 3.0),
+                                          ("ideogram4", "ideogram/ideogram-4", 1.0),
+                                          ("nucleus_image", "NucleusAI/Nucleus-Image", 1.0)])
+def test_a_fixed_shift_models_shift_types_are_ours_shift_of_a_uniform_draw(arch, hub, k):
     """HiDream's training scheduler there shifts by 3, not by the image size: its shift / flux_shift types pick one of
     999 evenly spaced sigmas (1 down to its scheduler's sigma_min, 0.003) shifted by 3, uniformly: ours' shift of a
     uniform draw at 3, continuous, within 0.005 in CDF of its grid at every sigma. FLUX.1's shifts by the image size
-    with its own constants: not carried (above)."""
-    k, sigma_min = 3.0, 3.0 * 0.001 / (1 + 2.0 * 0.001)
+    with its own constants: not carried (above). Z-Image's, ERNIE-Image's and Anima's shift by 3 too (their
+    get_train_scheduler's CustomFlowMatchEulerDiscreteScheduler, use_dynamic_shifting off), Ideogram 4's and
+    Nucleus-Image's by 1: ours' uniform draw there."""
+    sigma_min = k * 0.001 / (1 + (k - 1) * 0.001)
     unshifted = torch.linspace(1.0, sigma_min, 1000, dtype=torch.float64)[:999]  # randint(0, 999): not the last
     grid = (k * unshifted / (1 + (k - 1) * unshifted)).sort().values
     x = torch.linspace(1e-4, 1 - 1e-4, 20_001, dtype=torch.float64)
     ours_cdf = x / (k - (k - 1) * x)  # P(k s / (1 + (k - 1) s) <= x), s uniform
     assert (torch.searchsorted(grid, x, right=True).double() / 999 - ours_cdf).abs().max().item() < 0.005
     for kind in ("shift", "flux_shift"):
-        t = translate(job(model={"name_or_path": "HiDream-ai/HiDream-I1-Full", "arch": "hidream"},
-                          train={"timestep_type": kind}), "run.yaml")
+        t = translate(job(model={"name_or_path": hub, "arch": arch}, train={"timestep_type": kind}), "run.yaml")
         assert verdict(t, "train.timestep_type")[0] == RENAMED
-        assert (t.config["timestep_sampling"], t.config["shifted_draw"], t.config["discrete_flow_shift"]) == (
-            "shift", "uniform", 3.0)
+        keys = {key: t.config.get(key) for key in ("timestep_sampling", "shifted_draw", "discrete_flow_shift")}
+        assert keys == ({"timestep_sampling": "shift", "shifted_draw": "uniform", "discrete_flow_shift": k} if k != 1
+                        else {"timestep_sampling": "uniform", "shifted_draw": None, "discrete_flow_shift": None})

@@ -182,5 +182,8 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch; its get_bucket_divisibility 16 * 2 (the VAE's 8 x the 2 x 2 patch, times 2)
     peer_bucket_steps={"ai-toolkit": 32},
-    peer_models={"ai-toolkit": {"anima": {"model_type": "anima", "lokr_format": "peft"}}, "sd-scripts": SD_SCRIPTS},
+    # (ai-toolkit's training scheduler: CustomFlowMatchEulerDiscreteScheduler at shift 3.0, no dynamic shifting: its
+    # shift timestep types pick uniformly among evenly spaced sigmas shifted by 3)
+    peer_models={"ai-toolkit": {"anima": {"model_type": "anima", "lokr_format": "peft", "fixed_shift": "3.0"}},
+                 "sd-scripts": SD_SCRIPTS},
 )

@@ -132,5 +132,7 @@ SPEC = S.ArchSpec(
     # ai-toolkit's model.arch; its get_bucket_divisibility: "16 for the VAE, 2 for patch size" (the pipeline's
     # vae_scale_factor 16, the VAE's 8 x its 2 x 2 patchify, times 2)
     peer_bucket_steps={"ai-toolkit": 32},
-    peer_models={"ai-toolkit": {"ernie_image": {"model_type": "ernie_image"}}},
+    # (ai-toolkit's training scheduler: CustomFlowMatchEulerDiscreteScheduler at shift 3.0, no dynamic shifting: its
+    # shift timestep types pick uniformly among evenly spaced sigmas shifted by 3)
+    peer_models={"ai-toolkit": {"ernie_image": {"model_type": "ernie_image", "fixed_shift": "3.0"}}},
 )

@@ -140,6 +140,8 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch
     peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
-    peer_models={"ai-toolkit": {"ideogram4": {"model_type": "ideogram4", "lokr_format": "peft"}},
+    # (ai-toolkit's training scheduler: CustomFlowMatchEulerDiscreteScheduler at shift 1.0, no dynamic shifting: its
+    # shift timestep types pick uniformly among evenly spaced sigmas, unshifted)
+    peer_models={"ai-toolkit": {"ideogram4": {"model_type": "ideogram4", "lokr_format": "peft", "fixed_shift": "1.0"}},
                  "musubi-tuner": MUSUBI},
 )

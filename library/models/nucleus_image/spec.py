@@ -192,6 +192,8 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch; its get_bucket_divisibility: "16 for the VAE, 2 for patch size" (32)
     peer_bucket_steps={"ai-toolkit": 32},
-    peer_models={"ai-toolkit": {"nucleus_image": {"model_type": "nucleus_image"}}},
+    # (ai-toolkit's training scheduler: CustomFlowMatchEulerDiscreteScheduler at shift 1.0, no dynamic shifting: its
+    # shift timestep types pick uniformly among evenly spaced sigmas, unshifted)
+    peer_models={"ai-toolkit": {"nucleus_image": {"model_type": "nucleus_image", "fixed_shift": "1.0"}}},
     masks_text_padding=True,  # the pipeline passes the prompt's attention mask to the transformer
 )

@@ -166,7 +166,9 @@ SPEC = S.ArchSpec(
     modelspec=MODELSPEC,
     # ai-toolkit's model.arch: Turbo and Base (told apart by the folder's scheduler)
     peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
-    peer_models={"ai-toolkit": {"zimage": {"model_type": "zimage"}},
+    # (ai-toolkit's training scheduler: CustomFlowMatchEulerDiscreteScheduler at shift 3.0, no dynamic shifting: its
+    # shift timestep types pick uniformly among evenly spaced sigmas shifted by 3)
+    peer_models={"ai-toolkit": {"zimage": {"model_type": "zimage", "fixed_shift": "3.0"}},
                  # zimage_train_network.py's do_inference: CFG pos + l (pos - neg) above l = 1 (4.0 unset), where ours
                  # (and diffusers' ZImagePipeline) runs it above 0 (the release's Turbo: 0 unset)
                  # its handle_model_specific_args: the DiT float32 unless --mixed_precision bf16 / fp16

@@ -212,7 +212,10 @@ def _timesteps(t: Job, key: str, value: Any) -> None:
         t.refuse(key, value, f"uniform draws weighted by ai-toolkit's own table of loss weights ({WEIGHTED_TABLE}): "
                              f"no ai-toolkit checkout above the config holds it; set AI_TOOLKIT_CHECKOUT to yours and "
                              f"convert again (ours reads it as timestep_loss_weights)")
-    elif kind.endswith("shift") and (k := fixed_shift(t)):  # (its three *shift types: one branch there)
+    elif kind.endswith("shift") and (k := fixed_shift(t)) == 1:  # (its three *shift types: one branch there)
+        t.set("timestep_sampling", "uniform", key, value, RENAMED, "timestep_sampling = \"uniform\" (its model's "
+              "scheduler's evenly spaced sigmas, unshifted, picked uniformly; ours continuous)")
+    elif kind.endswith("shift") and k:
         t.set("timestep_sampling", "shift", key, value, RENAMED, f"timestep_sampling = \"shift\", shifted_draw = "
               f"\"uniform\", discrete_flow_shift = {k:g} (its model's scheduler's fixed shift of evenly spaced "
               f"sigmas, picked uniformly; ours continuous)")
