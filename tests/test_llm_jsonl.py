@@ -737,4 +737,7 @@ def test_accumulated_micro_batches_train_the_loss_of_one_batch_of_all_their_toke
 
     (whole, a), (accumulated, b) = run("whole", "--batch_size", "8"), run("acc", "--batch_size", "4", "--gradient_accumulation_steps", "2")
     assert whole == pytest.approx(accumulated, abs=2e-6), (whole, accumulated)
-    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-5
+    # (the LoRA after 2 AdamW steps at lr 1e-2: Adam divides each gradient by its own size, so a float32 summation
+    # order difference in a near-zero gradient moves its weight by up to ~lr; 2.5e-4 on an AMX Xeon, < 1e-5 on
+    # others; the old objective's loss was 1.6e-4 off, above)
+    assert max(float((a[k] - b[k]).abs().max()) for k in a) < 1e-3

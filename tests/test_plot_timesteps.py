@@ -74,3 +74,18 @@ def test_bad_input_is_one_line_and_no_plot(tmp_path, capsys, monkeypatch, flags,
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and len(err.strip().splitlines()) == 1
     assert list(tmp_path.iterdir()) == []
+
+
+def test_the_loss_weight_curve_takes_the_table_too(tmp_path):
+    """timestep_loss_weights weighs the loss as weighting_scheme does: the plot's curve is their product (it drew
+    weighting_scheme's alone, none at all for a table with weighting_scheme none)."""
+    from tools.plot_timesteps import loss_weights
+
+    (tmp_path / "w.json").write_text("[" + ", ".join(str(1 + i / 1000) for i in range(1000)) + "]")
+    grid = torch.tensor([0.25, 0.5, 0.75])
+    assert loss_weights(grid, "none", None) is None
+    weights, label = loss_weights(grid, "none", str(tmp_path / "w.json"))
+    assert torch.allclose(weights, torch.tensor([1.75, 1.5, 1.25])) and label == "loss weight (table w.json)"
+    weights, label = loss_weights(grid, "sigma_sq", str(tmp_path / "w.json"))
+    assert torch.allclose(weights, grid ** 2 * torch.tensor([1.75, 1.5, 1.25]))
+    assert label == "loss weight (sigma_sq x table w.json)"

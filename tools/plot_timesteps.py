@@ -107,13 +107,27 @@ def range_said(config) -> str:
     return f", sigma in [{lo:g}, {hi:g}] ({'cut' if config.preserve_distribution_shape else 'scaled'})"
 
 
-def plot(draws: dict[str, object], weighting: str, out: str, title: str) -> None:
-    """One step histogram (density, 100 bins over [0, 1]) per size; the loss weighting on a second axis."""
+def loss_weights(grid, weighting: str, table: str | None):
+    """The loss weight over the sigmas of `grid` (float32) and its label: weighting_scheme's times the
+    timestep_loss_weights table's; None where both weigh nothing."""
+    from library.models import flow_matching as fm
+
+    if weighting == "none" and not table:
+        return None
+    weights = fm.loss_weighting(grid, weighting)
+    if table:
+        weights = weights * fm.table_weights(grid, fm.loss_table(table))
+    said = [weighting] * (weighting != "none") + [f"table {os.path.basename(table)}"] * bool(table)
+    return weights, f"loss weight ({' x '.join(said)})"
+
+
+def plot(draws: dict[str, object], weighting: str, out: str, title: str, table: str | None = None) -> None:
+    """One step histogram (density, 100 bins over [0, 1]) per size; the loss weighting (weighting_scheme's and
+    timestep_loss_weights') on a second axis."""
     import matplotlib
     import torch
 
     from library.io import atomic_path
-    from library.models import flow_matching as fm
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -123,11 +137,12 @@ def plot(draws: dict[str, object], weighting: str, out: str, title: str) -> None
         ax.hist(sigmas.numpy(), bins=100, range=(0.0, 1.0), density=True, histtype="step", label=label)
     ax.set_xlabel("sigma (1 = pure noise)")
     ax.set_ylabel("density of the trained sigmas")
-    if weighting != "none":
-        grid = torch.linspace(0.01, 0.99, 99)
+    grid = torch.linspace(0.005, 0.995, 199)
+    weighted = loss_weights(grid, weighting, table)
+    if weighted is not None:
+        weights, label = weighted
         twin = ax.twinx()
-        weights = fm.loss_weighting(grid, weighting)
-        twin.plot(grid.numpy(), weights.numpy(), "k--", alpha=0.6, label=f"loss weight ({weighting})")
+        twin.plot(grid.numpy(), weights.numpy(), "k--", alpha=0.6, label=label)
         if weights.max() > 100 * weights.min():  # sigma_sqrt's 1 / sigma^2 near 0
             twin.set_yscale("log")
         twin.set_ylabel("loss weight")
@@ -157,7 +172,7 @@ def main(argv=None) -> int:
             print(summary(sigmas, width, height, law))
             draws[f"{width}x{height}"] = sigmas
         title = f"{config.model_type}: timestep_sampling {law}{range_said(config)}"
-        plot(draws, config.weighting_scheme, args.out, title)
+        plot(draws, config.weighting_scheme, args.out, title, config.timestep_loss_weights)
         print(f"wrote {args.out}")
     except (ValueError, OSError) as e:  # ConfigError and CheckpointError are ValueErrors
         print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
