@@ -2,6 +2,7 @@
 TOML and prompt file our loaders read, each key's verdict is the one library/training/peers/ai_toolkit*.py
 gives it, an arch we do not train is one line, and a list of resolutions becomes one [[datasets]] per size."""
 
+import math
 import os
 
 import pytest
@@ -10,6 +11,7 @@ import yaml
 
 from library.data.dataset_config import load_dataset_config, parse_dataset_config
 from library.data.prompts import read_prompt_file
+from library.models import flow_matching as fm
 from library.models.registry import FAMILIES, arch_specs
 from library.training.config import load_config
 from library.training.config_schema import SCHEMA
@@ -268,7 +270,7 @@ def verdict(t, key: str):
     ("train", "noise_offset", 0.0, DROPPED, {}),
     ("train", "timestep_type", "linear", RENAMED, {"timestep_sampling": "uniform"}),
     ("train", "timestep_type", "weighted", NOT_CARRIED, {}),
-    ("train", "timestep_type", "shift", NOT_CARRIED, {}),
+    ("train", "timestep_type", "shift", RENAMED, {"timestep_sampling": "flux_shift", "shifted_draw": "uniform"}),
     ("train", "content_or_style", "style", RENAMED, {"timestep_bias": "low_noise"}),  # carried since 2026-12-01
     ("train", "content_or_style", "content", RENAMED, {"timestep_bias": "high_noise"}),
     ("train", "loss_type", "mse", RENAMED, {"loss_type": "l2"}),
@@ -644,6 +646,8 @@ def test_the_network_trains_at_the_alpha_ai_toolkit_gives_it(network, arch, alph
 
 
 @pytest.mark.parametrize("arch, hub, k", [("hidream", "HiDream-ai/HiDream-I1-Full", 3.0),
+                                          ("lumina2", "Alpha-VLLM/Lumina-Image-2.0", 6.0),
+                                          ("sd3", "stabilityai/stable-diffusion-3.5-large", 3.0),
                                           ("zimage", "Tongyi-MAI/Z-Image-Turbo", 3.0),  # (its UI's zimage:turbo too)
                                           ("ernie_image", "baidu/ERNIE-Image", 3.0),
                                           ("anima", "circlestone-labs/Anima", 3.0),
@@ -652,19 +656,43 @@ def test_the_network_trains_at_the_alpha_ai_toolkit_gives_it(network, arch, alph
 def test_a_fixed_shift_models_shift_types_are_ours_shift_of_a_uniform_draw(arch, hub, k):
     """HiDream's training scheduler there shifts by 3, not by the image size: its shift / flux_shift types pick one of
     999 evenly spaced sigmas (1 down to its scheduler's sigma_min, 0.003) shifted by 3, uniformly: ours' shift of a
-    uniform draw at 3, continuous, within 0.005 in CDF of its grid at every sigma. FLUX.1's shifts by the image size
-    with its own constants: not carried (above). Z-Image's, ERNIE-Image's and Anima's shift by 3 too (their
-    get_train_scheduler's CustomFlowMatchEulerDiscreteScheduler, use_dynamic_shifting off), Ideogram 4's and
-    Nucleus-Image's by 1: ours' uniform draw there."""
+    uniform draw at 3, continuous, within 0.005 in CDF of its grid at every sigma (its grid's floor, 0.009, holds
+    ours' lowest 0.003; at Lumina 2's 6, 0.035 holds 0.006). Z-Image's, ERNIE-Image's and Anima's shift by 3 too
+    (their get_train_scheduler's CustomFlowMatchEulerDiscreteScheduler, use_dynamic_shifting off), SD3's (its
+    sd_flow_config) and Lumina 2's (its lumina2_config, 6) are fixed, Ideogram 4's and Nucleus-Image's shift by 1:
+    ours' uniform draw there. FLUX.1's shifts by the image size: below."""
     sigma_min = k * 0.001 / (1 + (k - 1) * 0.001)
     unshifted = torch.linspace(1.0, sigma_min, 1000, dtype=torch.float64)[:999]  # randint(0, 999): not the last
     grid = (k * unshifted / (1 + (k - 1) * unshifted)).sort().values
     x = torch.linspace(1e-4, 1 - 1e-4, 20_001, dtype=torch.float64)
     ours_cdf = x / (k - (k - 1) * x)  # P(k s / (1 + (k - 1) s) <= x), s uniform
-    assert (torch.searchsorted(grid, x, right=True).double() / 999 - ours_cdf).abs().max().item() < 0.005
+    floor = grid[0] / (k - (k - 1) * grid[0])  # ours' mass below its least sigma (its sigma_min shifted twice)
+    assert (torch.searchsorted(grid, x, right=True).double() / 999 - ours_cdf).abs().max().item() < floor + 0.002
     for kind in ("shift", "flux_shift"):
         t = translate(job(model={"name_or_path": hub, "arch": arch}, train={"timestep_type": kind}), "run.yaml")
         assert verdict(t, "train.timestep_type")[0] == RENAMED
         keys = {key: t.config.get(key) for key in ("timestep_sampling", "shifted_draw", "discrete_flow_shift")}
         assert keys == ({"timestep_sampling": "shift", "shifted_draw": "uniform", "discrete_flow_shift": k} if k != 1
                         else {"timestep_sampling": "uniform", "shifted_draw": None, "discrete_flow_shift": None})
+
+
+def test_flux1s_shift_types_are_ours_flux_shift_of_a_uniform_draw():
+    """ai-toolkit trains FLUX.1 with toolkit/sampler.py's flux_config: dynamic, mu on the line 256 / 4096 tokens at
+    0.5 / 1.15 at (h / 2)(w / 2) tokens of the latent (its patch_size 2), applied to 999 of linspace(1, 0.001, 1000)
+    picked uniformly: ours' flux_shift of a uniform draw at our token count, within 0.005 in CDF at 1024 and 512 px.
+    Kontext's model counts h w tokens (its transformer's patch_size 1), 4x ours: not carried."""
+    for tokens in (4096, 1024):
+        mu = 0.5 + (1.15 - 0.5) / (4096 - 256) * (tokens - 256)
+        unshifted = torch.linspace(1.0, 0.001, 1000, dtype=torch.float64)[:999]
+        grid = (math.exp(mu) / (math.exp(mu) + 1 / unshifted - 1)).sort().values
+        quantiles = (torch.arange(20_000, dtype=torch.float64) + 0.5) / 20_000
+        ours = fm.sample_sigmas(20_000, "flux_shift", generator=None, image_seq_len=tokens, shifted="uniform",
+                                quantiles=quantiles).double().sort().values
+        x = torch.linspace(1e-4, 1 - 1e-4, 20_001, dtype=torch.float64)
+        cdf = [torch.searchsorted(d, x, right=True).double() / len(d) for d in (grid, ours)]
+        assert (cdf[0] - cdf[1]).abs().max().item() < 0.005
+    t = translate(job(train={"timestep_type": "flux_shift"}), "run.yaml")
+    assert (t.config["timestep_sampling"], t.config["shifted_draw"]) == ("flux_shift", "uniform")
+    kontext = translate(job(model={"name_or_path": "black-forest-labs/FLUX.1-Kontext-dev", "arch": "flux_kontext"},
+                            train={"timestep_type": "shift"}), "run.yaml")
+    assert verdict(kontext, "train.timestep_type")[0] == NOT_CARRIED

@@ -206,7 +206,10 @@ SPEC = S.ArchSpec(
     # ai-toolkit's model.arch (or its older is_flux: true): dev and schnell are one arch there and here
     peer_bucket_steps={"ai-toolkit": 16},  # ai-toolkit's get_bucket_divisibility: 8 x 2
     # (its FLUX.1 model reads an assistant_lora_path folder's or Hub repository's pytorch_lora_weights.safetensors)
-    peer_models={"ai-toolkit": {"flux": {"model_type": "flux", "assistant_file": "pytorch_lora_weights.safetensors"},
+    # (its training scheduler there: toolkit/sampler.py's flux_config, dynamic on FLUX.1's line 256 / 4096 tokens at
+    # 0.5 / 1.15, its token count (h / 2)(w / 2) of the latent: ours' flux_shift; Kontext's counts h w: not ours)
+    peer_models={"ai-toolkit": {"flux": {"model_type": "flux", "assistant_file": "pytorch_lora_weights.safetensors",
+                                         "shift_method": "flux_shift"},
                                 "flux_kontext": {"model_type": "flux_kontext"}},
                  "sd-scripts": SD_SCRIPTS, "musubi-tuner": MUSUBI},
 )

@@ -205,7 +205,8 @@ SPEC = S.ArchSpec(
     peer_bucket_steps={"ai-toolkit": 16},
     # its LoRA (lora_special.py, is_lumina2) wraps every Linear of `layers`, `noise_refiner` and `context_refiner`,
     # their adaLN too (train_modulation); the refiners ours trains with their own rank
-    peer_models={"ai-toolkit": {"lumina2": {"model_type": "lumina2",
+    # (its training scheduler there: toolkit/sampler.py's lumina2_config, a fixed shift 6)
+    peer_models={"ai-toolkit": {"lumina2": {"model_type": "lumina2", "fixed_shift": "6.0",
                                             "network_args": "refiner_dim={network_dim} refiner_mod_dim={network_dim}"}},
                  "sd-scripts": SD_SCRIPTS},
 )

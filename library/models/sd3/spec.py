@@ -244,6 +244,7 @@ SPEC = S.ArchSpec(
     # ai-toolkit's model.arch "sd3" (or its older is_v3: true); its bucket divisibility (get_bucket_divisibility:
     # 2^3 of the VAE's 4 levels, x 2 for the patch, x 2)
     peer_bucket_steps={"ai-toolkit": 32},
-    peer_models={"ai-toolkit": {"sd3": {"model_type": "sd3"}}, "sd-scripts": SD_SCRIPTS},
+    # (its training scheduler there: toolkit/sampler.py's sd_flow_config, a fixed shift 3)
+    peer_models={"ai-toolkit": {"sd3": {"model_type": "sd3", "fixed_shift": "3.0"}}, "sd-scripts": SD_SCRIPTS},
     learned="library.models.sd3.learned:LEARNED",  # the learned tiny base (learned.py; learned/sd3/)
 )

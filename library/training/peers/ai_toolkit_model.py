@@ -50,9 +50,11 @@ def read_as(text: str) -> Rule:
 # whatever old_lokr_format says (its use_old_lokr_format = False); file_note: how its model reads name_or_path where
 # that is not a diffusers folder (said on its line); assistant_file: the file its model reads from an
 # assistant_lora_path naming a folder or a Hub repository (its other models take a file, or repo/file);
-# same_module_names: its LoRA's module names are ours (only_if_contains / ignore_if_contains carry as patterns)
+# same_module_names: its LoRA's module names are ours (only_if_contains / ignore_if_contains carry as patterns);
+# fixed_shift: its training scheduler's fixed shift (use_dynamic_shifting off); shift_method: our timestep_sampling
+# whose resolution shift its dynamic one is (the same mu line at the same token count)
 ENTRY_ARGS = ("network_args", "whole_network_args", "idle_modules", "lokr_format", "file_note", "assistant_file",
-              "same_module_names", "fixed_shift")
+              "same_module_names", "fixed_shift", "shift_method")
 
 
 def entry_of(model_type: str) -> dict[str, str]:
@@ -112,6 +114,12 @@ def fixed_shift(t: Job) -> float | None:
     which its shift timestep types apply to evenly spaced sigmas; None where it shifts by the image size."""
     keys = _peer_models().get(_arch_name(t.section("model")), {})
     return float(keys["fixed_shift"]) if "fixed_shift" in keys else None
+
+
+def shift_method(t: Job) -> str | None:
+    """Our architecture shift method equal to the arch's dynamic training shift (its spec entry's shift_method), which
+    its shift timestep types apply to evenly spaced sigmas; None where ours has none."""
+    return _peer_models().get(_arch_name(t.section("model")), {}).get("shift_method")
 
 
 def entry_config(keys: dict) -> dict:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from library.training.peers.ai_toolkit_model import (Job, as_number, fixed_shift, one_of, our_key, read_as,
-                                                     read_elsewhere)
+                                                     read_elsewhere, shift_method)
 from library.training.peers.rules import KEPT, RENAMED, Line, Rule, custom, ignored, implied, unsupported
 
 
@@ -220,6 +220,11 @@ def _timesteps(t: Job, key: str, value: Any) -> None:
               f"\"uniform\", discrete_flow_shift = {k:g} (its model's scheduler's fixed shift of evenly spaced "
               f"sigmas, picked uniformly; ours continuous)")
         t.config.update(shifted_draw="uniform", discrete_flow_shift=k)
+    elif kind.endswith("shift") and (method := shift_method(t)):
+        t.set("timestep_sampling", method, key, value, RENAMED, f"timestep_sampling = \"{method}\", shifted_draw = "
+              f"\"uniform\" (its model's scheduler's resolution shift of evenly spaced sigmas, picked uniformly: "
+              f"ours' of a uniform draw, continuous)")
+        t.config.update(shifted_draw="uniform")
     elif kind.endswith("shift"):
         t.refuse(key, value, "ai-toolkit shifts evenly spaced sigmas by the image size where its model's scheduler "
                              "shifts dynamically (its own constants); ours shifts a uniform draw so only by a fixed "
