@@ -157,7 +157,10 @@ def test_its_draw_arguments_each_say_what_they_became():
     assert lines["weighting_scheme (draw)"][1].startswith(
         'timestep_sampling = "shift" with shifted_draw = "uniform", discrete_flow_shift = 3 (the same law')
     assert lines["training_shift"] == (RENAMED, "discrete_flow_shift") and lines["logit_std"][0] == DROPPED
-    assert lines["min_timestep"][0] == NOT_CARRIED and lines["max_timestep"][0] == DROPPED
+    # its t = floor(u' (max - min) + min): the law scaled into the range, as ours' (not carried before 2026-12-05)
+    assert lines["min_timestep"] == (KEPT, "min_timestep") and lines["max_timestep"][0] == DROPPED
+    ranged = draw(min_timestep=100, max_timestep=900)[1]
+    assert (ranged["min_timestep"], ranged["max_timestep"]) == (100, 900)
     lines, config = draw(weighting_scheme="logit_normal", logit_std=1.3, logit_mean=0.0, training_shift=3.0)
     assert lines["logit_std"] == (RENAMED, "sigmoid_scale")
     assert lines["training_shift"] == (RENAMED, "discrete_flow_shift")
@@ -401,4 +404,6 @@ def test_ai_toolkits_sd3_and_its_older_is_v3_are_ours_bucketed_at_its_32_px():
         assert t.config["model_type"] == "sd3" and t.config["timestep_sampling"] == "sigmoid"
         assert [d["bucket_reso_steps"] for d in t.dataset["datasets"]] == [32]
     t = ai_toolkit.translate(job(model={"arch": "sd3"}, train={"timestep_type": "shift"}), "run.yaml")
-    assert verdict(t, "train.timestep_type")[0] == NOT_CARRIED
+    assert verdict(t, "train.timestep_type")[0] == RENAMED  # its shift 3, fixed: ours' shift of a uniform draw
+    assert (t.config["timestep_sampling"], t.config["shifted_draw"], t.config["discrete_flow_shift"]) == (
+        "shift", "uniform", 3.0)

@@ -97,7 +97,8 @@ def sd3_draw(values: dict) -> dict[str, tuple[str, str, dict]]:
     for name, whole in bounds.items():
         given = values[name]
         whole_range = given is None or int(given) == whole
+        # its t = floor(u' (max - min) + min): the law scaled into the range, ours' min_timestep / max_timestep
+        # (preserve_distribution_shape off), floored to a whole timestep
         lines[name] = ((DROPPED, f"{whole}: its draw's whole range, as ours", {}) if whole_range else
-                       (NOT_CARRIED, "sd-scripts draws 1000 sigma in [min_timestep, max_timestep) (u (max - min) "
-                                     "+ min, floored); ours draws sigma over all of (0, 1]", {}))
+                       (KEPT, name, {name: int(given)}))
     return lines
