@@ -133,6 +133,7 @@ def test_linear_timesteps_weigh_by_its_bell_curve(key, half):
     assert abs(sum(ours) / 1000 - sum(expected) / 1000) < 1e-4 and (half or abs(sum(ours) / 1000 - 1) < 1e-4)
     t = translate(job(train={key: True}), "run.yaml")
     assert t.config["timestep_sampling"] == "uniform" and json.loads(t.files["timestep_loss_weights"][1]) == ours
+    assert verdict(t, f"train.{key}")[0] == "dropped" and not t.not_carried  # (its own line said not carried)
 
 
 def test_a_run_records_the_table(tiny_set, tmp_path):

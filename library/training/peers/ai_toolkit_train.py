@@ -270,8 +270,8 @@ TRAIN_RULES: dict[str, Rule] = {f"train.{k}": r for k, r in {
     "max_grad_norm": our_key("max_grad_norm", convert=as_number),
     "dtype": our_key("mixed_precision", convert=one_of(MIXED, "ours computes in bf16, fp16 or fp32")),
     "timestep_type": custom(_timesteps),
-    "linear_timesteps": unsupported("bell-curved loss weights per timestep (with uniform draws): not ours"),
-    "linear_timesteps2": unsupported("half-bell loss weights per timestep (with uniform draws): not ours"),
+    **dict.fromkeys(("linear_timesteps", "linear_timesteps2"), ignored(
+        "carried on timestep_type's line: a uniform draw, each loss weighted by its bell curve (timestep_loss_weights)")),
     "content_or_style": custom(_bias),
     "noise_scheduler": implied(lambda v: v == "flowmatch", "ours trains flow matching"),
     "loss_type": custom(_loss),
