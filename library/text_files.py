@@ -107,11 +107,11 @@ def read_number_list(path: str, what: str = "weight table") -> list[float]:
         try:
             numbers = json.loads(text)
         except json.JSONDecodeError:
-            try:
+            try:  # (the error quotes none of the file: the web UI may check a file it may not show)
                 numbers = [float(v) for v in text.replace(",", " ").split()]
-            except ValueError as e:
+            except ValueError:
                 raise ValueError(f"{path}: {what} is neither a JSON list nor numbers separated by commas or "
-                                 f"whitespace ({e})") from None
+                                 f"whitespace") from None
     if not isinstance(numbers, list) or not all(isinstance(v, (int, float)) and not isinstance(v, bool)
                                                 for v in numbers):
         raise ValueError(f"{path}: {what}: expected a list of numbers")

@@ -133,6 +133,17 @@ def test_zimage_omnis_siglip_folder_outside_the_roots_is_refused(tmp_path):
     assert outside_roots(SimpleNamespace(**{**vars(args), "siglip": None}), [str(tmp_path)]) is None
 
 
+def test_a_loss_weight_table_outside_the_roots_is_refused(tmp_path):
+    """timestep_loss_weights (2026-12-05) is a file the run reads: the UI's roots hold it too."""
+    from types import SimpleNamespace
+
+    from library.ui.config_check import outside_roots
+
+    args = SimpleNamespace(model_type="llm", timestep_loss_weights="/etc/hostname", base_loras=[], train_data=[])
+    answer = outside_roots(args, [str(tmp_path)])
+    assert answer["key"] == "timestep_loss_weights" and "'/etc/hostname' is outside the folders" in answer["error"]
+
+
 def test_a_base_lora_under_a_folder_with_a_colon_is_checked_as_the_trainer_reads_it(tmp_path):
     """Old: the check cut each base_loras entry at its last colon, where the trainer reads the whole
     entry as the path when it exists: 'root/run 12:30/../../outside/x' was checked as 'root/run 12' (inside)."""

@@ -70,7 +70,7 @@ def file_key(args, message: str) -> str | None:
 # -- the helper process ------------------------------------------------------------------------
 
 GENERIC_PATH_KEYS = ("pretrained_model_name_or_path", "ae", "dataset_config", "sample_prompts", "network_weights",
-                     "resume", "logging_dir")
+                     "resume", "logging_dir", "timestep_loss_weights")
 
 
 def inside(path: str, roots: list[str]) -> bool:
