@@ -278,9 +278,14 @@ def verdict_of(t, key):
     ({"resume": "out/state", "network_module": "networks.lora_krea2"}, "resume", NOT_CARRIED, None),
     ({"lr_scheduler": "rex", "network_module": "networks.lora_krea2"}, "lr_scheduler", KEPT, "rex"),
     ({"lr_scheduler": "adafactor", "network_module": "networks.lora_krea2"}, "lr_scheduler", NOT_CARRIED, None),
-    ({"min_timestep": 100, "network_module": "networks.lora_krea2"}, "min_timestep", KEPT, 100),
+    ({"min_timestep": 100, "timestep_sampling": "shift", "network_module": "networks.lora_krea2"}, "min_timestep",
+     KEPT, 100),
+    ({"min_timestep": 100, "network_module": "networks.lora_krea2"}, "min_timestep", RENAMED,  # its sigma draw:
+     ("max_timestep", 900)),  # the range mirrored (test_its_sigma_draws_range_is_mirrored_into_ours)
+    ({"max_timestep": 900, "preserve_distribution_shape": True, "timestep_sampling": "shift",
+      "network_module": "networks.lora_krea2"}, "preserve_distribution_shape", KEPT, True),
     ({"max_timestep": 900, "preserve_distribution_shape": True, "network_module": "networks.lora_krea2"},
-     "preserve_distribution_shape", KEPT, True),
+     "preserve_distribution_shape", DROPPED, None),
     ({"guidance_scale": 3.5, "network_module": "networks.lora_qwen_image"}, "guidance_scale", DROPPED, None),
     ({"num_timestep_buckets": 5, "timestep_sampling": "shift", "network_module": "networks.lora_krea2"},
      "num_timestep_buckets", KEPT, 5),
@@ -582,3 +587,33 @@ def test_a_toml_prompt_file_of_its_objects_becomes_our_prompt_lines(tmp_path):
     read = read_prompt_file(ours, guidance_is_cfg=False)
     assert [(p.prompt, p.width, p.seed, p.flow_shift, p.negative) for p in read] == [
         ("a cat", 512, 1, 3.0, ""), ("a dog", 512, 2, None, "blurry")]
+
+
+@pytest.mark.parametrize("bounds", [{"min_timestep": 100, "max_timestep": 600}, {"min_timestep": 300},
+                                    {"max_timestep": 800}])
+def test_its_sigma_draws_range_is_mirrored_into_ours(bounds):
+    """Its default sigma draw (trainer_base, restated: u of weighting_scheme's density, indices u (max - min) + min,
+    its FlowMatchDiscreteScheduler's timesteps linspace(1, 0, 1001)[:-1] x 1000 at them, sigma = timestep / 1000)
+    trains sigmas from 1 - max / 1000 to 1 - min / 1000: the converter's min_timestep / max_timestep hold that range
+    (they were copied as they are: min_timestep 300 trained sigma <= 0.7 there and >= 0.3 here). KS of 200 000
+    draws < 0.006 (its grid's steps 0.001); preserve_distribution_shape, unread by that draw, is dropped."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from library.models import flow_matching as fm
+
+    lo, hi = bounds.get("min_timestep", 0), bounds.get("max_timestep", 1000)
+    u = torch.rand(200_000, generator=torch.Generator().manual_seed(2), dtype=torch.float64)
+    timesteps = torch.linspace(1, 0, 1001, dtype=torch.float64)[:-1] * 1000
+    theirs = timesteps[(u * (hi - lo) + lo).long()] / 1000
+    t = musubi_tuner.translate({**bounds, "preserve_distribution_shape": True,
+                                "network_module": "networks.lora_qwen_image"}, "c.toml")
+    ours_lo, ours_hi = fm.timestep_range(SimpleNamespace(min_timestep=t.config.get("min_timestep"),
+                                                         max_timestep=t.config.get("max_timestep")))
+    assert t.config["timestep_sampling"] == "uniform" and "preserve_distribution_shape" not in t.config
+    ours = fm.sigmas_in_range(lambda n: fm.sample_sigmas(n, "uniform", generator=torch.Generator().manual_seed(3)),
+                              200_000, ours_lo, ours_hi, False).double()
+    grid = torch.linspace(0, 1, 2001, dtype=torch.float64)
+    cdfs = [torch.searchsorted(d.sort().values, grid, right=True).double() / len(d) for d in (ours, theirs)]
+    assert (cdfs[0] - cdfs[1]).abs().max().item() < 0.006

@@ -269,6 +269,27 @@ def _logit(t: Translation, key: str, value: Any, run: Run) -> None:
         t.drop(key, value, f"unread by musubi-tuner's {draw} draw")
 
 
+def _timestep_bound(t: Translation, key: str, value: Any, run: Run) -> None:
+    """min_timestep / max_timestep: the sigmas trained, in thousandths (ours' reading), but its sigma draw indexes its
+    scheduler's timesteps, from sigma 1 down, at u (max - min) + min: it trains sigmas from 1 - max / 1000 to
+    1 - min / 1000, the range mirrored (ours' then bounds the other way round)."""
+    if run.peer_draw() != "sigma" or value is None:
+        t.set(key, value, key, value)
+        return
+    ours = "max_timestep" if key == "min_timestep" else "min_timestep"
+    t.set(ours, 1000 - int(value), key, value, RENAMED,
+          note=f"its sigma draw trains sigma up to {1 - int(value) / 1000:g}" if key == "min_timestep" else
+          f"its sigma draw trains sigma from {1 - int(value) / 1000:g}")
+    t.lines[-1].note += " (it indexes its scheduler's timesteps from sigma 1 down: the range mirrored)"
+
+
+def _preserve_shape(t: Translation, key: str, value: Any, run: Run) -> None:
+    if run.peer_draw() == "sigma" and is_true(value):
+        t.drop(key, value, "unread by its sigma draw, which scales its density into the range whatever this says")
+    else:
+        t.set(key, value, key, value)
+
+
 def _mode_scale(t: Translation, key: str, value: Any, run: Run) -> None:
     """weighting_scheme mode's scale: read by its sigma draw with that scheme only (carried as ours' mode draw)."""
     if run.peer_draw() == "sigma" and run.flat.get("weighting_scheme") == "mode" and run.draw[0] == "mode":
@@ -657,9 +678,9 @@ RULES: dict[str, Rule] = {
     "weighting_scheme": joint(_weighting_scheme),
     "logit_mean": joint(_logit), "logit_std": joint(_logit),
     "mode_scale": joint(_mode_scale),
-    "min_timestep": same(),
-    "max_timestep": same(),
-    "preserve_distribution_shape": same(),
+    "min_timestep": joint(_timestep_bound),
+    "max_timestep": joint(_timestep_bound),
+    "preserve_distribution_shape": joint(_preserve_shape),
     "num_timestep_buckets": joint(_timestep_buckets),
     "show_timesteps": unsupported("plots the timesteps and exits: nothing is trained (ours: tools/plot_timesteps.py)"),
     # network
