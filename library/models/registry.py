@@ -179,3 +179,9 @@ UNSHIFTED_DRAWS = ("uniform", "sigmoid", "logsnr", "mode")
 # quantile is monotone and inside [0, 1] (its slope (1 + s) - s (pi / 2) sin(pi u) > 0: -1 < s < 1 / (pi / 2 - 1))
 MODE_SCALE = 1.29
 MODE_SCALES = (-1.0, 1.75)
+
+
+def mode_scale_unfit(scale: float) -> str:
+    """Why ours' mode draw does not take a peer's mode_scale ("" where it does): the converters' one line."""
+    least, most = MODE_SCALES
+    return "" if least < scale <= most else f"ours' mode draw takes ({least:g}, {most:g}] (monotone)"

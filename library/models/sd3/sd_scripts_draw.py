@@ -17,7 +17,7 @@ sigma_sqrt 0 x 1/0, a NaN, in about 0.1 % / k of its samples).
 
 from __future__ import annotations
 
-from library.models.registry import MODE_SCALES
+from library.models.registry import mode_scale_unfit
 
 KEPT, RENAMED, DROPPED, NOT_CARRIED = "kept", "renamed", "dropped", "not carried"  # library/training/peers/rules.py
 ARGS = ("weighting_scheme", "logit_mean", "logit_std", "mode_scale", "training_shift", "min_timestep", "max_timestep")
@@ -39,10 +39,9 @@ def _draw(values: dict) -> tuple[dict | None, str]:
         mean, std = float(values["logit_mean"]), float(values["logit_std"])
         keys = {"sigmoid_scale": std, **({"sigmoid_mean": mean} if mean else {})}
         return {"timestep_sampling": "sigmoid" if k == 1 else "shift", **keys, **shifted}, ""
-    scale, (least, most) = float(values["mode_scale"]), MODE_SCALES
-    if not least < scale <= most:
-        return None, (f"its `mode` density at mode_scale {scale:g}: ours' mode draw takes ({least:g}, {most:g}] "
-                      f"(monotone)")
+    scale = float(values["mode_scale"])
+    if why := mode_scale_unfit(scale):
+        return None, f"its `mode` density at mode_scale {scale:g}: {why}"
     if k == 1:
         return {"timestep_sampling": "mode", "mode_scale": scale}, ""
     return {"timestep_sampling": "shift", "shifted_draw": "mode", "mode_scale": scale, **shifted}, ""

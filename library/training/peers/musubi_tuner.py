@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
-from library.models.registry import MODE_SCALE, MODE_SCALES, arch_specs, spec_of
+from library.models.registry import MODE_SCALE, arch_specs, mode_scale_unfit, spec_of
 from library.models.spec import MusubiModels
 from library.training.config_keys import REX_KEYS, SCHEDULE_KEY_READERS
 from library.training.config_schema import SCHEMA
@@ -149,10 +149,9 @@ def timestep_draw(flat: dict, model_type: str, peer: str) -> tuple[str | None, s
     if peer == "sigma":  # FlowMatchDiscreteScheduler's 1000 unshifted sigmas, indexed by weighting_scheme's density
         scheme = flat.get("weighting_scheme", "none")  # (its sigma: 1 - u, the timesteps run from sigma 1 down)
         if scheme == "mode":
-            scale, (least, most) = float(flat.get("mode_scale", MODE_SCALE)), MODE_SCALES
-            if not least < scale <= most:
-                return None, (f"its sigma draw by weighting_scheme mode at mode_scale {scale:g}: ours' takes "
-                              f"({least:g}, {most:g}] (monotone)")
+            scale = float(flat.get("mode_scale", MODE_SCALE))
+            if why := mode_scale_unfit(scale):
+                return None, f"its sigma draw by weighting_scheme mode at mode_scale {scale:g}: {why}"
             return "mode", f"its sigma draw by weighting_scheme mode: the mode law at mode_scale {scale:g}, unshifted"
         if scheme == "logit_normal":
             return "sigmoid", ("its sigma draw by weighting_scheme logit_normal: sigmoid(logit_std * randn - "

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from library.models.registry import MODE_SCALES, SAMPLING_METHODS
+from library.models.registry import SAMPLING_METHODS, mode_scale_unfit
 from library.training.config_keys import REX_KEYS, SCHEDULE_KEY_READERS
 from library.training.config_schema import SCHEMA
 from library.training.peers import sd_scripts_models as models
@@ -119,9 +119,9 @@ def sigma_draw(t: Translation) -> tuple[dict | None, str]:
             return {"timestep_sampling": "sigmoid", **keys}, ""
         return {"timestep_sampling": "shift", **keys, "discrete_flow_shift": shift}, ""
     if scheme == "mode":
-        scale, (least, most) = float(their(t, "mode_scale")), MODE_SCALES
-        if not least < scale <= most:
-            return None, f"'sigma' with mode_scale {scale:g}: ours' mode draw takes ({least:g}, {most:g}] (monotone)"
+        scale = float(their(t, "mode_scale"))
+        if why := mode_scale_unfit(scale):
+            return None, f"'sigma' with mode_scale {scale:g}: {why}"
         if shift == 1:
             return {"timestep_sampling": "mode", "mode_scale": scale}, ""
         return {"timestep_sampling": "shift", "shifted_draw": "mode", "mode_scale": scale,
